@@ -1,0 +1,79 @@
+-- The job ledger (PostgreSQL dialect). Keep in step with ../sqlite/0001_ledger.sql:
+-- same tables, columns, constraints and indexes; only types differ.
+
+CREATE TABLE versions (
+    version      BIGINT PRIMARY KEY CHECK (version >= 0),
+    base         BIGINT REFERENCES versions (version),
+    digest       BYTEA    NOT NULL CHECK (octet_length(digest) = 16),
+    state        TEXT    NOT NULL CHECK (state IN ('staged', 'committed')),
+    created_at   BIGINT NOT NULL,
+    committed_at BIGINT,
+    CHECK ((state = 'committed') = (committed_at IS NOT NULL))
+);
+
+CREATE TABLE actors (
+    id             TEXT    PRIMARY KEY,
+    region         TEXT    NOT NULL,
+    hardware       TEXT    NOT NULL,
+    active_version BIGINT,
+    staged_version BIGINT,
+    tau            DOUBLE PRECISION    NOT NULL CHECK (tau >= 0),
+    last_heartbeat BIGINT NOT NULL,
+    registered_at  BIGINT NOT NULL
+);
+
+CREATE TABLE batches (
+    id           BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    version      BIGINT NOT NULL REFERENCES versions (version),
+    size         BIGINT NOT NULL CHECK (size > 0),
+    sampling     TEXT    NOT NULL,
+    created_at   BIGINT NOT NULL,
+    scheduled_at BIGINT
+);
+
+-- The scheduling decision per batch and eligible actor (Algorithm 1's B_a and COMMIT flag).
+CREATE TABLE assignments (
+    batch_id BIGINT NOT NULL REFERENCES batches (id),
+    actor_id TEXT    NOT NULL REFERENCES actors (id),
+    count    BIGINT NOT NULL CHECK (count >= 0),
+    commit_version BIGINT,
+    PRIMARY KEY (batch_id, actor_id)
+);
+
+-- One row per prompt. The lease (holder, granted, expiry) lives on the row: a job has at most
+-- one lease, and the CHECKs tie the lease columns to the 'leased' state.
+CREATE TABLE jobs (
+    id            BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    batch_id      BIGINT NOT NULL REFERENCES batches (id),
+    version       BIGINT NOT NULL REFERENCES versions (version),
+    prompt        BYTEA    NOT NULL,
+    state         TEXT    NOT NULL CHECK (state IN ('posted', 'pending', 'leased', 'done', 'failed')),
+    attempts      BIGINT NOT NULL DEFAULT 0 CHECK (attempts >= 0),
+    assignee      TEXT    REFERENCES actors (id),
+    lease_holder  TEXT    REFERENCES actors (id),
+    leased_at     BIGINT,
+    lease_expires BIGINT,
+    done_at       BIGINT,
+    CHECK ((state = 'leased') = (lease_holder IS NOT NULL)),
+    CHECK ((lease_holder IS NULL) = (lease_expires IS NULL) AND (lease_holder IS NULL) = (leased_at IS NULL)),
+    CHECK (assignee IS NULL OR state = 'pending'),
+    CHECK ((state = 'done') = (done_at IS NOT NULL))
+);
+CREATE INDEX jobs_by_batch ON jobs (batch_id, id);
+CREATE INDEX jobs_assigned ON jobs (assignee, id) WHERE state = 'pending' AND assignee IS NOT NULL;
+CREATE INDEX jobs_open ON jobs (version, id) WHERE state = 'pending' AND assignee IS NULL;
+CREATE INDEX jobs_leases ON jobs (lease_expires) WHERE state = 'leased';
+
+-- Accepted results only: UNIQUE (job_id) makes acceptance exactly-once.
+CREATE TABLE results (
+    id            BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    job_id        BIGINT NOT NULL UNIQUE REFERENCES jobs (id),
+    actor_id      TEXT    NOT NULL REFERENCES actors (id),
+    version       BIGINT NOT NULL REFERENCES versions (version),
+    digest        BYTEA    NOT NULL CHECK (octet_length(digest) = 16),
+    tokens        BIGINT NOT NULL CHECK (tokens >= 0),
+    elapsed_ms    BIGINT NOT NULL CHECK (elapsed_ms >= 0),
+    completion_ms BIGINT NOT NULL CHECK (completion_ms >= 0),
+    payload       BYTEA    NOT NULL,
+    accepted_at   BIGINT NOT NULL
+);

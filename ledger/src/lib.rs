@@ -1,0 +1,389 @@
+//! The job ledger: the control plane's memory of versions, actors, batches, jobs, leases and
+//! results, over SQL (SQLite by default, PostgreSQL by URL), with the throughput-aware
+//! scheduler of SparrowRL §5.3 and the lease rules of §5.4.
+//!
+//! Architecture invariants:
+//! - the database is the only source of truth: every state change is one transaction, and
+//!   everything in memory (the lease-length window) is rebuilt from it on open;
+//! - a job is in exactly one state (`posted → pending → leased → done`, or back to `pending`
+//!   on lease expiry, or `failed` after `max_attempts` expiries), enforced by CHECK
+//!   constraints and verified by [`Ledger::check_invariants`];
+//! - a result is accepted at most once per job (transactional check + `UNIQUE (job_id)`), and
+//!   only under a valid lease held by the submitter, with the job's version and that
+//!   version's digest;
+//! - the ledger never reads a clock: every operation takes `now` (see [`clock`]);
+//! - every request is bounded ([`LedgerConfig`]).
+//!
+//! Code map: [`schedule`] (pure Algorithm 1), `verdict` (pure acceptance rule), `lease`
+//! (lease sizing), `sqlite` and `postgres` (the two backends), `sql` (what they share),
+//! [`invariants`] (checks over all rows). See `docs/ledger.md`.
+
+pub mod clock;
+mod config;
+mod error;
+mod ids;
+pub mod invariants;
+mod lease;
+mod model;
+mod postgres;
+pub mod schedule;
+mod sql;
+mod sqlite;
+mod verdict;
+
+use std::future::Future;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+pub use config::{ConfigError, LeaseConfig, LedgerConfig};
+pub use error::{
+    ActorError, ClaimError, ExpireError, OpenError, PostError, ReadError, RenewError,
+    ScheduleError, SubmitError, VersionError,
+};
+pub use ids::{
+    ActorId, BatchId, Digest, InvalidActorId, JobId, Timestamp, Version, VersionOutOfRange,
+};
+pub use invariants::{InvariantError, InvariantViolation};
+pub use model::{
+    ActorAssignment, ActorInfo, Assignment, BatchInfo, ClaimedJob, ExpireReport, JobCounts,
+    JobState, JobView, Rejection, RenewReport, ResultSubmission, SubmitOutcome, VersionState,
+};
+
+use error::Retryable;
+use lease::LeaseEstimator;
+
+/// Which database a ledger runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// An SQLite file.
+    Sqlite,
+    /// A PostgreSQL server.
+    Postgres,
+}
+
+#[derive(Debug)]
+enum Store {
+    Sqlite(sqlite::SqliteStore),
+    Postgres(postgres::PgStore),
+}
+
+/// Dispatches one call to the backend.
+macro_rules! on_store {
+    ($self:ident, $s:ident => $call:expr) => {
+        match &$self.store {
+            Store::Sqlite($s) => $call.await,
+            Store::Postgres($s) => retry(|| $call).await,
+        }
+    };
+}
+
+/// Retries a PostgreSQL transaction that failed with a serialization failure or deadlock.
+async fn retry<T, E: Retryable, F: Future<Output = Result<T, E>>>(
+    mut f: impl FnMut() -> F,
+) -> Result<T, E> {
+    let mut attempt = 0u32;
+    loop {
+        match f().await {
+            Err(e) if e.is_retryable() && attempt < 8 => {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_millis(u64::from(attempt) * 2)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
+/// The job ledger. Cheap to share behind an `Arc`; all methods take `&self`.
+#[derive(Debug)]
+pub struct Ledger {
+    store: Store,
+    config: LedgerConfig,
+    leases: Mutex<LeaseEstimator>,
+}
+
+const MAX_LABEL: usize = 256;
+
+impl Ledger {
+    /// Opens (creating if needed) the ledger at `url` — `sqlite:PATH` (or `sqlite://PATH`) or
+    /// `postgres://…` — and applies the schema migrations.
+    pub async fn open(url: &str, config: LedgerConfig) -> Result<Ledger, OpenError> {
+        config.validate()?;
+        let store = if url.starts_with("sqlite:") {
+            Store::Sqlite(sqlite::SqliteStore::open(url).await?)
+        } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
+            Store::Postgres(postgres::PgStore::open(url, config.postgres_pool_size).await?)
+        } else {
+            return Err(OpenError::UnsupportedUrl(url.to_owned()));
+        };
+        let window = config.lease.window;
+        let recent = match &store {
+            Store::Sqlite(s) => s.recent_completions(window).await?,
+            Store::Postgres(s) => s.recent_completions(window).await?,
+        };
+        let mut leases = LeaseEstimator::new(config.lease.clone());
+        for ms in recent.into_iter().rev() {
+            leases.observe(Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
+        }
+        Ok(Ledger {
+            store,
+            config,
+            leases: Mutex::new(leases),
+        })
+    }
+
+    /// Closes the connection pool, waiting for queries in flight.
+    pub async fn close(&self) {
+        match &self.store {
+            Store::Sqlite(s) => s.close().await,
+            Store::Postgres(s) => s.close().await,
+        }
+    }
+
+    /// The backend in use.
+    pub fn backend(&self) -> Backend {
+        match self.store {
+            Store::Sqlite(_) => Backend::Sqlite,
+            Store::Postgres(_) => Backend::Postgres,
+        }
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &LedgerConfig {
+        &self.config
+    }
+
+    /// The lease length granted now: clamp(multiple × median completion time, floor, ceiling).
+    pub fn lease_length(&self) -> Duration {
+        self.leases
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .lease()
+    }
+
+    /// Registers version `version` (as staged) with its base and weight digest. Idempotent
+    /// when repeated with the same base and digest.
+    pub async fn register_version(
+        &self,
+        version: Version,
+        base: Option<Version>,
+        digest: Digest,
+        now: Timestamp,
+    ) -> Result<(), VersionError> {
+        on_store!(self, s => s.register_version(version, base, digest, now))
+    }
+
+    /// Marks a version committed: batches may now be posted for it. Idempotent.
+    pub async fn commit_version(
+        &self,
+        version: Version,
+        now: Timestamp,
+    ) -> Result<(), VersionError> {
+        on_store!(self, s => s.commit_version(version, now))
+    }
+
+    /// Registers an actor (or updates its labels if known; its τ is kept).
+    pub async fn register_actor(
+        &self,
+        id: &ActorId,
+        region: &str,
+        hardware: &str,
+        now: Timestamp,
+    ) -> Result<(), ActorError> {
+        if region.len() > MAX_LABEL {
+            return Err(ActorError::LabelTooLong("region"));
+        }
+        if hardware.len() > MAX_LABEL {
+            return Err(ActorError::LabelTooLong("hardware"));
+        }
+        let tau = self.config.initial_tau;
+        on_store!(self, s => s.register_actor(id, region, hardware, tau, now))
+    }
+
+    /// Records an actor's heartbeat: the version it generates with and the one it has staged.
+    pub async fn heartbeat(
+        &self,
+        actor: &ActorId,
+        active: Option<Version>,
+        staged: Option<Version>,
+        now: Timestamp,
+    ) -> Result<(), ActorError> {
+        on_store!(self, s => s.heartbeat(actor, active, staged, now))
+    }
+
+    /// Posts a batch of prompts for a committed version. Its jobs wait in state `posted`
+    /// until [`Ledger::schedule`] splits them over the eligible actors.
+    pub async fn post_batch(
+        &self,
+        version: Version,
+        prompts: &[Vec<u8>],
+        sampling: &str,
+        now: Timestamp,
+    ) -> Result<BatchId, PostError> {
+        let c = &self.config;
+        if prompts.is_empty() {
+            return Err(PostError::Empty);
+        }
+        if prompts.len() > c.max_batch_size {
+            return Err(PostError::TooLarge(prompts.len(), c.max_batch_size));
+        }
+        if let Some((index, p)) = prompts
+            .iter()
+            .enumerate()
+            .find(|(_, p)| p.len() > c.max_prompt_bytes)
+        {
+            return Err(PostError::PromptTooLarge {
+                index,
+                len: p.len(),
+            });
+        }
+        if sampling.len() > c.max_sampling_bytes {
+            return Err(PostError::SamplingTooLarge);
+        }
+        on_store!(self, s => s.post_batch(version, prompts, sampling, now))
+    }
+
+    /// Schedules a posted batch (Algorithm 1): splits it over the eligible actors in
+    /// proportion to τ, reserves each actor's share, records who must get COMMIT(v), and
+    /// decays τ of the excluded actors. Actors without a heartbeat within `actor_timeout`
+    /// count as ineligible.
+    pub async fn schedule(
+        &self,
+        batch: BatchId,
+        now: Timestamp,
+    ) -> Result<Assignment, ScheduleError> {
+        let (alpha, timeout) = (self.config.alpha, self.config.actor_timeout);
+        on_store!(self, s => s.schedule(batch, now, alpha, timeout))
+    }
+
+    /// Leases up to `max` jobs to `actor`: first from its own share of scheduled batches, then
+    /// from the shared pool (jobs returned by expiry or released from silent actors) of the
+    /// version it is active on.
+    pub async fn claim(
+        &self,
+        actor: &ActorId,
+        max: usize,
+        now: Timestamp,
+    ) -> Result<Vec<ClaimedJob>, ClaimError> {
+        if max > self.config.max_per_call {
+            return Err(ClaimError::TooMany(max, self.config.max_per_call));
+        }
+        if max == 0 {
+            return Ok(Vec::new());
+        }
+        let lease = self.lease_length();
+        on_store!(self, s => s.claim(actor, max, now, lease))
+    }
+
+    /// Extends the leases `actor` still validly holds to `now + lease length`; the others are
+    /// reported lost.
+    pub async fn renew(
+        &self,
+        actor: &ActorId,
+        jobs: &[JobId],
+        now: Timestamp,
+    ) -> Result<RenewReport, RenewError> {
+        if jobs.len() > self.config.max_per_call {
+            return Err(RenewError::TooMany(jobs.len(), self.config.max_per_call));
+        }
+        let lease = self.lease_length();
+        on_store!(self, s => s.renew(actor, jobs, now, lease))
+    }
+
+    /// Returns jobs whose lease expired before `now` to the shared pool (or fails them after
+    /// `max_attempts`), and releases unclaimed shares of actors silent for `actor_timeout`.
+    /// Handles at most `max_expire_per_sweep` leases per call.
+    pub async fn expire(&self, now: Timestamp) -> Result<ExpireReport, ExpireError> {
+        let c = &self.config;
+        let (max_attempts, limit, timeout) =
+            (c.max_attempts, c.max_expire_per_sweep, c.actor_timeout);
+        on_store!(self, s => s.expire(now, max_attempts, limit, timeout))
+    }
+
+    /// Submits results from `actor`, in one transaction. Each gets a verdict: accepted exactly
+    /// once per job, or rejected with a [`Rejection`] the actor can act on. Accepted results
+    /// update the actor's τ (EMA with β) and the lease-length window.
+    pub async fn submit(
+        &self,
+        actor: &ActorId,
+        results: &[ResultSubmission],
+        now: Timestamp,
+    ) -> Result<Vec<SubmitOutcome>, SubmitError> {
+        let c = &self.config;
+        if results.len() > c.max_per_call {
+            return Err(SubmitError::TooMany(results.len(), c.max_per_call));
+        }
+        if let Some(r) = results
+            .iter()
+            .find(|r| r.payload.len() > c.max_result_bytes)
+        {
+            return Err(SubmitError::PayloadTooLarge(r.payload.len()));
+        }
+        if results.is_empty() {
+            return Ok(Vec::new());
+        }
+        let beta = c.beta;
+        let (outcomes, completions) = on_store!(self, s => s.submit(actor, results, now, beta))?;
+        let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
+        for d in completions {
+            leases.observe(d);
+        }
+        Ok(outcomes)
+    }
+
+    /// Checks every invariant over all rows; returns the violated ones.
+    pub async fn check_invariants(&self) -> Result<(), InvariantError> {
+        let m = self.config.max_attempts;
+        match &self.store {
+            Store::Sqlite(s) => s.check_invariants(m).await,
+            Store::Postgres(s) => s.check_invariants(m).await,
+        }
+    }
+
+    /// One actor's row.
+    pub async fn actor(&self, id: &ActorId) -> Result<ActorInfo, ReadError> {
+        match &self.store {
+            Store::Sqlite(s) => s.actor(id).await,
+            Store::Postgres(s) => s.actor(id).await,
+        }
+    }
+
+    /// One batch (with its sampling parameters).
+    pub async fn batch(&self, id: BatchId) -> Result<BatchInfo, ReadError> {
+        match &self.store {
+            Store::Sqlite(s) => s.batch(id).await,
+            Store::Postgres(s) => s.batch(id).await,
+        }
+    }
+
+    /// The recorded assignment of a scheduled batch (to resend COMMIT after a restart, say).
+    pub async fn assignment(&self, batch: BatchId) -> Result<Vec<ActorAssignment>, ReadError> {
+        match &self.store {
+            Store::Sqlite(s) => s.assignment(batch).await,
+            Store::Postgres(s) => s.assignment(batch).await,
+        }
+    }
+
+    /// One job's state, lease holder and accepted submitter.
+    pub async fn job(&self, id: JobId) -> Result<JobView, ReadError> {
+        match &self.store {
+            Store::Sqlite(s) => s.job(id).await,
+            Store::Postgres(s) => s.job(id).await,
+        }
+    }
+
+    /// Whether a version is staged or committed.
+    pub async fn version_state(&self, version: Version) -> Result<VersionState, ReadError> {
+        match &self.store {
+            Store::Sqlite(s) => s.version_state(version).await,
+            Store::Postgres(s) => s.version_state(version).await,
+        }
+    }
+
+    /// Number of jobs per state.
+    pub async fn job_counts(&self) -> Result<JobCounts, ReadError> {
+        match &self.store {
+            Store::Sqlite(s) => s.job_counts().await,
+            Store::Postgres(s) => s.job_counts().await,
+        }
+    }
+}

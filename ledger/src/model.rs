@@ -1,0 +1,254 @@
+//! The values that cross the ledger's API: what an actor claims, what it submits, what it is
+//! told back, and read-only views of versions, actors and jobs. Plain data, no behaviour
+//! beyond small accessors.
+
+use std::time::Duration;
+
+use crate::ids::{ActorId, BatchId, Digest, JobId, Timestamp, Version};
+
+/// Where a version is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VersionState {
+    /// D(v) exists and is being distributed; actors may stage it.
+    Staged,
+    /// The hub has committed v: batches may be posted for it and COMMIT(v) may be sent.
+    Committed,
+}
+
+/// The state of one job. Every job is in exactly one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum JobState {
+    /// Posted with its batch, not yet scheduled.
+    Posted,
+    /// Scheduled: waiting in an actor's assignment or in the shared pool.
+    Pending,
+    /// Leased to an actor until its lease expires.
+    Leased,
+    /// Its one accepted result is stored.
+    Done,
+    /// Its lease expired `max_attempts` times.
+    Failed,
+}
+
+impl JobState {
+    pub(crate) fn parse(s: &str) -> Result<JobState, sqlx::Error> {
+        Ok(match s {
+            "posted" => JobState::Posted,
+            "pending" => JobState::Pending,
+            "leased" => JobState::Leased,
+            "done" => JobState::Done,
+            "failed" => JobState::Failed,
+            other => {
+                return Err(sqlx::Error::Decode(
+                    format!("unknown job state {other:?}").into(),
+                ));
+            }
+        })
+    }
+}
+
+/// What an actor learns about one eligible actor's part of a batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActorAssignment {
+    /// The actor.
+    pub actor: ActorId,
+    /// Prompts reserved for it.
+    pub count: u32,
+    /// Whether it must be sent COMMIT(v) first (it is on v−1 with D(v) staged).
+    pub commit: bool,
+}
+
+/// The outcome of scheduling one batch.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Assignment {
+    /// The batch.
+    pub batch: BatchId,
+    /// Its version.
+    pub version: Version,
+    /// One entry per eligible actor; counts sum to the batch size.
+    pub shares: Vec<ActorAssignment>,
+    /// Actors that were excluded (and whose τ decayed).
+    pub excluded: Vec<ActorId>,
+}
+
+/// A job leased to an actor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimedJob {
+    /// The job.
+    pub id: JobId,
+    /// Its batch (for the sampling parameters, see [`crate::Ledger::batch`]).
+    pub batch: BatchId,
+    /// The version the result must be generated with.
+    pub version: Version,
+    /// The prompt.
+    pub prompt: Vec<u8>,
+    /// How many times it has been leased, this lease included.
+    pub attempt: u32,
+    /// When the lease ends unless renewed.
+    pub lease_expires: Timestamp,
+}
+
+/// One result an actor submits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResultSubmission {
+    /// The job it answers.
+    pub job: JobId,
+    /// The version it was generated with.
+    pub version: Version,
+    /// The state digest of the weights it was generated with.
+    pub digest: Digest,
+    /// Tokens generated.
+    pub tokens: u32,
+    /// Wall-clock generation time attributable to this result (for a generation batch of k
+    /// prompts that took T, T/k each), used for τ.
+    pub elapsed: Duration,
+    /// The rollout.
+    pub payload: Vec<u8>,
+}
+
+/// Why a result was refused, and so what the actor should do.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    /// The job does not exist: drop the result.
+    #[error("unknown job")]
+    UnknownJob,
+    /// A result for this job was already accepted (maybe this one, sent twice): drop it.
+    #[error("a result for this job was already accepted")]
+    AlreadyAccepted,
+    /// The job ran out of attempts and is failed: drop the result.
+    #[error("the job failed after too many expired leases")]
+    JobFailed,
+    /// Generated with another version than the job's: the actor is off version, it should
+    /// drop the result and catch up before claiming again.
+    #[error("result from {result} for a job of {job}")]
+    StaleVersion {
+        /// The job's version.
+        job: Version,
+        /// The version the result claims.
+        result: Version,
+    },
+    /// The weight digest is not the job's version's digest: the actor's weights have drifted;
+    /// it must refuse to generate and resynchronize (anchor + chain).
+    #[error("weight digest does not match the digest of the job's version")]
+    DigestMismatch,
+    /// The lease ran out before the result arrived (whether or not the job was swept yet):
+    /// drop the result, and claim less at a time or renew sooner.
+    #[error("lease expired at {expired_at:?}")]
+    LeaseExpired {
+        /// When the lease ended, if still known.
+        expired_at: Option<Timestamp>,
+    },
+    /// The job is now leased to another actor (ours expired and it was re-leased): drop it.
+    #[error("the job is leased to another actor")]
+    NotLeaseHolder,
+}
+
+/// The verdict on one submitted result.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubmitOutcome {
+    /// The job.
+    pub job: JobId,
+    /// `Ok(())` if accepted (exactly once per job), otherwise the reason.
+    pub verdict: Result<(), Rejection>,
+}
+
+/// The outcome of a renew call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RenewReport {
+    /// Leases that were extended.
+    pub renewed: Vec<JobId>,
+    /// Their new expiry.
+    pub expires: Timestamp,
+    /// Jobs whose lease the actor no longer holds (expired, re-leased, done, unknown): stop
+    /// working on them.
+    pub lost: Vec<JobId>,
+}
+
+/// What an expiry sweep did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ExpireReport {
+    /// Expired leases whose jobs went back to the shared pool.
+    pub returned: u64,
+    /// Expired leases whose jobs ran out of attempts and failed.
+    pub failed: u64,
+    /// Unclaimed jobs taken back from actors that stopped sending heartbeats.
+    pub released: u64,
+}
+
+impl ExpireReport {
+    /// Job state transitions made.
+    pub fn transitions(&self) -> u64 {
+        self.returned + self.failed
+    }
+}
+
+/// A registered actor, as the ledger sees it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ActorInfo {
+    /// The actor.
+    pub id: ActorId,
+    /// Its region.
+    pub region: String,
+    /// Its hardware label (e.g. `H100`).
+    pub hardware: String,
+    /// The version it generates with.
+    pub active: Option<Version>,
+    /// The version it has staged.
+    pub staged: Option<Version>,
+    /// Throughput estimate τ, tokens per second.
+    pub tau: f64,
+    /// Last heartbeat.
+    pub last_heartbeat: Timestamp,
+}
+
+/// A posted batch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchInfo {
+    /// The batch.
+    pub id: BatchId,
+    /// Its version.
+    pub version: Version,
+    /// Number of prompts, B.
+    pub size: u32,
+    /// Sampling parameters, as posted (opaque to the ledger).
+    pub sampling: String,
+    /// Whether it has been scheduled.
+    pub scheduled: bool,
+}
+
+/// Number of jobs in each state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct JobCounts {
+    /// Posted, not scheduled.
+    pub posted: u64,
+    /// Waiting for a claim.
+    pub pending: u64,
+    /// Leased.
+    pub leased: u64,
+    /// Done.
+    pub done: u64,
+    /// Failed.
+    pub failed: u64,
+}
+
+impl JobCounts {
+    /// All jobs.
+    pub fn total(&self) -> u64 {
+        self.posted + self.pending + self.leased + self.done + self.failed
+    }
+}
+
+/// One job row, for inspection and tests.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobView {
+    /// The job.
+    pub id: JobId,
+    /// Its state.
+    pub state: JobState,
+    /// Times leased.
+    pub attempts: u32,
+    /// Current lease holder.
+    pub holder: Option<ActorId>,
+    /// The actor whose accepted result is stored, if done.
+    pub accepted_from: Option<ActorId>,
+}

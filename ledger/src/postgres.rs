@@ -1,0 +1,543 @@
+//! The PostgreSQL backend, chosen by a `postgres://` URL. Many connections work at once, so
+//! the read-check-write sequences take row locks: claims and expiry sweeps pick rows with
+//! `FOR UPDATE SKIP LOCKED` (never waiting on each other), a submit locks its actor's row and
+//! then its job rows in id order (`FOR UPDATE`) before judging them, and scheduling locks the
+//! batch and the actor rows. Deadlocks and serialization failures are retried by the caller
+//! (`crate::retry`). Id lists are bound as arrays (`= ANY($n)`, `UNNEST`).
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{PgPool, Row};
+
+use crate::error::*;
+use crate::ids::{ActorId, BatchId, Digest, JobId, Timestamp, Version};
+use crate::invariants::{InvariantError, InvariantViolation, RULES};
+use crate::model::*;
+use crate::schedule;
+use crate::sql;
+use crate::verdict::judge;
+
+#[derive(Debug, Clone)]
+pub(crate) struct PgStore {
+    pool: PgPool,
+}
+
+impl PgStore {
+    pub(crate) async fn open(url: &str, pool_size: u32) -> Result<PgStore, OpenError> {
+        let options = PgConnectOptions::from_str(url).map_err(OpenError::Connect)?;
+        let pool = PgPoolOptions::new()
+            .max_connections(pool_size)
+            .acquire_timeout(Duration::from_secs(120))
+            .connect_with(options)
+            .await
+            .map_err(OpenError::Connect)?;
+        sqlx::migrate!("./migrations/postgres").run(&pool).await?;
+        Ok(PgStore { pool })
+    }
+
+    pub(crate) async fn close(&self) {
+        self.pool.close().await;
+    }
+
+    pub(crate) async fn recent_completions(&self, n: usize) -> Result<Vec<i64>, sqlx::Error> {
+        let rows = sqlx::query(sql::RECENT_COMPLETIONS)
+            .bind(i64::try_from(n).unwrap_or(i64::MAX))
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(|r| r.try_get::<i64, _>(0)).collect()
+    }
+
+    pub(crate) async fn register_version(
+        &self,
+        version: Version,
+        base: Option<Version>,
+        digest: Digest,
+        now: Timestamp,
+    ) -> Result<(), VersionError> {
+        let mut tx = self.pool.begin().await?;
+        let existing = sqlx::query(sql::VERSION_BY_ID)
+            .bind(version.to_db())
+            .fetch_optional(&mut *tx)
+            .await?;
+        if let Some(row) = existing {
+            let same_base = row.try_get::<Option<i64>, _>("base")? == base.map(Version::to_db);
+            let same_digest = row.try_get::<Vec<u8>, _>("digest")? == digest.0;
+            return if same_base && same_digest {
+                Ok(())
+            } else {
+                Err(VersionError::Conflict(version))
+            };
+        }
+        if let Some(b) = base {
+            let found = sqlx::query(sql::VERSION_BY_ID)
+                .bind(b.to_db())
+                .fetch_optional(&mut *tx)
+                .await?;
+            if found.is_none() {
+                return Err(VersionError::UnknownBase(b));
+            }
+        }
+        sqlx::query(sql::INSERT_VERSION)
+            .bind(version.to_db())
+            .bind(base.map(Version::to_db))
+            .bind(&digest.0[..])
+            .bind(now.millis())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub(crate) async fn commit_version(
+        &self,
+        version: Version,
+        now: Timestamp,
+    ) -> Result<(), VersionError> {
+        let mut tx = self.pool.begin().await?;
+        let done = sqlx::query(sql::COMMIT_VERSION)
+            .bind(version.to_db())
+            .bind(now.millis())
+            .execute(&mut *tx)
+            .await?;
+        if done.rows_affected() == 0 {
+            let found = sqlx::query(sql::VERSION_BY_ID)
+                .bind(version.to_db())
+                .fetch_optional(&mut *tx)
+                .await?;
+            if found.is_none() {
+                return Err(VersionError::UnknownVersion(version));
+            }
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub(crate) async fn register_actor(
+        &self,
+        id: &ActorId,
+        region: &str,
+        hardware: &str,
+        tau: f64,
+        now: Timestamp,
+    ) -> Result<(), ActorError> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(sql::UPSERT_ACTOR)
+            .bind(id.as_str())
+            .bind(region)
+            .bind(hardware)
+            .bind(tau)
+            .bind(now.millis())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub(crate) async fn heartbeat(
+        &self,
+        id: &ActorId,
+        active: Option<Version>,
+        staged: Option<Version>,
+        now: Timestamp,
+    ) -> Result<(), ActorError> {
+        let mut tx = self.pool.begin().await?;
+        let done = sqlx::query(sql::HEARTBEAT)
+            .bind(id.as_str())
+            .bind(active.map(Version::to_db))
+            .bind(staged.map(Version::to_db))
+            .bind(now.millis())
+            .execute(&mut *tx)
+            .await?;
+        if done.rows_affected() == 0 {
+            return Err(ActorError::UnknownActor(id.clone()));
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    pub(crate) async fn post_batch(
+        &self,
+        version: Version,
+        prompts: &[Vec<u8>],
+        sampling: &str,
+        now: Timestamp,
+    ) -> Result<BatchId, PostError> {
+        let mut tx = self.pool.begin().await?;
+        let state: Option<String> = sqlx::query_scalar(sql::VERSION_STATE)
+            .bind(version.to_db())
+            .fetch_optional(&mut *tx)
+            .await?;
+        match state.as_deref() {
+            None => return Err(PostError::UnknownVersion(version)),
+            Some("committed") => {}
+            Some(_) => return Err(PostError::NotCommitted(version)),
+        }
+        let size = i64::try_from(prompts.len()).unwrap_or(i64::MAX);
+        let batch: i64 = sqlx::query_scalar(sql::INSERT_BATCH)
+            .bind(version.to_db())
+            .bind(size)
+            .bind(sampling)
+            .bind(now.millis())
+            .fetch_one(&mut *tx)
+            .await?;
+        for chunk in prompts.chunks(8192) {
+            sqlx::query(PG_INSERT_JOBS)
+                .bind(batch)
+                .bind(version.to_db())
+                .bind(chunk)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(BatchId(batch))
+    }
+
+    pub(crate) async fn schedule(
+        &self,
+        batch: BatchId,
+        now: Timestamp,
+        alpha: f64,
+        actor_timeout: Duration,
+    ) -> Result<Assignment, ScheduleError> {
+        let mut tx = self.pool.begin().await?;
+        let row = sqlx::query(PG_BATCH_FOR_UPDATE)
+            .bind(batch.0)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(row) = row else {
+            return Err(ScheduleError::UnknownBatch(batch));
+        };
+        if row.try_get::<Option<i64>, _>("scheduled_at")?.is_some() {
+            return Err(ScheduleError::AlreadyScheduled(batch));
+        }
+        let version = Version::from_db(row.try_get("version")?)?;
+        let size = u32::try_from(row.try_get::<i64, _>("size")?)
+            .map_err(|_| sqlx::Error::Decode("batch size out of range".into()))?;
+        let rows = sqlx::query(PG_ACTORS_FOR_UPDATE)
+            .fetch_all(&mut *tx)
+            .await?;
+        let actors = sql::actor_states(&rows, now, actor_timeout)?;
+        let plan = schedule::plan(version, size, &actors, alpha)?;
+        for (id, tau) in &plan.decayed {
+            sqlx::query(sql::SET_TAU)
+                .bind(id.as_str())
+                .bind(*tau)
+                .execute(&mut *tx)
+                .await?;
+        }
+        for share in &plan.shares {
+            if share.count > 0 {
+                sqlx::query(sql::ASSIGN_JOBS)
+                    .bind(share.actor.as_str())
+                    .bind(batch.0)
+                    .bind(i64::from(share.count))
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            sqlx::query(sql::INSERT_ASSIGNMENT)
+                .bind(batch.0)
+                .bind(share.actor.as_str())
+                .bind(i64::from(share.count))
+                .bind(share.commit.then_some(version.to_db()))
+                .execute(&mut *tx)
+                .await?;
+        }
+        sqlx::query(sql::MARK_SCHEDULED)
+            .bind(batch.0)
+            .bind(now.millis())
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(sql::assignment(batch, version, plan))
+    }
+
+    pub(crate) async fn claim(
+        &self,
+        actor: &ActorId,
+        max: usize,
+        now: Timestamp,
+        lease: Duration,
+    ) -> Result<Vec<ClaimedJob>, ClaimError> {
+        let mut tx = self.pool.begin().await?;
+        let active: Option<Option<i64>> = sqlx::query_scalar(sql::ACTOR_ACTIVE)
+            .bind(actor.as_str())
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(active) = active else {
+            return Err(ClaimError::UnknownActor(actor.clone()));
+        };
+        let expires = now.plus(lease);
+        let limit = i64::try_from(max).unwrap_or(i64::MAX);
+        let mut rows = sqlx::query(PG_CLAIM_ASSIGNED)
+            .bind(actor.as_str())
+            .bind(now.millis())
+            .bind(expires.millis())
+            .bind(limit)
+            .fetch_all(&mut *tx)
+            .await?;
+        if let (Some(active), true) = (active, rows.len() < max) {
+            let more = sqlx::query(PG_CLAIM_OPEN)
+                .bind(actor.as_str())
+                .bind(now.millis())
+                .bind(expires.millis())
+                .bind(limit - rows.len() as i64)
+                .bind(active)
+                .fetch_all(&mut *tx)
+                .await?;
+            rows.extend(more);
+        }
+        let jobs = sql::claimed_jobs(&rows, expires)?;
+        tx.commit().await?;
+        Ok(jobs)
+    }
+
+    pub(crate) async fn renew(
+        &self,
+        actor: &ActorId,
+        jobs: &[JobId],
+        now: Timestamp,
+        lease: Duration,
+    ) -> Result<RenewReport, RenewError> {
+        let expires = now.plus(lease);
+        let mut tx = self.pool.begin().await?;
+        let renewed: Vec<i64> = sqlx::query_scalar(PG_RENEW)
+            .bind(actor.as_str())
+            .bind(now.millis())
+            .bind(expires.millis())
+            .bind(jobs.iter().map(|j| j.0).collect::<Vec<i64>>())
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(sql::renew_report(jobs, renewed, expires))
+    }
+
+    pub(crate) async fn expire(
+        &self,
+        now: Timestamp,
+        max_attempts: u32,
+        limit: usize,
+        actor_timeout: Duration,
+    ) -> Result<ExpireReport, ExpireError> {
+        let mut tx = self.pool.begin().await?;
+        let states: Vec<String> = sqlx::query_scalar(PG_EXPIRE)
+            .bind(now.millis())
+            .bind(i64::from(max_attempts))
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .fetch_all(&mut *tx)
+            .await?;
+        let released = sqlx::query(sql::RELEASE_SILENT)
+            .bind(now.minus(actor_timeout).millis())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        tx.commit().await?;
+        Ok(sql::expire_report(&states, released))
+    }
+
+    /// Returns the verdicts and, for accepted results, the observed completion times.
+    pub(crate) async fn submit(
+        &self,
+        actor: &ActorId,
+        results: &[ResultSubmission],
+        now: Timestamp,
+        beta: f64,
+    ) -> Result<(Vec<SubmitOutcome>, Vec<Duration>), SubmitError> {
+        let mut tx = self.pool.begin().await?;
+        let tau: Option<f64> = sqlx::query_scalar(PG_ACTOR_TAU_FOR_UPDATE)
+            .bind(actor.as_str())
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(tau) = tau else {
+            return Err(SubmitError::UnknownActor(actor.clone()));
+        };
+        let rows = sqlx::query(PG_SUBMIT_ROWS)
+            .bind(results.iter().map(|r| r.job.0).collect::<Vec<i64>>())
+            .fetch_all(&mut *tx)
+            .await?;
+        let rows = sql::job_rows(&rows)?;
+        let decided = sql::decide(&rows, results, actor, now, tau, beta, judge);
+        if !decided.accepted.is_empty() {
+            let acc = &decided.accepted;
+            let leased = |row: &crate::verdict::JobRow| {
+                now.millis()
+                    .saturating_sub(row.leased_at.unwrap_or(now.millis()))
+                    .max(0)
+            };
+            sqlx::query(PG_INSERT_RESULTS)
+                .bind(acc.iter().map(|(s, _)| s.job.0).collect::<Vec<i64>>())
+                .bind(actor.as_str())
+                .bind(now.millis())
+                .bind(
+                    acc.iter()
+                        .map(|(s, _)| s.version.to_db())
+                        .collect::<Vec<i64>>(),
+                )
+                .bind(
+                    acc.iter()
+                        .map(|(s, _)| s.digest.0.to_vec())
+                        .collect::<Vec<Vec<u8>>>(),
+                )
+                .bind(
+                    acc.iter()
+                        .map(|(s, _)| i64::from(s.tokens))
+                        .collect::<Vec<i64>>(),
+                )
+                .bind(
+                    acc.iter()
+                        .map(|(s, _)| crate::ids::duration_millis(s.elapsed))
+                        .collect::<Vec<i64>>(),
+                )
+                .bind(acc.iter().map(|(_, r)| leased(r)).collect::<Vec<i64>>())
+                .bind(
+                    acc.iter()
+                        .map(|(s, _)| s.payload.as_slice())
+                        .collect::<Vec<&[u8]>>(),
+                )
+                .execute(&mut *tx)
+                .await?;
+        }
+        if !decided.accepted.is_empty() {
+            let done = sqlx::query(PG_MARK_DONE)
+                .bind(actor.as_str())
+                .bind(now.millis())
+                .bind(
+                    decided
+                        .accepted
+                        .iter()
+                        .map(|(s, _)| s.job.0)
+                        .collect::<Vec<i64>>(),
+                )
+                .execute(&mut *tx)
+                .await?;
+            if done.rows_affected() != decided.accepted.len() as u64 {
+                return Err(SubmitError::Conflict);
+            }
+            sqlx::query(sql::SET_TAU)
+                .bind(actor.as_str())
+                .bind(decided.tau)
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok((decided.outcomes, decided.completions))
+    }
+
+    pub(crate) async fn check_invariants(&self, max_attempts: u32) -> Result<(), InvariantError> {
+        let mut tx = self
+            .pool
+            .begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY")
+            .await?;
+        let mut bad = Vec::new();
+        for (rule, query) in RULES {
+            let rows: i64 = sqlx::query_scalar(*query)
+                .bind(i64::from(max_attempts))
+                .fetch_one(&mut *tx)
+                .await?;
+            if rows != 0 {
+                bad.push(InvariantViolation { rule, rows });
+            }
+        }
+        tx.commit().await?;
+        if bad.is_empty() {
+            Ok(())
+        } else {
+            Err(InvariantError::Violated(bad))
+        }
+    }
+
+    pub(crate) async fn actor(&self, id: &ActorId) -> Result<ActorInfo, ReadError> {
+        let row = sqlx::query(sql::ACTOR_BY_ID)
+            .bind(id.as_str())
+            .fetch_optional(&self.pool)
+            .await?;
+        sql::actor_info(row.as_ref().ok_or(ReadError::NotFound)?)
+    }
+
+    pub(crate) async fn batch(&self, id: BatchId) -> Result<BatchInfo, ReadError> {
+        let row = sqlx::query(sql::BATCH_BY_ID)
+            .bind(id.0)
+            .fetch_optional(&self.pool)
+            .await?;
+        sql::batch_info(id, row.as_ref().ok_or(ReadError::NotFound)?)
+    }
+
+    pub(crate) async fn job(&self, id: JobId) -> Result<JobView, ReadError> {
+        let row = sqlx::query(sql::JOB_VIEW)
+            .bind(id.0)
+            .fetch_optional(&self.pool)
+            .await?;
+        sql::job_view(row.as_ref().ok_or(ReadError::NotFound)?)
+    }
+
+    pub(crate) async fn version_state(&self, v: Version) -> Result<VersionState, ReadError> {
+        let s: Option<String> = sqlx::query_scalar(sql::VERSION_STATE)
+            .bind(v.to_db())
+            .fetch_optional(&self.pool)
+            .await?;
+        sql::version_state(s.as_deref().ok_or(ReadError::NotFound)?)
+    }
+
+    pub(crate) async fn job_counts(&self) -> Result<JobCounts, ReadError> {
+        let rows = sqlx::query(sql::JOB_COUNTS).fetch_all(&self.pool).await?;
+        sql::job_counts(&rows)
+    }
+
+    pub(crate) async fn assignment(
+        &self,
+        batch: BatchId,
+    ) -> Result<Vec<ActorAssignment>, ReadError> {
+        let rows = sqlx::query(sql::ASSIGNMENTS_OF_BATCH)
+            .bind(batch.0)
+            .fetch_all(&self.pool)
+            .await?;
+        sql::assignments(&rows)
+    }
+}
+
+const PG_INSERT_JOBS: &str = "INSERT INTO jobs (batch_id, version, prompt, state) \
+     SELECT $1, $2, p, 'posted' FROM UNNEST($3::bytea[]) WITH ORDINALITY AS u(p, n) ORDER BY n";
+
+const PG_BATCH_FOR_UPDATE: &str =
+    "SELECT id, version, size, sampling, scheduled_at FROM batches WHERE id = $1 FOR UPDATE";
+
+const PG_ACTORS_FOR_UPDATE: &str = "SELECT id, active_version, staged_version, tau, last_heartbeat FROM actors ORDER BY id FOR UPDATE";
+
+const PG_ACTOR_TAU_FOR_UPDATE: &str = "SELECT tau FROM actors WHERE id = $1 FOR UPDATE";
+
+const PG_CLAIM_ASSIGNED: &str = "UPDATE jobs SET state = 'leased', assignee = NULL, lease_holder = $1, \
+     leased_at = $2, lease_expires = $3, attempts = attempts + 1 \
+     WHERE id IN (SELECT id FROM jobs WHERE state = 'pending' AND assignee = $1 ORDER BY id LIMIT $4 \
+     FOR UPDATE SKIP LOCKED) \
+     RETURNING id, batch_id, version, prompt, attempts";
+
+const PG_CLAIM_OPEN: &str = "UPDATE jobs SET state = 'leased', lease_holder = $1, \
+     leased_at = $2, lease_expires = $3, attempts = attempts + 1 \
+     WHERE id IN (SELECT id FROM jobs WHERE state = 'pending' AND assignee IS NULL AND version = $5 \
+     ORDER BY id LIMIT $4 FOR UPDATE SKIP LOCKED) \
+     RETURNING id, batch_id, version, prompt, attempts";
+
+const PG_RENEW: &str = "UPDATE jobs SET lease_expires = GREATEST(lease_expires, $3) \
+     WHERE id = ANY($4) AND state = 'leased' AND lease_holder = $1 AND lease_expires >= $2 \
+     RETURNING id";
+
+const PG_EXPIRE: &str = "UPDATE jobs SET state = CASE WHEN attempts >= $2 THEN 'failed' ELSE 'pending' END, \
+     lease_holder = NULL, leased_at = NULL, lease_expires = NULL \
+     WHERE id IN (SELECT id FROM jobs WHERE state = 'leased' AND lease_expires < $1 \
+     ORDER BY lease_expires LIMIT $3 FOR UPDATE SKIP LOCKED) \
+     RETURNING state";
+
+const PG_SUBMIT_ROWS: &str = "SELECT j.id, j.state, j.attempts, j.version, j.lease_holder, j.leased_at, \
+     j.lease_expires, v.digest FROM jobs j JOIN versions v ON v.version = j.version \
+     WHERE j.id = ANY($1) ORDER BY j.id FOR UPDATE OF j";
+
+const PG_INSERT_RESULTS: &str = "INSERT INTO results \
+     (job_id, actor_id, version, digest, tokens, elapsed_ms, completion_ms, payload, accepted_at) \
+     SELECT u.job, $2, u.version, u.digest, u.tokens, u.elapsed, u.completion, u.payload, $3 \
+     FROM UNNEST($1::bigint[], $4::bigint[], $5::bytea[], $6::bigint[], $7::bigint[], $8::bigint[], $9::bytea[]) \
+     AS u(job, version, digest, tokens, elapsed, completion, payload)";
+
+const PG_MARK_DONE: &str = "UPDATE jobs SET state = 'done', lease_holder = NULL, leased_at = NULL, \
+     lease_expires = NULL, done_at = $2 \
+     WHERE id = ANY($3) AND state = 'leased' AND lease_holder = $1";
