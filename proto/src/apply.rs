@@ -1,0 +1,527 @@
+//! Staging and committing a delta: the receiver's side, as a transaction.
+//!
+//! **Staging** happens while the old version is still active: each verified segment is
+//! decoded against the active (base) weights, into absolute new bits plus the old bits of
+//! the same positions (the undo log), and its digest change is computed from them. Nothing
+//! is written. **Sealing** checks the whole: manifest signature, every segment present with
+//! the hash the manifest names, per-tensor change counts, base version and base digest, and
+//! `pre + Σ changes = post`. **Committing** a sealed delta only overwrites bits (a scatter)
+//! and can no longer fail; it returns the undo log so a caller whose engine-side update
+//! fails can restore the exact previous bits. Applying twice is harmless (overwrite
+//! semantics), and a commit against any other base is refused with both versions named.
+
+use std::collections::{BTreeMap, HashMap};
+
+use thiserror::Error;
+
+use crate::container::{Frame, FrameKind};
+use crate::digest::{DigestKey, StateDigest};
+use crate::error::DecodeError;
+use crate::manifest::{Manifest, SignatureError, SignedManifest, TrustPolicy, hex};
+use crate::segment::{Changes, Segment};
+
+/// Read and write access to BF16 tensors by name.
+pub trait Weights {
+    fn tensor(&self, name: &str) -> Option<&[u16]>;
+    fn tensor_mut(&mut self, name: &str) -> Option<&mut [u16]>;
+}
+
+impl Weights for BTreeMap<String, Vec<u16>> {
+    fn tensor(&self, name: &str) -> Option<&[u16]> {
+        self.get(name).map(Vec::as_slice)
+    }
+    fn tensor_mut(&mut self, name: &str) -> Option<&mut [u16]> {
+        self.get_mut(name).map(Vec::as_mut_slice)
+    }
+}
+
+impl Weights for HashMap<String, Vec<u16>> {
+    fn tensor(&self, name: &str) -> Option<&[u16]> {
+        self.get(name).map(Vec::as_slice)
+    }
+    fn tensor_mut(&mut self, name: &str) -> Option<&mut [u16]> {
+        self.get_mut(name).map(Vec::as_mut_slice)
+    }
+}
+
+/// The digest of a whole weight set (a full pass; done once per anchor, not per delta).
+pub fn full_digest<W: Weights>(model_id: &str, weights: &W, names: &[String]) -> StateDigest {
+    use rayon::prelude::*;
+    let key = DigestKey::for_model(model_id);
+    let mut total = StateDigest::default();
+    for name in names {
+        if let Some(t) = weights.tensor(name) {
+            let tk = key.tensor(name);
+            let d = t
+                .par_chunks(1 << 20)
+                .enumerate()
+                .map(|(i, c)| tk.range((i << 20) as u64, c))
+                .reduce(StateDigest::default, |mut a, b| {
+                    a.merge(b);
+                    a
+                });
+            total.merge(d);
+        }
+    }
+    total
+}
+
+/// Why a delta could not be staged or sealed.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum StageError {
+    #[error(transparent)]
+    Decode(#[from] DecodeError),
+    #[error("segment belongs to another delta")]
+    WrongDelta,
+    #[error("segment {seq} arrived twice with different contents")]
+    ConflictingSegment { seq: u32 },
+    #[error("the delta names tensor {0}, which the base does not have")]
+    UnknownTensor(String),
+    #[error("part {start}..+{len} of tensor {tensor} runs past its {numel} elements")]
+    RangeOutOfBounds {
+        tensor: String,
+        start: u64,
+        len: u64,
+        numel: u64,
+    },
+    #[error(
+        "wrong base: the delta turns version {expected_version} (digest {expected_digest}) into a newer one, but the weights are at version {actual_version} (digest {actual_digest})"
+    )]
+    WrongBase {
+        expected_version: u64,
+        actual_version: u64,
+        expected_digest: StateDigest,
+        actual_digest: StateDigest,
+    },
+    #[error("the delta is for model {expected}, the weights are of model {actual}")]
+    WrongModel { expected: String, actual: String },
+    #[error("no manifest received")]
+    NoManifest,
+    #[error("segments missing: {0:?}")]
+    MissingSegments(Vec<u32>),
+    #[error("segment {seq} does not match the manifest ({detail})")]
+    ManifestMismatch { seq: u32, detail: String },
+    #[error("refused manifest: {0}")]
+    Signature(#[from] SignatureError),
+    #[error(
+        "state digest after the delta would be {computed}, the manifest says {expected}: the base has drifted or the delta is corrupt"
+    )]
+    DigestMismatch {
+        expected: StateDigest,
+        computed: StateDigest,
+    },
+}
+
+/// The staged changes of one part: absolute positions in the tensor, new and old bits.
+#[derive(Debug, Clone)]
+struct StagedPart {
+    tensor: String,
+    positions: Vec<u64>,
+    new: Vec<u16>,
+    old: Vec<u16>,
+}
+
+#[derive(Debug)]
+struct StagedSegment {
+    hash: [u8; 32],
+    frame_len: u64,
+    changes: u64,
+    per_tensor: Vec<(String, u64)>,
+    parts: Vec<StagedPart>,
+    digest_delta: StateDigest,
+}
+
+/// The receiver's staging area for the next version on top of a known base.
+#[derive(Debug)]
+pub struct Stager {
+    model_id: String,
+    base_version: u64,
+    base_digest: StateDigest,
+    key: DigestKey,
+    delta_id: Option<[u8; 32]>,
+    manifest: Option<SignedManifest>,
+    segments: BTreeMap<u32, StagedSegment>,
+}
+
+impl Stager {
+    /// Stages on top of weights of `model_id` at `base_version` with `base_digest`.
+    pub fn new(model_id: &str, base_version: u64, base_digest: StateDigest) -> Self {
+        Self {
+            model_id: model_id.to_owned(),
+            base_version,
+            base_digest,
+            key: DigestKey::for_model(model_id),
+            delta_id: None,
+            manifest: None,
+            segments: BTreeMap::new(),
+        }
+    }
+
+    fn check_delta_id(&mut self, id: [u8; 32]) -> Result<(), StageError> {
+        match self.delta_id {
+            None => self.delta_id = Some(id),
+            Some(d) if d != id => return Err(StageError::WrongDelta),
+            Some(_) => {}
+        }
+        Ok(())
+    }
+
+    /// Stages one verified frame (segment or manifest; trailers are ignored). `base` must be
+    /// the weights this stager was created for. A repeated identical segment is a no-op.
+    pub fn stage_frame<W: Weights>(
+        &mut self,
+        frame: Frame<'_>,
+        base: &W,
+    ) -> Result<(), StageError> {
+        match frame.kind {
+            FrameKind::Segment => {
+                let seg = Segment::decode_body(frame.body)?;
+                self.stage_segment(&seg, frame.hash, frame.total_len() as u64, base)
+            }
+            FrameKind::Manifest => self.stage_manifest(SignedManifest::decode_body(frame.body)?),
+            FrameKind::Trailer => Ok(()),
+        }
+    }
+
+    /// Takes the manifest: checks that it is for this model and this base.
+    pub fn stage_manifest(&mut self, m: SignedManifest) -> Result<(), StageError> {
+        let man = &m.manifest;
+        if man.model_id != self.model_id {
+            return Err(StageError::WrongModel {
+                expected: man.model_id.clone(),
+                actual: self.model_id.clone(),
+            });
+        }
+        if man.base_version != self.base_version || man.pre_digest != self.base_digest {
+            return Err(StageError::WrongBase {
+                expected_version: man.base_version,
+                actual_version: self.base_version,
+                expected_digest: man.pre_digest,
+                actual_digest: self.base_digest,
+            });
+        }
+        self.check_delta_id(man.delta_id())?;
+        self.manifest = Some(m);
+        Ok(())
+    }
+
+    /// Decodes and stages one segment against `base`.
+    pub fn stage_segment<W: Weights>(
+        &mut self,
+        seg: &Segment,
+        hash: [u8; 32],
+        frame_len: u64,
+        base: &W,
+    ) -> Result<(), StageError> {
+        self.check_delta_id(seg.delta_id)?;
+        if let Some(s) = self.segments.get(&seg.seq) {
+            return if s.hash == hash {
+                Ok(())
+            } else {
+                Err(StageError::ConflictingSegment { seq: seg.seq })
+            };
+        }
+        let mut parts = Vec::with_capacity(seg.parts.len());
+        let mut digest_delta = StateDigest::default();
+        let mut per_tensor: Vec<(String, u64)> = Vec::new();
+        for p in &seg.parts {
+            let tensor = base
+                .tensor(&p.tensor)
+                .ok_or_else(|| StageError::UnknownTensor(p.tensor.clone()))?;
+            let numel = tensor.len() as u64;
+            let end = p.start.checked_add(p.len).filter(|&e| e <= numel);
+            let Some(end) = end else {
+                return Err(StageError::RangeOutOfBounds {
+                    tensor: p.tensor.clone(),
+                    start: p.start,
+                    len: p.len,
+                    numel,
+                });
+            };
+            let range = &tensor[p.start as usize..end as usize];
+            let decoded = p.decode(Some(range))?;
+            let (positions, new): (Vec<u64>, Vec<u16>) = match decoded.changes {
+                Changes::Sparse { positions, values } => (positions, values),
+                Changes::Dense { values } => range
+                    .iter()
+                    .zip(values)
+                    .enumerate()
+                    .filter(|(_, (o, n))| *o != n)
+                    .map(|(i, (_, n))| (i as u64, n))
+                    .unzip(),
+            };
+            if positions.len() as u64 != p.changes {
+                return Err(DecodeError::malformed(
+                    "part",
+                    format!(
+                        "{} changes decoded, {} declared",
+                        positions.len(),
+                        p.changes
+                    ),
+                )
+                .into());
+            }
+            let old: Vec<u16> = positions.iter().map(|&i| range[i as usize]).collect();
+            digest_delta.merge(
+                self.key
+                    .tensor(&p.tensor)
+                    .delta(p.start, &positions, &old, &new),
+            );
+            match per_tensor.last_mut() {
+                Some((t, n)) if *t == p.tensor => *n += p.changes,
+                _ => per_tensor.push((p.tensor.clone(), p.changes)),
+            }
+            parts.push(StagedPart {
+                tensor: p.tensor.clone(),
+                positions: positions.iter().map(|&i| i + p.start).collect(),
+                new,
+                old,
+            });
+        }
+        self.segments.insert(
+            seg.seq,
+            StagedSegment {
+                hash,
+                frame_len,
+                changes: seg.changes(),
+                per_tensor,
+                parts,
+                digest_delta,
+            },
+        );
+        Ok(())
+    }
+
+    /// Segments the manifest names that are not staged yet.
+    pub fn missing(&self) -> Vec<u32> {
+        self.manifest
+            .as_ref()
+            .map(|m| {
+                m.manifest
+                    .segments
+                    .iter()
+                    .map(|s| s.seq)
+                    .filter(|s| !self.segments.contains_key(s))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    pub fn manifest(&self) -> Option<&SignedManifest> {
+        self.manifest.as_ref()
+    }
+
+    /// Checks the staged delta as a whole and seals it for commit.
+    pub fn seal(self, trust: &TrustPolicy) -> Result<SealedDelta, StageError> {
+        let m = self.manifest.ok_or(StageError::NoManifest)?;
+        m.verify(trust)?;
+        let man = &m.manifest;
+        let missing: Vec<u32> = man
+            .segments
+            .iter()
+            .map(|s| s.seq)
+            .filter(|s| !self.segments.contains_key(s))
+            .collect();
+        if !missing.is_empty() {
+            return Err(StageError::MissingSegments(missing));
+        }
+        if self.segments.len() != man.segments.len() {
+            let extra = self
+                .segments
+                .keys()
+                .copied()
+                .find(|&s| s as usize >= man.segments.len())
+                .unwrap_or(0);
+            return Err(StageError::ManifestMismatch {
+                seq: extra,
+                detail: "the manifest does not name it".into(),
+            });
+        }
+        let mut per_tensor: HashMap<&str, u64> = HashMap::new();
+        let mut digest = self.base_digest;
+        for (entry, (seq, s)) in man.segments.iter().zip(&self.segments) {
+            if entry.hash != s.hash || entry.frame_len != s.frame_len || entry.changes != s.changes
+            {
+                return Err(StageError::ManifestMismatch {
+                    seq: *seq,
+                    detail: "hash, length or change count differs".into(),
+                });
+            }
+            for (t, n) in &s.per_tensor {
+                *per_tensor.entry(t.as_str()).or_default() += n;
+            }
+            digest.merge(s.digest_delta);
+        }
+        for t in &man.tensors {
+            let got = per_tensor.remove(t.name.as_str()).unwrap_or(0);
+            if got != t.changes {
+                return Err(StageError::Decode(DecodeError::malformed(
+                    "delta",
+                    format!(
+                        "tensor {} has {got} staged changes, the manifest says {}",
+                        t.name, t.changes
+                    ),
+                )));
+            }
+        }
+        if let Some((t, _)) = per_tensor.into_iter().next() {
+            return Err(StageError::Decode(DecodeError::malformed(
+                "delta",
+                format!("segments change tensor {t}, which the manifest does not list"),
+            )));
+        }
+        if digest != man.post_digest {
+            return Err(StageError::DigestMismatch {
+                expected: man.post_digest,
+                computed: digest,
+            });
+        }
+        let manifest = m.manifest;
+        let parts = self.segments.into_values().flat_map(|s| s.parts).collect();
+        Ok(SealedDelta { manifest, parts })
+    }
+}
+
+/// A fully verified delta, ready to commit on the base it was staged against.
+#[derive(Debug)]
+pub struct SealedDelta {
+    manifest: Manifest,
+    parts: Vec<StagedPart>,
+}
+
+impl SealedDelta {
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+}
+
+/// Weights together with the version and digest they are at: the only way to commit.
+#[derive(Debug)]
+pub struct VersionedWeights<W> {
+    pub model_id: String,
+    weights: W,
+    version: u64,
+    digest: StateDigest,
+}
+
+/// What a commit replaced, to restore it if the engine-side update fails.
+#[derive(Debug)]
+pub struct UndoLog {
+    version: u64,
+    digest: StateDigest,
+    parts: Vec<StagedPart>,
+}
+
+impl UndoLog {
+    pub fn changes(&self) -> usize {
+        self.parts.iter().map(|p| p.positions.len()).sum()
+    }
+}
+
+impl<W: Weights> VersionedWeights<W> {
+    /// Wraps weights whose version and digest the caller vouches for (e.g. a verified
+    /// anchor, whose digest was computed with [`full_digest`]).
+    pub fn new(model_id: &str, weights: W, version: u64, digest: StateDigest) -> Self {
+        Self {
+            model_id: model_id.to_owned(),
+            weights,
+            version,
+            digest,
+        }
+    }
+
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    pub fn digest(&self) -> StateDigest {
+        self.digest
+    }
+
+    pub fn weights(&self) -> &W {
+        &self.weights
+    }
+
+    pub fn into_inner(self) -> W {
+        self.weights
+    }
+
+    /// A stager for the next delta on top of these weights.
+    pub fn stager(&self) -> Stager {
+        Stager::new(&self.model_id, self.version, self.digest)
+    }
+
+    /// Applies a sealed delta: checks the base, then overwrites. Cannot half-apply: every
+    /// check happens before the first write, and the writes cannot fail.
+    pub fn commit(&mut self, sealed: SealedDelta) -> Result<UndoLog, StageError> {
+        let m = &sealed.manifest;
+        if m.model_id != self.model_id {
+            return Err(StageError::WrongModel {
+                expected: m.model_id.clone(),
+                actual: self.model_id.clone(),
+            });
+        }
+        if m.base_version != self.version || m.pre_digest != self.digest {
+            return Err(StageError::WrongBase {
+                expected_version: m.base_version,
+                actual_version: self.version,
+                expected_digest: m.pre_digest,
+                actual_digest: self.digest,
+            });
+        }
+        // Bounds were checked at staging against these very weights (same version and
+        // digest), but check again: a commit must never panic halfway.
+        for p in &sealed.parts {
+            let numel = self
+                .weights
+                .tensor(&p.tensor)
+                .map(<[u16]>::len)
+                .ok_or_else(|| StageError::UnknownTensor(p.tensor.clone()))?;
+            if p.positions.last().is_some_and(|&l| l >= numel as u64) {
+                return Err(StageError::RangeOutOfBounds {
+                    tensor: p.tensor.clone(),
+                    start: 0,
+                    len: p.positions.last().copied().unwrap_or(0) + 1,
+                    numel: numel as u64,
+                });
+            }
+        }
+        for p in &sealed.parts {
+            if let Some(t) = self.weights.tensor_mut(&p.tensor) {
+                scatter(t, &p.positions, &p.new);
+            }
+        }
+        let undo = UndoLog {
+            version: self.version,
+            digest: self.digest,
+            parts: sealed.parts,
+        };
+        self.version = m.version;
+        self.digest = m.post_digest;
+        Ok(undo)
+    }
+
+    /// Restores the bits, version and digest a commit replaced.
+    pub fn rollback(&mut self, undo: UndoLog) {
+        for p in &undo.parts {
+            if let Some(t) = self.weights.tensor_mut(&p.tensor) {
+                scatter(t, &p.positions, &p.old);
+            }
+        }
+        self.version = undo.version;
+        self.digest = undo.digest;
+    }
+}
+
+/// Overwrites `values` at `positions`. Positions were bounds-checked by the caller.
+#[inline]
+pub fn scatter(tensor: &mut [u16], positions: &[u64], values: &[u16]) {
+    for (&p, &v) in positions.iter().zip(values) {
+        tensor[p as usize] = v;
+    }
+}
+
+/// Hex of a digest, for messages.
+pub fn digest_hex(d: StateDigest) -> String {
+    hex(&d.to_bytes())
+}

@@ -1,0 +1,387 @@
+//! Index codecs: the sorted positions of changed elements within a part.
+//!
+//! Positions are `u64` throughout, so no tensor is capped at 2^31 or 2^32 elements. All
+//! gap codecs code `x₀ = p₀` and `xᵢ = pᵢ − pᵢ₋₁ − 1`, so any decoded sequence is strictly
+//! increasing by construction; the decoder then checks the count and the range bound.
+
+use super::bits::{BitReader, BitWriter};
+use super::{IndexCodec, zstd_compress, zstd_decompress};
+use crate::error::DecodeError;
+use crate::wire::{Reader, put_varint, varint_len};
+
+/// Gaps per Rice block; each block carries its own parameter `k`.
+const RICE_BLOCK: usize = 1024;
+/// Quotients at or above this many ones take the escape path (raw bit width + bits).
+const RICE_ESCAPE: u64 = 40;
+
+/// Encodes strictly increasing `positions`, all below `range_len`, with `codec`.
+pub fn encode(codec: IndexCodec, positions: &[u64], range_len: u64, zstd_level: i32) -> Vec<u8> {
+    match codec {
+        IndexCodec::Leb128Gaps => leb128_gaps(positions),
+        IndexCodec::Leb128GapsZstd => zstd_compress(&leb128_gaps(positions), zstd_level),
+        IndexCodec::RiceGaps => rice_gaps(positions),
+        IndexCodec::BitmapZstd => zstd_compress(&bitmap(positions, range_len), zstd_level),
+    }
+}
+
+/// Decodes exactly `count` positions below `range_len`.
+pub fn decode(
+    codec: IndexCodec,
+    bytes: &[u8],
+    count: u64,
+    range_len: u64,
+) -> Result<Vec<u64>, DecodeError> {
+    if count > range_len {
+        return Err(DecodeError::malformed(
+            "index payload",
+            format!("{count} changes in a range of {range_len} elements"),
+        ));
+    }
+    let positions = match codec {
+        IndexCodec::Leb128Gaps => decode_leb128_gaps(bytes, count, range_len)?,
+        IndexCodec::Leb128GapsZstd => {
+            let raw = zstd_decompress(bytes, (count as usize).saturating_mul(10), "index payload")?;
+            decode_leb128_gaps(&raw, count, range_len)?
+        }
+        IndexCodec::RiceGaps => decode_rice_gaps(bytes, count, range_len)?,
+        IndexCodec::BitmapZstd => {
+            let want = range_len.div_ceil(8) as usize;
+            let raw = zstd_decompress(bytes, want, "index bitmap")?;
+            if raw.len() != want {
+                return Err(DecodeError::malformed(
+                    "index bitmap",
+                    format!("{} bytes for {range_len} elements", raw.len()),
+                ));
+            }
+            decode_bitmap(&raw, count, range_len)?
+        }
+    };
+    Ok(positions)
+}
+
+fn gaps(positions: &[u64]) -> impl Iterator<Item = u64> + '_ {
+    let mut prev: Option<u64> = None;
+    positions.iter().map(move |&p| {
+        let x = match prev {
+            None => p,
+            Some(q) => p - q - 1,
+        };
+        prev = Some(p);
+        x
+    })
+}
+
+fn leb128_gaps(positions: &[u64]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(positions.len() * 2);
+    for x in gaps(positions) {
+        put_varint(&mut out, x);
+    }
+    out
+}
+
+/// Accumulates decoded gaps into positions, checking order and the range bound.
+struct PositionBuilder {
+    out: Vec<u64>,
+    next_min: u64,
+    range_len: u64,
+}
+
+impl PositionBuilder {
+    fn new(count: u64, range_len: u64, input_bytes: usize) -> Self {
+        // Never trust `count` for the allocation beyond what the input could possibly hold.
+        let cap = (count as usize).min(input_bytes.saturating_mul(8).saturating_add(8));
+        Self {
+            out: Vec::with_capacity(cap),
+            next_min: 0,
+            range_len,
+        }
+    }
+
+    #[inline]
+    fn push_gap(&mut self, x: u64) -> Result<(), DecodeError> {
+        let p = self.next_min.checked_add(x).filter(|&p| p < self.range_len);
+        let Some(p) = p else {
+            return Err(DecodeError::malformed(
+                "index payload",
+                format!("position beyond the range of {} elements", self.range_len),
+            ));
+        };
+        self.out.push(p);
+        self.next_min = p + 1;
+        Ok(())
+    }
+}
+
+fn decode_leb128_gaps(bytes: &[u8], count: u64, range_len: u64) -> Result<Vec<u64>, DecodeError> {
+    let mut b = PositionBuilder::new(count, range_len, bytes.len());
+    let mut r = Reader::new(bytes);
+    for _ in 0..count {
+        b.push_gap(r.varint("index gap")?)?;
+    }
+    r.finish("index payload")?;
+    Ok(b.out)
+}
+
+/// Cost in bits of Rice-coding `xs` with parameter `k`.
+fn rice_cost(xs: &[u64], k: u32) -> u64 {
+    xs.iter()
+        .map(|&x| {
+            let q = x >> k;
+            if q < RICE_ESCAPE {
+                q + 1 + u64::from(k)
+            } else {
+                RICE_ESCAPE + 7 + u64::from(64 - x.leading_zeros())
+            }
+        })
+        .sum()
+}
+
+fn best_rice_k(xs: &[u64]) -> u32 {
+    let mean = xs.iter().map(|&x| x as f64).sum::<f64>() / xs.len().max(1) as f64;
+    // For geometric data the optimum is near log2(mean · ln 2); search around it.
+    let guess = if mean < 1.0 {
+        0
+    } else {
+        (mean * std::f64::consts::LN_2).log2().floor().max(0.0) as i64
+    };
+    let lo = (guess - 2).max(0) as u32;
+    let hi = (guess + 2).min(58) as u32;
+    (lo..=hi).min_by_key(|&k| rice_cost(xs, k)).unwrap_or(0)
+}
+
+fn rice_gaps(positions: &[u64]) -> Vec<u8> {
+    let xs: Vec<u64> = gaps(positions).collect();
+    let mut w = BitWriter::with_capacity(positions.len() + 16);
+    for block in xs.chunks(RICE_BLOCK) {
+        let k = best_rice_k(block);
+        w.write(u64::from(k), 6);
+        for &x in block {
+            let q = x >> k;
+            if q < RICE_ESCAPE {
+                w.write_unary(q);
+                w.write_wide(x, k);
+            } else {
+                // RICE_ESCAPE ones with no terminator, then the width and the raw bits.
+                w.write((1u64 << RICE_ESCAPE) - 1, RICE_ESCAPE as u32);
+                let width = 64 - x.leading_zeros();
+                w.write(u64::from(width), 7);
+                w.write_wide(x, width);
+            }
+        }
+    }
+    w.finish()
+}
+
+fn decode_rice_gaps(bytes: &[u8], count: u64, range_len: u64) -> Result<Vec<u64>, DecodeError> {
+    let mut b = PositionBuilder::new(count, range_len, bytes.len());
+    let mut r = BitReader::new(bytes);
+    let mut left = count;
+    while left > 0 {
+        let k = r.read(6)? as u32;
+        if k > 58 {
+            return Err(DecodeError::malformed(
+                "rice index payload",
+                "parameter above 58",
+            ));
+        }
+        let n = left.min(RICE_BLOCK as u64);
+        for _ in 0..n {
+            let q = r.read_unary(RICE_ESCAPE)?;
+            let x = if q < RICE_ESCAPE {
+                let low = r.read_wide(k)?;
+                (q << k)
+                    .checked_add(low)
+                    .filter(|_| q.leading_zeros() >= k)
+                    .ok_or_else(|| DecodeError::malformed("rice index payload", "gap overflows"))?
+            } else {
+                let width = r.read(7)? as u32;
+                if width > 64 {
+                    return Err(DecodeError::malformed(
+                        "rice index payload",
+                        "escape width above 64",
+                    ));
+                }
+                r.read_wide(width)?
+            };
+            b.push_gap(x)?;
+        }
+        left -= n;
+    }
+    if r.trailing_bytes() != 0 {
+        return Err(DecodeError::TrailingBytes {
+            what: "rice index payload",
+            trailing: r.trailing_bytes(),
+        });
+    }
+    Ok(b.out)
+}
+
+fn bitmap(positions: &[u64], range_len: u64) -> Vec<u8> {
+    let mut bits = vec![0u8; range_len.div_ceil(8) as usize];
+    for &p in positions {
+        bits[(p / 8) as usize] |= 1 << (p % 8);
+    }
+    bits
+}
+
+fn decode_bitmap(raw: &[u8], count: u64, range_len: u64) -> Result<Vec<u64>, DecodeError> {
+    let ones: u64 = raw.iter().map(|b| u64::from(b.count_ones())).sum();
+    let tail_bits = range_len % 8;
+    if tail_bits != 0 && raw.last().is_some_and(|&b| b >> tail_bits != 0) {
+        return Err(DecodeError::malformed(
+            "index bitmap",
+            "bits set beyond the range",
+        ));
+    }
+    if ones != count {
+        return Err(DecodeError::malformed(
+            "index bitmap",
+            format!("{ones} bits set, {count} expected"),
+        ));
+    }
+    let mut out = Vec::with_capacity(count as usize);
+    for (i, &byte) in raw.iter().enumerate() {
+        let mut b = byte;
+        while b != 0 {
+            let bit = b.trailing_zeros();
+            out.push(i as u64 * 8 + u64::from(bit));
+            b &= b - 1;
+        }
+    }
+    Ok(out)
+}
+
+/// Exact size in bytes [`IndexCodec::Leb128Gaps`] takes, without encoding.
+pub fn leb128_gaps_len(positions: &[u64]) -> usize {
+    gaps(positions).map(varint_len).sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn round_trip(codec: IndexCodec, positions: &[u64], range_len: u64) {
+        let enc = encode(codec, positions, range_len, 1);
+        let dec = decode(codec, &enc, positions.len() as u64, range_len).expect("decodes");
+        assert_eq!(dec, positions, "{}", codec.name());
+    }
+
+    fn sorted_positions(max: u64) -> impl Strategy<Value = Vec<u64>> {
+        proptest::collection::btree_set(0..max, 0..300).prop_map(|s| s.into_iter().collect())
+    }
+
+    #[test]
+    fn golden_leb128_gaps() {
+        // p = 3, 4, 200: gaps 3, 0, 195 (195 = 0xC3 -> c3 01).
+        assert_eq!(
+            encode(IndexCodec::Leb128Gaps, &[3, 4, 200], 1000, 1),
+            [3, 0, 0xc3, 0x01]
+        );
+    }
+
+    #[test]
+    fn golden_rice_gaps() {
+        // Two gaps of 0 in a block: k = 0, each gap is a single 0 bit.
+        // Bits (LSB first): k=0 in 6 bits, then 0, 0 -> one byte, 0x00.
+        assert_eq!(encode(IndexCodec::RiceGaps, &[0, 1], 10, 1), [0x00]);
+        // One gap of 5 with k = 2: '1' then '0' (q = 1), then 01 (low bits of 5).
+        // 6 bits of k (010000 LSB-first) + 1 + 0 + 1 + 0 => bits 0..10.
+        let enc = encode(IndexCodec::RiceGaps, &[5], 10, 1);
+        let mut r = BitReader::new(&enc);
+        let k = r.read(6).expect("k") as u32;
+        let q = r.read_unary(64).expect("q");
+        let low = r.read(k).expect("low");
+        assert_eq!((q << k) + low, 5);
+    }
+
+    #[test]
+    fn every_codec_handles_empty_and_full_ranges() {
+        for codec in IndexCodec::ALL {
+            round_trip(codec, &[], 0);
+            round_trip(codec, &[], 100);
+            round_trip(codec, &[0], 1);
+            let all: Vec<u64> = (0..5000).collect();
+            round_trip(codec, &all, 5000);
+        }
+    }
+
+    #[test]
+    fn gap_codecs_handle_positions_beyond_2_pow_32() {
+        // A range of 2^40 elements is never materialized: only the positions are.
+        let range = 1u64 << 40;
+        let positions = [
+            0,
+            (1 << 31) - 1,
+            1 << 31,
+            (1 << 31) + 1,
+            (1 << 32) + 7,
+            (1 << 39) + 12345,
+            range - 1,
+        ];
+        for codec in [
+            IndexCodec::Leb128Gaps,
+            IndexCodec::Leb128GapsZstd,
+            IndexCodec::RiceGaps,
+        ] {
+            round_trip(codec, &positions, range);
+        }
+        // A full 64-bit range also works (the escape path carries 64-bit gaps).
+        let positions = [u64::MAX - 2, u64::MAX - 1];
+        round_trip(IndexCodec::RiceGaps, &positions, u64::MAX);
+        round_trip(IndexCodec::Leb128Gaps, &positions, u64::MAX);
+    }
+
+    #[test]
+    fn decoders_refuse_out_of_range_and_wrong_counts() {
+        for codec in IndexCodec::ALL {
+            let enc = encode(codec, &[1, 5, 9], 10, 1);
+            // Fewer elements in the range than the positions need.
+            if codec != IndexCodec::BitmapZstd {
+                assert!(decode(codec, &enc, 3, 9).is_err(), "{}", codec.name());
+            }
+            // A count that does not match the payload.
+            assert!(decode(codec, &enc, 4, 10).is_err(), "{}", codec.name());
+            // A smaller count either fails or (when the rest hides in a partial byte of a
+            // bit-packed payload) yields exactly the prefix; it never invents positions.
+            if let Ok(p) = decode(codec, &enc, 2, 10) {
+                assert_eq!(p, [1, 5], "{}", codec.name());
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn every_index_codec_round_trips(positions in sorted_positions(20_000)) {
+            for codec in IndexCodec::ALL {
+                round_trip(codec, &positions, 20_000);
+            }
+        }
+
+        #[test]
+        fn gap_codecs_round_trip_huge_sparse_positions(
+            positions in proptest::collection::btree_set(0..u64::MAX - 1, 0..200)
+        ) {
+            let positions: Vec<u64> = positions.into_iter().collect();
+            for codec in [IndexCodec::Leb128Gaps, IndexCodec::Leb128GapsZstd, IndexCodec::RiceGaps] {
+                round_trip(codec, &positions, u64::MAX);
+            }
+        }
+
+        #[test]
+        fn leb128_length_is_exact(positions in sorted_positions(1 << 40)) {
+            prop_assert_eq!(leb128_gaps_len(&positions), encode(IndexCodec::Leb128Gaps, &positions, 1 << 40, 1).len());
+        }
+
+        #[test]
+        fn decoders_never_panic_on_garbage(bytes in proptest::collection::vec(any::<u8>(), 0..64), count in 0u64..100, range in 0u64..1000) {
+            for codec in IndexCodec::ALL {
+                if let Ok(p) = decode(codec, &bytes, count, range) {
+                    prop_assert_eq!(p.len() as u64, count);
+                    prop_assert!(p.windows(2).all(|w| w[0] < w[1]));
+                    prop_assert!(p.iter().all(|&x| x < range));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,169 @@
+//! The per-part codecs of a delta checkpoint and their ids on the wire.
+//!
+//! A *part* is the delta of one contiguous element range of one tensor. It is coded either
+//! **sparse** (positions by an [`IndexCodec`], new values by a [`ValueCodec`]) or **dense**
+//! (a [`DenseCodec`] over the whole range). The encoder tries the candidates and keeps the
+//! smallest, per part, by measured size (see [`crate::encode`]).
+
+pub mod bits;
+pub mod dense;
+pub mod index;
+pub mod value;
+
+use crate::error::DecodeError;
+
+/// How the sorted change positions of a sparse part are coded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum IndexCodec {
+    /// Gaps as LEB128 varints (the SparrowRL scheme), no entropy coder.
+    Leb128Gaps = 1,
+    /// Gaps as LEB128 varints, then zstd.
+    Leb128GapsZstd = 2,
+    /// Gaps Golomb-Rice coded with a parameter fitted per block of gaps: within a few
+    /// hundredths of a bit of the entropy of geometric gaps, with an escape for outliers.
+    RiceGaps = 3,
+    /// One bit per element of the range, then zstd: for dense ranges.
+    BitmapZstd = 4,
+}
+
+/// How the new BF16 values of a sparse part are coded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ValueCodec {
+    /// Raw little-endian BF16 bits, then zstd.
+    RawZstd = 1,
+    /// Zigzag of the wrapping 16-bit difference against the base bits (mostly ±1 ULP),
+    /// as byte tokens with an escape, then zstd. Needs the base values to decode.
+    UlpResidualZstd = 2,
+    /// Raw little-endian BF16 bits, no entropy coder (the SparrowRL scheme).
+    Raw = 3,
+}
+
+/// How a dense part is coded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum DenseCodec {
+    /// XOR of base and new bits split into high-byte and low-byte planes, then zstd.
+    /// Needs the base values to decode.
+    XorPlanesZstd = 1,
+    /// The new bits as high-byte and low-byte planes, then zstd (no base needed).
+    PlanesZstd = 2,
+}
+
+impl IndexCodec {
+    pub const ALL: [IndexCodec; 4] = [
+        Self::Leb128Gaps,
+        Self::Leb128GapsZstd,
+        Self::RiceGaps,
+        Self::BitmapZstd,
+    ];
+
+    pub fn from_id(id: u8) -> Result<Self, DecodeError> {
+        Self::ALL
+            .into_iter()
+            .find(|c| *c as u8 == id)
+            .ok_or(DecodeError::UnknownCodec {
+                what: "index codec",
+                id,
+            })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Leb128Gaps => "leb128-gaps",
+            Self::Leb128GapsZstd => "leb128-gaps+zstd",
+            Self::RiceGaps => "rice-gaps",
+            Self::BitmapZstd => "bitmap+zstd",
+        }
+    }
+}
+
+impl ValueCodec {
+    pub const ALL: [ValueCodec; 3] = [Self::RawZstd, Self::UlpResidualZstd, Self::Raw];
+
+    pub fn from_id(id: u8) -> Result<Self, DecodeError> {
+        Self::ALL
+            .into_iter()
+            .find(|c| *c as u8 == id)
+            .ok_or(DecodeError::UnknownCodec {
+                what: "value codec",
+                id,
+            })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::RawZstd => "raw+zstd",
+            Self::UlpResidualZstd => "ulp-residual+zstd",
+            Self::Raw => "raw",
+        }
+    }
+
+    /// Whether decoding needs the base values of the range.
+    pub fn needs_base(self) -> bool {
+        matches!(self, Self::UlpResidualZstd)
+    }
+}
+
+impl DenseCodec {
+    pub const ALL: [DenseCodec; 2] = [Self::XorPlanesZstd, Self::PlanesZstd];
+
+    pub fn from_id(id: u8) -> Result<Self, DecodeError> {
+        Self::ALL
+            .into_iter()
+            .find(|c| *c as u8 == id)
+            .ok_or(DecodeError::UnknownCodec {
+                what: "dense codec",
+                id,
+            })
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::XorPlanesZstd => "dense-xor-planes+zstd",
+            Self::PlanesZstd => "dense-planes+zstd",
+        }
+    }
+
+    pub fn needs_base(self) -> bool {
+        matches!(self, Self::XorPlanesZstd)
+    }
+}
+
+/// zstd-compresses `data` at `level` (level 1 is the measured sweet spot for these payloads).
+pub(crate) fn zstd_compress(data: &[u8], level: i32) -> Vec<u8> {
+    // Compressing from memory into memory cannot fail for valid levels; fall back to an
+    // uncompressible marker length if the library ever reports an error.
+    zstd::bulk::compress(data, level).unwrap_or_else(|_| vec![0xff; data.len() + 64])
+}
+
+/// zstd-decompresses `data`, refusing output larger than `max_out` bytes.
+pub(crate) fn zstd_decompress(
+    data: &[u8],
+    max_out: usize,
+    what: &'static str,
+) -> Result<Vec<u8>, DecodeError> {
+    // The frame header states the content size; check it against the bound before
+    // allocating anything, so a forged header cannot make us allocate gigabytes.
+    match zstd::zstd_safe::get_frame_content_size(data) {
+        Ok(Some(n)) if n > max_out as u64 => {
+            return Err(DecodeError::TooLarge {
+                what,
+                value: n,
+                limit: max_out as u64,
+            });
+        }
+        Ok(_) => {}
+        Err(_) => {
+            return Err(DecodeError::Zstd {
+                what,
+                detail: "not a zstd frame".into(),
+            });
+        }
+    }
+    zstd::bulk::decompress(data, max_out).map_err(|e| DecodeError::Zstd {
+        what,
+        detail: e.to_string(),
+    })
+}

@@ -1,0 +1,234 @@
+//! Value codecs: the new BF16 bits at the changed positions of a sparse part.
+//!
+//! Most changes move a weight by ±1 ULP. [`ValueCodec::UlpResidualZstd`] codes the step in
+//! *ordered* bit space (where consecutive BF16 values are consecutive integers and ±0 are
+//! neighbours, so sign crossings near zero stay small): zigzag of the wrapping 16-bit
+//! difference, as one byte token per change with an escape for large steps, then zstd.
+//! Decoding adds the step back to the base bits and so yields absolute new bits.
+
+use super::{ValueCodec, zstd_compress, zstd_decompress};
+use crate::error::DecodeError;
+use crate::wire::{Reader, put_varint};
+
+const ESCAPE_TOKEN: u8 = 0xFF;
+
+/// Maps BF16 bits to an integer whose order is the order of the values (sign-magnitude
+/// to offset binary). A bijection on `u16`; NaN patterns map to the ends.
+#[inline]
+pub fn ordered(bits: u16) -> u16 {
+    if bits & 0x8000 != 0 {
+        !bits
+    } else {
+        bits | 0x8000
+    }
+}
+
+/// Inverse of [`ordered`].
+#[inline]
+pub fn from_ordered(key: u16) -> u16 {
+    if key & 0x8000 != 0 {
+        key & 0x7FFF
+    } else {
+        !key
+    }
+}
+
+/// The ULP step from `old` to `new`, zigzag-coded: +0 → 0, −1 → 1, +1 → 2, −2 → 3, …
+#[inline]
+pub fn ulp_step_zigzag(old: u16, new: u16) -> u16 {
+    let d = ordered(new).wrapping_sub(ordered(old)) as i16;
+    ((d << 1) ^ (d >> 15)) as u16
+}
+
+#[inline]
+fn apply_ulp_step_zigzag(old: u16, z: u16) -> u16 {
+    let d = ((z >> 1) as i16) ^ -((z & 1) as i16);
+    from_ordered(ordered(old).wrapping_add(d as u16))
+}
+
+/// Encodes `new` (the values at the changed positions; `old` holds the base values there).
+pub fn encode(codec: ValueCodec, new: &[u16], old: &[u16], zstd_level: i32) -> Vec<u8> {
+    debug_assert_eq!(new.len(), old.len());
+    match codec {
+        ValueCodec::Raw => new.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        ValueCodec::RawZstd => zstd_compress(&planes(new), zstd_level),
+        ValueCodec::UlpResidualZstd => {
+            let mut tokens = Vec::with_capacity(new.len());
+            let mut escapes = Vec::new();
+            for (&n, &o) in new.iter().zip(old) {
+                let z = ulp_step_zigzag(o, n);
+                if z < u16::from(ESCAPE_TOKEN) {
+                    tokens.push(z as u8);
+                } else {
+                    tokens.push(ESCAPE_TOKEN);
+                    escapes.extend_from_slice(&z.to_le_bytes());
+                }
+            }
+            let mut raw = Vec::with_capacity(tokens.len() + escapes.len() + 10);
+            put_varint(&mut raw, (escapes.len() / 2) as u64);
+            raw.extend_from_slice(&tokens);
+            raw.extend_from_slice(&escapes);
+            zstd_compress(&raw, zstd_level)
+        }
+    }
+}
+
+/// Decodes `count` new values. `old` must be the base values at the decoded positions
+/// when the codec [needs the base](ValueCodec::needs_base).
+pub fn decode(
+    codec: ValueCodec,
+    bytes: &[u8],
+    count: usize,
+    old: Option<&[u16]>,
+) -> Result<Vec<u16>, DecodeError> {
+    match codec {
+        ValueCodec::Raw => {
+            if bytes.len() != count * 2 {
+                return Err(DecodeError::malformed(
+                    "raw values",
+                    format!("{} bytes for {count} values", bytes.len()),
+                ));
+            }
+            Ok(bytes
+                .chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect())
+        }
+        ValueCodec::RawZstd => {
+            let raw = zstd_decompress(bytes, count * 2, "raw values")?;
+            unplanes(&raw, count, "raw values")
+        }
+        ValueCodec::UlpResidualZstd => {
+            let Some(old) = old else {
+                return Err(DecodeError::malformed(
+                    "ulp residual values",
+                    "decoding needs the base values",
+                ));
+            };
+            if old.len() != count {
+                return Err(DecodeError::malformed(
+                    "ulp residual values",
+                    format!("{} base values for {count} changes", old.len()),
+                ));
+            }
+            let raw = zstd_decompress(bytes, 10 + count * 3, "ulp residual values")?;
+            let mut r = Reader::new(&raw);
+            let n_escapes = r.varint_at_most("escape count", count as u64)? as usize;
+            let tokens = r.take(count, "residual tokens")?;
+            let escapes = r.take(n_escapes * 2, "residual escapes")?;
+            r.finish("ulp residual values")?;
+            let mut esc = escapes.chunks_exact(2);
+            let mut out = Vec::with_capacity(count);
+            for (&t, &o) in tokens.iter().zip(old) {
+                let z = if t == ESCAPE_TOKEN {
+                    let c = esc.next().ok_or_else(|| {
+                        DecodeError::malformed(
+                            "ulp residual values",
+                            "more escape tokens than escapes",
+                        )
+                    })?;
+                    u16::from_le_bytes([c[0], c[1]])
+                } else {
+                    u16::from(t)
+                };
+                out.push(apply_ulp_step_zigzag(o, z));
+            }
+            if esc.next().is_some() {
+                return Err(DecodeError::malformed(
+                    "ulp residual values",
+                    "fewer escape tokens than escapes",
+                ));
+            }
+            Ok(out)
+        }
+    }
+}
+
+/// Splits 16-bit words into a high-byte plane followed by a low-byte plane: exponents
+/// cluster in the high bytes, which zstd then codes far better than interleaved bytes.
+pub(crate) fn planes(words: &[u16]) -> Vec<u8> {
+    let mut out = vec![0u8; words.len() * 2];
+    let (hi, lo) = out.split_at_mut(words.len());
+    for ((h, l), w) in hi.iter_mut().zip(lo.iter_mut()).zip(words) {
+        *h = (w >> 8) as u8;
+        *l = *w as u8;
+    }
+    out
+}
+
+pub(crate) fn unplanes(
+    raw: &[u8],
+    count: usize,
+    what: &'static str,
+) -> Result<Vec<u16>, DecodeError> {
+    if raw.len() != count * 2 {
+        return Err(DecodeError::malformed(
+            what,
+            format!("{} bytes for {count} values", raw.len()),
+        ));
+    }
+    let (hi, lo) = raw.split_at(count);
+    Ok(hi
+        .iter()
+        .zip(lo)
+        .map(|(&h, &l)| u16::from(h) << 8 | u16::from(l))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn ordered_is_monotonic_and_bijective() {
+        let mut seen = vec![false; 1 << 16];
+        for b in 0..=u16::MAX {
+            let k = ordered(b);
+            assert!(!seen[k as usize]);
+            seen[k as usize] = true;
+            assert_eq!(from_ordered(k), b);
+        }
+        // -0 and +0 are neighbours; 1.0 is one step above its predecessor.
+        assert_eq!(ordered(0x0000).wrapping_sub(ordered(0x8000)), 1);
+        assert_eq!(ulp_step_zigzag(0x3F80, 0x3F81), 2);
+        assert_eq!(ulp_step_zigzag(0x3F81, 0x3F80), 1);
+        // Negative weights: moving towards −∞ is a negative step.
+        assert_eq!(ulp_step_zigzag(0xBF80, 0xBF81), 1);
+        // A sign crossing next to zero is a small step, not a 0x8000 jump.
+        assert_eq!(ulp_step_zigzag(0x0001, 0x8001), 5);
+    }
+
+    #[test]
+    fn golden_residual_tokens() {
+        // +1, −1, +1 ULP: tokens 2, 1, 2, no escapes.
+        let old = [0x3F80, 0x3F80, 0xBC00];
+        let new = [0x3F81, 0x3F7F, 0xBBFF];
+        let enc = encode(ValueCodec::UlpResidualZstd, &new, &old, 1);
+        let raw = zstd::bulk::decompress(&enc, 100).expect("zstd");
+        assert_eq!(raw, [0, 2, 1, 2]);
+    }
+
+    proptest! {
+        #[test]
+        fn every_value_codec_round_trips_any_bits(pairs in proptest::collection::vec((any::<u16>(), any::<u16>()), 0..500)) {
+            let old: Vec<u16> = pairs.iter().map(|p| p.0).collect();
+            let new: Vec<u16> = pairs.iter().map(|p| p.1).collect();
+            for codec in ValueCodec::ALL {
+                let enc = encode(codec, &new, &old, 1);
+                let dec = decode(codec, &enc, new.len(), Some(&old)).expect("decodes");
+                prop_assert_eq!(&dec, &new, "{}", codec.name());
+            }
+        }
+
+        #[test]
+        fn value_decoders_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..64), count in 0usize..50) {
+            let old = vec![0x3F80u16; count];
+            for codec in ValueCodec::ALL {
+                if let Ok(v) = decode(codec, &bytes, count, Some(&old)) {
+                    prop_assert_eq!(v.len(), count);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,326 @@
+//! The streaming delta encoder.
+//!
+//! The caller feeds tensors in order, range by range (so a multi-GB tensor never has to be
+//! in memory at once); the encoder diffs and codes fixed-size parts in parallel (rayon),
+//! folds each part's digest change into the running post-state digest, packs parts into
+//! segments of about [`EncoderConfig::segment_target_bytes`], and hands back every segment
+//! frame **as soon as it is full**, so that it can be written or sent while later tensors
+//! are still being diffed. `finish` produces the signed manifest and the trailer.
+
+use ed25519_dalek::SigningKey;
+use rayon::prelude::*;
+
+use crate::container::{
+    FILE_HEADER_LEN, FrameKind, Trailer, encode_frame, file_header, frame_hash,
+};
+use crate::diff::diff_range;
+use crate::digest::{DigestKey, StateDigest};
+use crate::manifest::{Dtype, Manifest, SegmentEntry, SignedManifest, TensorEntry, delta_id};
+use crate::segment::{CodecChoice, EncodedPart, MAX_PART_ELEMS, MAX_PARTS_PER_SEGMENT, Segment};
+
+/// Knobs of the encoder.
+#[derive(Debug, Clone)]
+pub struct EncoderConfig {
+    /// Elements per part: the unit of parallel diffing and of codec choice.
+    pub part_elems: u64,
+    /// A segment is closed once its parts' payloads reach this many bytes.
+    pub segment_target_bytes: usize,
+    pub choice: CodecChoice,
+}
+
+impl Default for EncoderConfig {
+    fn default() -> Self {
+        Self {
+            part_elems: 1 << 22,
+            segment_target_bytes: 2 << 20,
+            choice: CodecChoice::default(),
+        }
+    }
+}
+
+/// What the delta starts from and turns into.
+#[derive(Debug, Clone)]
+pub struct DeltaHeader {
+    pub model_id: String,
+    pub base_version: u64,
+    pub version: u64,
+    pub created_unix_ms: u64,
+    /// State digest of the base weights (the hub keeps it current in O(changes)).
+    pub pre_digest: StateDigest,
+}
+
+/// A finished segment frame, ready to write or send.
+#[derive(Debug, Clone)]
+pub struct SegmentFrame {
+    pub seq: u32,
+    pub changes: u64,
+    pub hash: [u8; 32],
+    /// The whole frame (kind, length, body, hash).
+    pub bytes: Vec<u8>,
+}
+
+/// What `finish` returns.
+#[derive(Debug, Clone)]
+pub struct FinishedDelta {
+    /// Segments still pending at the end.
+    pub segments: Vec<SegmentFrame>,
+    pub manifest: SignedManifest,
+    pub manifest_frame: Vec<u8>,
+    pub trailer_frame: Vec<u8>,
+}
+
+/// The encoder state of one delta.
+#[derive(Debug)]
+pub struct DeltaEncoder {
+    cfg: EncoderConfig,
+    header: DeltaHeader,
+    key: DigestKey,
+    delta_id: [u8; 32],
+    post: StateDigest,
+    tensors: Vec<TensorEntry>,
+    /// Element count fed so far for the current (last) tensor.
+    fed: u64,
+    pending: Vec<EncodedPart>,
+    pending_bytes: usize,
+    segments: Vec<SegmentEntry>,
+    /// Bytes of the file so far (header + emitted frames), for the trailer.
+    offset: u64,
+}
+
+impl DeltaEncoder {
+    pub fn new(header: DeltaHeader, mut cfg: EncoderConfig) -> Self {
+        cfg.part_elems = cfg.part_elems.clamp(1, MAX_PART_ELEMS);
+        let key = DigestKey::for_model(&header.model_id);
+        let id = delta_id(
+            &header.model_id,
+            header.base_version,
+            header.version,
+            header.pre_digest,
+        );
+        Self {
+            post: header.pre_digest,
+            cfg,
+            header,
+            key,
+            delta_id: id,
+            tensors: Vec::new(),
+            fed: 0,
+            pending: Vec::new(),
+            pending_bytes: 0,
+            segments: Vec::new(),
+            offset: FILE_HEADER_LEN as u64,
+        }
+    }
+
+    /// The 16-byte file header to write before the first frame.
+    pub fn file_header(&self) -> [u8; FILE_HEADER_LEN] {
+        file_header()
+    }
+
+    pub fn delta_id(&self) -> [u8; 32] {
+        self.delta_id
+    }
+
+    /// Starts the next tensor. Tensors must come in strictly ascending name order.
+    ///
+    /// # Panics
+    /// If names are not ascending or the previous tensor was not fed completely (caller
+    /// bugs: the checkpoint reader sorts tensors and feeds whole ones).
+    pub fn begin_tensor(&mut self, name: &str, shape: &[u64]) {
+        if let Some(t) = self.tensors.last() {
+            assert!(
+                t.name.as_str() < name,
+                "tensors must be fed in ascending name order"
+            );
+            assert_eq!(
+                self.fed,
+                t.numel(),
+                "tensor {} was not fed completely",
+                t.name
+            );
+        }
+        self.tensors.push(TensorEntry {
+            name: name.to_owned(),
+            dtype: Dtype::Bf16,
+            shape: shape.to_vec(),
+            changes: 0,
+            codec_mask: 0,
+            segments: Vec::new(),
+            post_blake3: None,
+        });
+        self.fed = 0;
+    }
+
+    /// Records the BLAKE3 of the current tensor's new bytes (for anchors and audits).
+    pub fn set_tensor_hash(&mut self, hash: [u8; 32]) {
+        if let Some(t) = self.tensors.last_mut() {
+            t.post_blake3 = Some(hash);
+        }
+    }
+
+    /// Diffs and codes the next range of the current tensor (`old`, `new` equally long,
+    /// continuing where the last call stopped) and returns the segments that filled up.
+    ///
+    /// # Panics
+    /// If no tensor was begun, lengths differ, or the range runs past the tensor.
+    pub fn push_range(&mut self, old: &[u16], new: &[u16]) -> Vec<SegmentFrame> {
+        assert_eq!(
+            old.len(),
+            new.len(),
+            "old and new ranges must be equally long"
+        );
+        let t = self.tensors.last().expect("begin_tensor before push_range");
+        let start = self.fed;
+        assert!(
+            start + old.len() as u64 <= t.numel(),
+            "range runs past tensor {}",
+            t.name
+        );
+        let name = t.name.clone();
+        let tkey = self.key.tensor(&name);
+        let part = self.cfg.part_elems as usize;
+        let choice = &self.cfg.choice;
+        let results: Vec<(EncodedPart, StateDigest)> = old
+            .par_chunks(part)
+            .zip(new.par_chunks(part))
+            .enumerate()
+            .filter_map(|(i, (o, n))| {
+                let s = start + (i * part) as u64;
+                let d = diff_range(o, n);
+                if d.is_empty() {
+                    return None;
+                }
+                let digest = tkey.delta(s, &d.positions, &d.old, &d.new);
+                Some((EncodedPart::encode(&name, s, o, n, &d, choice), digest))
+            })
+            .collect();
+        self.fed += old.len() as u64;
+        let mut out = Vec::new();
+        for (p, d) in results {
+            self.post.merge(d);
+            let t = self.tensors.last_mut().expect("tensor begun above");
+            t.changes += p.changes;
+            t.codec_mask |= p.codec_mask();
+            self.pending_bytes += p.payload_len() + p.tensor.len() + 32;
+            self.pending.push(p);
+            if self.pending_bytes >= self.cfg.segment_target_bytes
+                || self.pending.len() as u64 >= MAX_PARTS_PER_SEGMENT
+            {
+                out.push(self.close_segment());
+            }
+        }
+        out
+    }
+
+    fn close_segment(&mut self) -> SegmentFrame {
+        let seq = self.segments.len() as u32;
+        let parts = std::mem::take(&mut self.pending);
+        self.pending_bytes = 0;
+        for p in &parts {
+            let t = self
+                .tensors
+                .iter_mut()
+                .rev()
+                .find(|t| t.name == p.tensor)
+                .expect("parts belong to begun tensors");
+            if t.segments.last() != Some(&seq) {
+                t.segments.push(seq);
+            }
+        }
+        let seg = Segment {
+            delta_id: self.delta_id,
+            seq,
+            parts,
+        };
+        let changes = seg.changes();
+        let body = seg.encode_body();
+        let hash = frame_hash(FrameKind::Segment, &body);
+        let bytes = encode_frame(FrameKind::Segment, &body);
+        self.segments.push(SegmentEntry {
+            seq,
+            frame_len: bytes.len() as u64,
+            changes,
+            hash,
+        });
+        self.offset += bytes.len() as u64;
+        SegmentFrame {
+            seq,
+            changes,
+            hash,
+            bytes,
+        }
+    }
+
+    /// The post-state digest accumulated so far.
+    pub fn post_digest(&self) -> StateDigest {
+        self.post
+    }
+
+    /// Closes the last segment and produces the signed manifest and the trailer.
+    pub fn finish(mut self, signing_key: Option<&SigningKey>) -> FinishedDelta {
+        if let Some(t) = self.tensors.last() {
+            assert_eq!(
+                self.fed,
+                t.numel(),
+                "tensor {} was not fed completely",
+                t.name
+            );
+        }
+        let mut segments = Vec::new();
+        if !self.pending.is_empty() {
+            segments.push(self.close_segment());
+        }
+        let manifest = Manifest {
+            model_id: self.header.model_id,
+            base_version: self.header.base_version,
+            version: self.header.version,
+            created_unix_ms: self.header.created_unix_ms,
+            pre_digest: self.header.pre_digest,
+            post_digest: self.post,
+            tensors: self.tensors,
+            segments: self.segments,
+        };
+        let signed = SignedManifest::sign(manifest, signing_key);
+        let manifest_frame = encode_frame(FrameKind::Manifest, &signed.encode_body());
+        let trailer_frame = Trailer {
+            manifest_offset: self.offset,
+            manifest_frame_len: manifest_frame.len() as u64,
+            segment_count: signed.manifest.segments.len() as u32,
+        }
+        .encode_frame();
+        FinishedDelta {
+            segments,
+            manifest: signed,
+            manifest_frame,
+            trailer_frame,
+        }
+    }
+}
+
+/// Encodes a whole in-memory model pair into `.sdc` bytes (tests, benches, small tools).
+/// Tensors are given as (name, shape, old, new), in any order.
+pub fn encode_in_memory(
+    header: DeltaHeader,
+    cfg: EncoderConfig,
+    tensors: &[(&str, Vec<u64>, &[u16], &[u16])],
+    signing_key: Option<&SigningKey>,
+) -> (Vec<u8>, SignedManifest) {
+    let mut order: Vec<usize> = (0..tensors.len()).collect();
+    order.sort_by_key(|&i| tensors[i].0);
+    let mut enc = DeltaEncoder::new(header, cfg);
+    let mut out = enc.file_header().to_vec();
+    for i in order {
+        let (name, shape, old, new) = &tensors[i];
+        enc.begin_tensor(name, shape);
+        for f in enc.push_range(old, new) {
+            out.extend_from_slice(&f.bytes);
+        }
+    }
+    let fin = enc.finish(signing_key);
+    for f in &fin.segments {
+        out.extend_from_slice(&f.bytes);
+    }
+    out.extend_from_slice(&fin.manifest_frame);
+    out.extend_from_slice(&fin.trailer_frame);
+    (out, fin.manifest)
+}

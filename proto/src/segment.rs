@@ -1,0 +1,592 @@
+//! Parts and segments.
+//!
+//! A **part** is the coded delta of one contiguous element range `[start, start + len)` of
+//! one tensor, either sparse (positions + values) or dense. A **segment** is a sequence of
+//! parts (one range of a large tensor, or several small tensors) with the id of the delta
+//! it belongs to and its sequence number: the unit of streaming, verification,
+//! retransmission and parallel apply. A segment is decodable on its own, in any order,
+//! given only the base values of the ranges it covers.
+
+use crate::codec::{self, DenseCodec, IndexCodec, ValueCodec};
+use crate::diff::RangeDiff;
+use crate::error::DecodeError;
+use crate::wire::{Reader, put_bytes, put_varint};
+
+/// The largest element range one part may cover. It bounds every allocation a decoder
+/// makes for one part (2 bytes per element for dense, 8 per position for sparse).
+pub const MAX_PART_ELEMS: u64 = 1 << 26;
+/// The longest tensor name accepted.
+pub const MAX_NAME_LEN: usize = 1024;
+/// The most parts one segment may hold.
+pub const MAX_PARTS_PER_SEGMENT: u64 = 1 << 16;
+
+/// How one part is coded.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PartPayload {
+    Sparse {
+        index: IndexCodec,
+        value: ValueCodec,
+        index_bytes: Vec<u8>,
+        value_bytes: Vec<u8>,
+    },
+    Dense {
+        codec: DenseCodec,
+        bytes: Vec<u8>,
+    },
+}
+
+/// One coded part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncodedPart {
+    pub tensor: String,
+    pub start: u64,
+    pub len: u64,
+    pub changes: u64,
+    pub payload: PartPayload,
+}
+
+/// Which candidates the encoder may try for a part.
+#[derive(Debug, Clone)]
+pub struct CodecChoice {
+    pub index: Vec<IndexCodec>,
+    pub value: Vec<ValueCodec>,
+    pub dense: Vec<DenseCodec>,
+    /// Try every allowed candidate on every part, instead of skipping the ones that cheap
+    /// statistics show cannot win (see [`CodecChoice::default`]).
+    pub exhaustive: bool,
+    pub zstd_level: i32,
+}
+
+impl Default for CodecChoice {
+    /// All codecs allowed; candidates that cannot win are skipped by cheap statistics:
+    /// the bitmap only from density 1/32, raw+zstd values only when over a quarter of the
+    /// steps are beyond ±8 ULP, dense only from density 1/8. The exact-size candidates
+    /// (LEB128 gaps, raw values) are sized without encoding.
+    fn default() -> Self {
+        Self {
+            index: IndexCodec::ALL.to_vec(),
+            value: ValueCodec::ALL.to_vec(),
+            dense: DenseCodec::ALL.to_vec(),
+            exhaustive: false,
+            zstd_level: 1,
+        }
+    }
+}
+
+impl CodecChoice {
+    /// Exactly one sparse form, no dense fallback (for tests and baselines).
+    pub fn only(index: IndexCodec, value: ValueCodec) -> Self {
+        Self {
+            index: vec![index],
+            value: vec![value],
+            dense: vec![],
+            exhaustive: true,
+            zstd_level: 1,
+        }
+    }
+
+    /// Exactly one dense form.
+    pub fn only_dense(codec: DenseCodec) -> Self {
+        Self {
+            index: vec![],
+            value: vec![],
+            dense: vec![codec],
+            exhaustive: true,
+            zstd_level: 1,
+        }
+    }
+}
+
+impl EncodedPart {
+    /// Codes the diff of `old` → `new` over one range, choosing the smallest candidate.
+    pub fn encode(
+        tensor: &str,
+        start: u64,
+        old: &[u16],
+        new: &[u16],
+        diff: &RangeDiff,
+        choice: &CodecChoice,
+    ) -> Self {
+        let len = old.len() as u64;
+        let n = diff.len() as u64;
+        let level = choice.zstd_level;
+        let all = choice.exhaustive;
+        let allowed_i = |c| choice.index.contains(&c);
+        let allowed_v = |c| choice.value.contains(&c);
+
+        let mut best_index = Best::default();
+        if allowed_i(IndexCodec::RiceGaps) {
+            best_index.offer(IndexCodec::RiceGaps, || {
+                codec::index::encode(IndexCodec::RiceGaps, &diff.positions, len, level)
+            });
+        }
+        if allowed_i(IndexCodec::Leb128Gaps)
+            && best_index.beaten_by(codec::index::leb128_gaps_len(&diff.positions))
+        {
+            best_index.offer(IndexCodec::Leb128Gaps, || {
+                codec::index::encode(IndexCodec::Leb128Gaps, &diff.positions, len, level)
+            });
+        }
+        if allowed_i(IndexCodec::Leb128GapsZstd) && (all || best_index.is_empty()) {
+            best_index.offer(IndexCodec::Leb128GapsZstd, || {
+                codec::index::encode(IndexCodec::Leb128GapsZstd, &diff.positions, len, level)
+            });
+        }
+        if allowed_i(IndexCodec::BitmapZstd) && (all || best_index.is_empty() || n * 32 >= len) {
+            best_index.offer(IndexCodec::BitmapZstd, || {
+                codec::index::encode(IndexCodec::BitmapZstd, &diff.positions, len, level)
+            });
+        }
+
+        let mut best_value = Best::default();
+        if allowed_v(ValueCodec::UlpResidualZstd) {
+            best_value.offer(ValueCodec::UlpResidualZstd, || {
+                codec::value::encode(ValueCodec::UlpResidualZstd, &diff.new, &diff.old, level)
+            });
+        }
+        if allowed_v(ValueCodec::Raw) && best_value.beaten_by(diff.len() * 2) {
+            best_value.offer(ValueCodec::Raw, || {
+                codec::value::encode(ValueCodec::Raw, &diff.new, &diff.old, level)
+            });
+        }
+        if allowed_v(ValueCodec::RawZstd)
+            && (all || best_value.is_empty() || large_step_share(diff) > 0.25)
+        {
+            best_value.offer(ValueCodec::RawZstd, || {
+                codec::value::encode(ValueCodec::RawZstd, &diff.new, &diff.old, level)
+            });
+        }
+
+        let sparse = match (best_index.0, best_value.0) {
+            (Some((index, index_bytes)), Some((value, value_bytes))) => Some(PartPayload::Sparse {
+                index,
+                value,
+                index_bytes,
+                value_bytes,
+            }),
+            _ => None,
+        };
+        let mut best = sparse;
+        if all || best.is_none() || n * 8 >= len {
+            for &c in &choice.dense {
+                let bytes = codec::dense::encode(c, new, old, level);
+                if best.as_ref().is_none_or(|b| bytes.len() < payload_len(b)) {
+                    best = Some(PartPayload::Dense { codec: c, bytes });
+                }
+            }
+        }
+        let payload = best.unwrap_or(PartPayload::Sparse {
+            // No codec allowed at all: fall back to the always-valid SparrowRL form.
+            index: IndexCodec::Leb128Gaps,
+            value: ValueCodec::Raw,
+            index_bytes: codec::index::encode(IndexCodec::Leb128Gaps, &diff.positions, len, level),
+            value_bytes: codec::value::encode(ValueCodec::Raw, &diff.new, &diff.old, level),
+        });
+        Self {
+            tensor: tensor.to_owned(),
+            start,
+            len,
+            changes: n,
+            payload,
+        }
+    }
+
+    /// Bytes of coded payload (index + values, or dense).
+    pub fn payload_len(&self) -> usize {
+        payload_len(&self.payload)
+    }
+
+    /// Serializes the part into a segment body.
+    pub fn write(&self, out: &mut Vec<u8>) {
+        put_bytes(out, self.tensor.as_bytes());
+        put_varint(out, self.start);
+        put_varint(out, self.len);
+        put_varint(out, self.changes);
+        match &self.payload {
+            PartPayload::Sparse {
+                index,
+                value,
+                index_bytes,
+                value_bytes,
+            } => {
+                out.push(0);
+                out.push(*index as u8);
+                out.push(*value as u8);
+                put_bytes(out, index_bytes);
+                put_bytes(out, value_bytes);
+            }
+            PartPayload::Dense { codec, bytes } => {
+                out.push(1);
+                out.push(*codec as u8);
+                put_bytes(out, bytes);
+            }
+        }
+    }
+
+    /// Parses one part, bounding every length.
+    pub fn read(r: &mut Reader<'_>, max_bytes: usize) -> Result<Self, DecodeError> {
+        let tensor = r.str("tensor name", MAX_NAME_LEN)?.to_owned();
+        let start = r.varint("part start")?;
+        let len = r.varint_at_most("part length", MAX_PART_ELEMS)?;
+        if start.checked_add(len).is_none() {
+            return Err(DecodeError::malformed(
+                "part",
+                "range end overflows 64 bits",
+            ));
+        }
+        let changes = r.varint_at_most("part changes", len)?;
+        let payload = match r.u8("part form")? {
+            0 => {
+                let index = IndexCodec::from_id(r.u8("index codec")?)?;
+                let value = ValueCodec::from_id(r.u8("value codec")?)?;
+                let index_bytes = r.bytes("index payload", max_bytes)?.to_vec();
+                let value_bytes = r.bytes("value payload", max_bytes)?.to_vec();
+                PartPayload::Sparse {
+                    index,
+                    value,
+                    index_bytes,
+                    value_bytes,
+                }
+            }
+            1 => {
+                let codec = DenseCodec::from_id(r.u8("dense codec")?)?;
+                let bytes = r.bytes("dense payload", max_bytes)?.to_vec();
+                PartPayload::Dense { codec, bytes }
+            }
+            f => return Err(DecodeError::malformed("part", format!("unknown form {f}"))),
+        };
+        Ok(Self {
+            tensor,
+            start,
+            len,
+            changes,
+            payload,
+        })
+    }
+
+    /// Whether decoding needs the base values of the range.
+    pub fn needs_base(&self) -> bool {
+        match &self.payload {
+            PartPayload::Sparse { value, .. } => value.needs_base(),
+            PartPayload::Dense { codec, .. } => codec.needs_base(),
+        }
+    }
+
+    /// Decodes to absolute new bits. `base` must be the base values of exactly this
+    /// part's range when [`needs_base`](Self::needs_base) says so.
+    pub fn decode(&self, base: Option<&[u16]>) -> Result<DecodedPart, DecodeError> {
+        if let Some(b) = base
+            && b.len() as u64 != self.len
+        {
+            return Err(DecodeError::malformed(
+                "part",
+                format!(
+                    "base range has {} elements, part covers {}",
+                    b.len(),
+                    self.len
+                ),
+            ));
+        }
+        let changes = match &self.payload {
+            PartPayload::Sparse {
+                index,
+                value,
+                index_bytes,
+                value_bytes,
+            } => {
+                let positions = codec::index::decode(*index, index_bytes, self.changes, self.len)?;
+                let old: Option<Vec<u16>> = match (value.needs_base(), base) {
+                    (true, Some(b)) => Some(positions.iter().map(|&p| b[p as usize]).collect()),
+                    _ => None,
+                };
+                let values =
+                    codec::value::decode(*value, value_bytes, positions.len(), old.as_deref())?;
+                Changes::Sparse { positions, values }
+            }
+            PartPayload::Dense { codec, bytes } => {
+                let values = codec::dense::decode(*codec, bytes, self.len as usize, base)?;
+                Changes::Dense { values }
+            }
+        };
+        Ok(DecodedPart {
+            tensor: self.tensor.clone(),
+            start: self.start,
+            len: self.len,
+            changes,
+        })
+    }
+
+    /// The codec names, for inspection.
+    pub fn codec_names(&self) -> (&'static str, &'static str) {
+        match &self.payload {
+            PartPayload::Sparse { index, value, .. } => (index.name(), value.name()),
+            PartPayload::Dense { codec, .. } => (codec.name(), ""),
+        }
+    }
+
+    /// A bit per codec used, for the manifest's per-tensor codec summary.
+    pub fn codec_mask(&self) -> u32 {
+        match &self.payload {
+            PartPayload::Sparse { index, value, .. } => {
+                (1 << *index as u32) | (1 << (8 + *value as u32))
+            }
+            PartPayload::Dense { codec, .. } => 1 << (16 + *codec as u32),
+        }
+    }
+}
+
+/// The smallest candidate seen so far.
+struct Best<C>(Option<(C, Vec<u8>)>);
+
+impl<C> Default for Best<C> {
+    fn default() -> Self {
+        Self(None)
+    }
+}
+
+impl<C> Best<C> {
+    fn is_empty(&self) -> bool {
+        self.0.is_none()
+    }
+
+    /// Whether a candidate of `size` bytes would beat the current best.
+    fn beaten_by(&self, size: usize) -> bool {
+        self.0.as_ref().is_none_or(|(_, b)| size < b.len())
+    }
+
+    fn offer(&mut self, codec: C, encode: impl FnOnce() -> Vec<u8>) {
+        let bytes = encode();
+        if self.beaten_by(bytes.len()) {
+            self.0 = Some((codec, bytes));
+        }
+    }
+}
+
+fn payload_len(p: &PartPayload) -> usize {
+    match p {
+        PartPayload::Sparse {
+            index_bytes,
+            value_bytes,
+            ..
+        } => index_bytes.len() + value_bytes.len(),
+        PartPayload::Dense { bytes, .. } => bytes.len(),
+    }
+}
+
+fn large_step_share(diff: &RangeDiff) -> f64 {
+    if diff.is_empty() {
+        return 0.0;
+    }
+    let large = diff
+        .old
+        .iter()
+        .zip(&diff.new)
+        .filter(|&(&o, &n)| codec::value::ulp_step_zigzag(o, n) > 16)
+        .count();
+    large as f64 / diff.len() as f64
+}
+
+/// Decoded absolute new bits of one part.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodedPart {
+    pub tensor: String,
+    pub start: u64,
+    pub len: u64,
+    pub changes: Changes,
+}
+
+/// The new bits of a part: at some positions (relative to the part start), or all of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Changes {
+    Sparse {
+        positions: Vec<u64>,
+        values: Vec<u16>,
+    },
+    Dense {
+        values: Vec<u16>,
+    },
+}
+
+/// A segment: parts of one delta, numbered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Segment {
+    pub delta_id: [u8; 32],
+    pub seq: u32,
+    pub parts: Vec<EncodedPart>,
+}
+
+impl Segment {
+    /// The segment body (without the frame envelope).
+    pub fn encode_body(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(
+            64 + self
+                .parts
+                .iter()
+                .map(|p| p.payload_len() + 64)
+                .sum::<usize>(),
+        );
+        out.extend_from_slice(&self.delta_id);
+        put_varint(&mut out, u64::from(self.seq));
+        put_varint(&mut out, self.parts.len() as u64);
+        for p in &self.parts {
+            p.write(&mut out);
+        }
+        out
+    }
+
+    /// Parses a segment body. Lengths are bounded by the body itself.
+    pub fn decode_body(body: &[u8]) -> Result<Self, DecodeError> {
+        let mut r = Reader::new(body);
+        let delta_id = r.array::<32>("segment delta id")?;
+        let seq = r.varint_at_most("segment sequence number", u64::from(u32::MAX))? as u32;
+        let n = r.varint_at_most("segment part count", MAX_PARTS_PER_SEGMENT)?;
+        let mut parts = Vec::with_capacity((n as usize).min(body.len() / 8 + 1));
+        for _ in 0..n {
+            parts.push(EncodedPart::read(&mut r, body.len())?);
+        }
+        r.finish("segment")?;
+        Ok(Self {
+            delta_id,
+            seq,
+            parts,
+        })
+    }
+
+    pub fn changes(&self) -> u64 {
+        self.parts.iter().map(|p| p.changes).sum()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::diff::diff_range;
+    use proptest::prelude::*;
+
+    fn part_round_trip(old: &[u16], new: &[u16], choice: &CodecChoice) -> EncodedPart {
+        let d = diff_range(old, new);
+        let p = EncodedPart::encode("t", 5, old, new, &d, choice);
+        let mut body = Vec::new();
+        p.write(&mut body);
+        let mut r = Reader::new(&body);
+        let q = EncodedPart::read(&mut r, body.len()).expect("reads");
+        assert!(r.is_empty());
+        assert_eq!(p, q);
+        let dec = q.decode(Some(old)).expect("decodes");
+        let mut rebuilt = old.to_vec();
+        match dec.changes {
+            Changes::Sparse { positions, values } => {
+                for (p, v) in positions.iter().zip(values) {
+                    rebuilt[*p as usize] = v;
+                }
+            }
+            Changes::Dense { values } => rebuilt = values,
+        }
+        assert_eq!(rebuilt, new);
+        p
+    }
+
+    fn every_choice() -> Vec<CodecChoice> {
+        let mut v = vec![CodecChoice::default()];
+        for i in IndexCodec::ALL {
+            for c in ValueCodec::ALL {
+                v.push(CodecChoice::only(i, c));
+            }
+        }
+        for d in DenseCodec::ALL {
+            v.push(CodecChoice::only_dense(d));
+        }
+        v
+    }
+
+    proptest! {
+        #[test]
+        fn parts_round_trip_adversarial_bits_with_every_codec(
+            pairs in proptest::collection::vec((any::<u16>(), any::<u16>(), 0u8..4), 0..400)
+        ) {
+            // Adversarial patterns: NaN payloads, ±0, ±Inf, subnormals, sign crossings.
+            const SPECIAL: [u16; 10] = [0x7FC0, 0x7FC1, 0xFFFF, 0x0000, 0x8000, 0x7F80, 0xFF80, 0x0001, 0x8001, 0x007F];
+            let old: Vec<u16> = pairs.iter().map(|p| p.0).collect();
+            let new: Vec<u16> = pairs.iter().map(|&(o, n, k)| match k {
+                0 => o,
+                1 => n,
+                2 => SPECIAL[(n % 10) as usize],
+                _ => o ^ 0x8000,
+            }).collect();
+            for choice in every_choice() {
+                part_round_trip(&old, &new, &choice);
+            }
+        }
+    }
+
+    #[test]
+    fn empty_and_all_changed_and_single_element_ranges() {
+        for choice in every_choice() {
+            part_round_trip(&[], &[], &choice);
+            part_round_trip(&[1], &[1], &choice);
+            part_round_trip(&[1], &[2], &choice);
+            let old: Vec<u16> = (0..3000).map(|i| i as u16).collect();
+            let new: Vec<u16> = old.iter().map(|v| v.wrapping_add(1)).collect();
+            part_round_trip(&old, &new, &choice);
+        }
+    }
+
+    #[test]
+    fn dense_fallback_wins_when_everything_changed() {
+        let old: Vec<u16> = (0..10_000).map(|i| (i * 7919) as u16).collect();
+        let new: Vec<u16> = old.iter().map(|v| v ^ 0x5A5A).collect();
+        let p = part_round_trip(&old, &new, &CodecChoice::default());
+        assert!(
+            matches!(p.payload, PartPayload::Dense { .. }),
+            "{:?}",
+            p.codec_names()
+        );
+    }
+
+    #[test]
+    fn segment_body_golden_prefix_and_round_trip() {
+        let old = [0x3F80u16, 0x3F80, 0x3F80];
+        let new = [0x3F80u16, 0x3F81, 0x3F80];
+        let d = diff_range(&old, &new);
+        let part = EncodedPart::encode(
+            "w",
+            0,
+            &old,
+            &new,
+            &d,
+            &CodecChoice::only(IndexCodec::Leb128Gaps, ValueCodec::Raw),
+        );
+        let seg = Segment {
+            delta_id: [7; 32],
+            seq: 3,
+            parts: vec![part],
+        };
+        let body = seg.encode_body();
+        let mut expected = vec![7u8; 32];
+        // seq 3, one part, name "w", start 0, len 3, 1 change, sparse, leb128, raw,
+        // index payload [1] (gap 1), value payload 81 3f.
+        expected.extend_from_slice(&[3, 1, 1, b'w', 0, 3, 1, 0, 1, 3, 1, 1, 2, 0x81, 0x3F]);
+        assert_eq!(body, expected);
+        assert_eq!(Segment::decode_body(&body).expect("decodes"), seg);
+    }
+
+    #[test]
+    fn truncated_segment_bodies_are_errors() {
+        let old: Vec<u16> = (0..500).collect();
+        let new: Vec<u16> = old
+            .iter()
+            .map(|v| if v % 7 == 0 { v + 1 } else { *v })
+            .collect();
+        let d = diff_range(&old, &new);
+        let part = EncodedPart::encode("w", 0, &old, &new, &d, &CodecChoice::default());
+        let body = Segment {
+            delta_id: [1; 32],
+            seq: 0,
+            parts: vec![part],
+        }
+        .encode_body();
+        for cut in 0..body.len() {
+            assert!(Segment::decode_body(&body[..cut]).is_err(), "cut at {cut}");
+        }
+    }
+}

@@ -1,0 +1,277 @@
+//! End-to-end properties of the delta container: encode → read → stage → seal → commit.
+
+use std::collections::BTreeMap;
+
+use ed25519_dalek::SigningKey;
+use proptest::prelude::*;
+use starling_proto::apply::{StageError, VersionedWeights, Weights, full_digest};
+use starling_proto::container::{AssembleError, FILE_HEADER_LEN, parse_frame, read_delta};
+use starling_proto::digest::StateDigest;
+use starling_proto::encode::{DeltaHeader, EncoderConfig, encode_in_memory};
+use starling_proto::manifest::TrustPolicy;
+use starling_proto::segment::CodecChoice;
+
+type Model = BTreeMap<String, Vec<u16>>;
+
+fn names(m: &Model) -> Vec<String> {
+    m.keys().cloned().collect()
+}
+
+fn encode(
+    old: &Model,
+    new: &Model,
+    cfg: EncoderConfig,
+    key: Option<&SigningKey>,
+    base_version: u64,
+) -> (Vec<u8>, StateDigest) {
+    let pre = full_digest("m", old, &names(old));
+    let tensors: Vec<(&str, Vec<u64>, &[u16], &[u16])> = old
+        .iter()
+        .map(|(n, o)| {
+            (
+                n.as_str(),
+                vec![o.len() as u64],
+                o.as_slice(),
+                new[n].as_slice(),
+            )
+        })
+        .collect();
+    let header = DeltaHeader {
+        model_id: "m".into(),
+        base_version,
+        version: base_version + 1,
+        created_unix_ms: 0,
+        pre_digest: pre,
+    };
+    let (bytes, _) = encode_in_memory(header, cfg, &tensors, key);
+    (bytes, pre)
+}
+
+/// Reads, stages, seals and commits `bytes` on `base`.
+fn apply(base: &Model, version: u64, bytes: &[u8], trust: &TrustPolicy) -> Result<Model, String> {
+    let delta = read_delta(bytes, trust).map_err(|e| e.to_string())?;
+    let digest = full_digest("m", base, &names(base));
+    let mut w = VersionedWeights::new("m", base.clone(), version, digest);
+    let mut st = w.stager();
+    // Stage segments in reverse order: any order must work.
+    let mut pos = FILE_HEADER_LEN;
+    let mut frames = Vec::new();
+    while pos < bytes.len() {
+        let f = parse_frame(&bytes[pos..]).map_err(|e| e.to_string())?;
+        pos += f.total_len();
+        frames.push(f);
+    }
+    for f in frames.iter().rev() {
+        st.stage_frame(*f, w.weights()).map_err(|e| e.to_string())?;
+    }
+    assert_eq!(
+        st.manifest().map(|m| m.manifest.version),
+        Some(delta.manifest.manifest.version)
+    );
+    let sealed = st.seal(trust).map_err(|e| e.to_string())?;
+    w.commit(sealed).map_err(|e| e.to_string())?;
+    let expected = full_digest("m", w.weights(), &names(base));
+    assert_eq!(
+        w.digest(),
+        expected,
+        "incremental digest equals a full rehash"
+    );
+    Ok(w.into_inner())
+}
+
+fn model_strategy() -> impl Strategy<Value = (Model, Model)> {
+    let tensor = (1usize..3000, any::<u64>(), 0u8..4);
+    proptest::collection::vec(tensor, 1..6).prop_map(|ts| {
+        let mut old = Model::new();
+        let mut new = Model::new();
+        for (i, (len, seed, density)) in ts.into_iter().enumerate() {
+            let mut s = seed;
+            let mut next = || {
+                s = s
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                (s >> 33) as u32
+            };
+            let o: Vec<u16> = (0..len).map(|_| next() as u16).collect();
+            let n: Vec<u16> = o
+                .iter()
+                .map(|&v| {
+                    let r = next();
+                    let change = match density {
+                        0 => false,
+                        1 => r % 100 == 0,
+                        2 => r % 3 == 0,
+                        _ => true,
+                    };
+                    if !change {
+                        v
+                    } else if r & 0x100 == 0 {
+                        v.wrapping_add(1)
+                    } else {
+                        (r >> 9) as u16
+                    }
+                })
+                .collect();
+            old.insert(format!("layer.{i}.weight"), o);
+            new.insert(format!("layer.{i}.weight"), n);
+        }
+        (old, new)
+    })
+}
+
+fn small_cfg() -> EncoderConfig {
+    EncoderConfig {
+        part_elems: 700,
+        segment_target_bytes: 300,
+        choice: CodecChoice::default(),
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn random_models_round_trip_bit_exactly((old, new) in model_strategy()) {
+        let (bytes, _) = encode(&old, &new, small_cfg(), None, 7);
+        let got = apply(&old, 7, &bytes, &TrustPolicy::AnySigner).expect("applies");
+        prop_assert_eq!(got, new);
+    }
+}
+
+#[test]
+fn unchanged_model_gives_an_empty_but_valid_delta() {
+    let old: Model = [("a".to_string(), vec![1u16, 2, 3])].into();
+    let (bytes, _) = encode(&old, &old, small_cfg(), None, 0);
+    let delta = read_delta(&bytes, &TrustPolicy::AnySigner).expect("reads");
+    assert!(delta.segments.is_empty());
+    assert_eq!(
+        apply(&old, 0, &bytes, &TrustPolicy::AnySigner).expect("applies"),
+        old
+    );
+}
+
+fn sample_pair() -> (Model, Model) {
+    let mut old = Model::new();
+    let mut new = Model::new();
+    for t in 0..3 {
+        let o: Vec<u16> = (0..2000u32)
+            .map(|i| (i * 2654435761u32 >> 16) as u16)
+            .collect();
+        let n: Vec<u16> = o
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| if i % 37 == t { v.wrapping_add(1) } else { v })
+            .collect();
+        old.insert(format!("t{t}"), o);
+        new.insert(format!("t{t}"), n);
+    }
+    (old, new)
+}
+
+#[test]
+fn every_single_byte_flip_and_truncation_is_refused() {
+    let (old, new) = sample_pair();
+    let (bytes, _) = encode(&old, &new, small_cfg(), None, 1);
+    assert_eq!(
+        apply(&old, 1, &bytes, &TrustPolicy::AnySigner).expect("clean applies"),
+        new
+    );
+    for i in 0..bytes.len() {
+        let mut b = bytes.clone();
+        b[i] ^= 0x40;
+        assert!(
+            apply(&old, 1, &b, &TrustPolicy::AnySigner).is_err(),
+            "flip at byte {i} accepted"
+        );
+    }
+    for cut in 0..bytes.len() {
+        assert!(
+            read_delta(&bytes[..cut], &TrustPolicy::AnySigner).is_err(),
+            "truncation at {cut} accepted"
+        );
+    }
+}
+
+#[test]
+fn wrong_base_names_both_versions_and_digests() {
+    let (old, new) = sample_pair();
+    let (bytes, pre) = encode(&old, &new, small_cfg(), None, 1);
+    // Same weights, claimed at another version.
+    let err = apply(&old, 2, &bytes, &TrustPolicy::AnySigner).expect_err("wrong version refused");
+    assert!(
+        err.contains("version 1") && err.contains("version 2"),
+        "{err}"
+    );
+    // Right version, drifted weights.
+    let mut drifted = old.clone();
+    if let Some(t) = drifted.tensor_mut("t1") {
+        t[5] ^= 1;
+    }
+    let err =
+        apply(&drifted, 1, &bytes, &TrustPolicy::AnySigner).expect_err("drifted base refused");
+    assert!(err.contains(&pre.to_string()), "{err}");
+}
+
+#[test]
+fn signatures_are_enforced_when_a_key_is_trusted() {
+    let (old, new) = sample_pair();
+    let hub = SigningKey::from_bytes(&[1; 32]);
+    let rogue = SigningKey::from_bytes(&[2; 32]);
+    let trust = TrustPolicy::Keys(vec![hub.verifying_key()]);
+    let (signed, _) = encode(&old, &new, small_cfg(), Some(&hub), 1);
+    assert_eq!(
+        apply(&old, 1, &signed, &trust).expect("signed applies"),
+        new
+    );
+    let (unsigned, _) = encode(&old, &new, small_cfg(), None, 1);
+    assert!(matches!(
+        read_delta(&unsigned, &trust),
+        Err(AssembleError::Signature(_))
+    ));
+    let (forged, _) = encode(&old, &new, small_cfg(), Some(&rogue), 1);
+    assert!(matches!(
+        read_delta(&forged, &trust),
+        Err(AssembleError::Signature(_))
+    ));
+}
+
+#[test]
+fn commit_refuses_a_sealed_delta_after_the_base_moved() {
+    let (old, new) = sample_pair();
+    let (bytes, pre) = encode(&old, &new, small_cfg(), None, 1);
+    let mut w = VersionedWeights::new("m", old.clone(), 1, pre);
+    let mut st = w.stager();
+    let delta = read_delta(&bytes, &TrustPolicy::AnySigner).expect("reads");
+    for s in &delta.segments {
+        let hash = delta.manifest.manifest.segments[s.seq as usize].hash;
+        let len = delta.manifest.manifest.segments[s.seq as usize].frame_len;
+        st.stage_segment(s, hash, len, w.weights()).expect("stages");
+    }
+    st.stage_manifest(delta.manifest.clone()).expect("manifest");
+    let sealed = st.seal(&TrustPolicy::AnySigner).expect("seals");
+    let mut moved = VersionedWeights::new("m", old.clone(), 2, StateDigest(5));
+    assert!(matches!(
+        moved.commit(sealed),
+        Err(StageError::WrongBase {
+            expected_version: 1,
+            actual_version: 2,
+            ..
+        })
+    ));
+    assert_eq!(moved.weights(), &old, "refused commit wrote nothing");
+    // Commit and roll back restores exact bits.
+    let mut st = w.stager();
+    for s in &delta.segments {
+        let e = &delta.manifest.manifest.segments[s.seq as usize];
+        st.stage_segment(s, e.hash, e.frame_len, w.weights())
+            .expect("stages");
+    }
+    st.stage_manifest(delta.manifest.clone()).expect("manifest");
+    let undo = w
+        .commit(st.seal(&TrustPolicy::AnySigner).expect("seals"))
+        .expect("commits");
+    assert_eq!(w.weights(), &new);
+    assert_eq!(w.version(), 2);
+    w.rollback(undo);
+    assert_eq!(w.weights(), &old);
+    assert_eq!((w.version(), w.digest()), (1, pre));
+}

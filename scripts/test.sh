@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The project's test command (README): runs every test of the workspace.
+#
+# SQLite tests always run. PostgreSQL tests run against a throwaway server that this script
+# installs (Debian's package, when root and missing) and starts on a free loopback port, then
+# stops on exit. Set STARLING_TEST_POSTGRES_URL yourself to use your own server instead, or
+# STARLING_SKIP_POSTGRES=1 to skip PostgreSQL entirely.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+pg_pid_dir=""
+cleanup() {
+    if [[ -n "$pg_pid_dir" ]]; then
+        su postgres -s /bin/sh -c "$pg_bin/pg_ctl -D '$pg_pid_dir/data' -m immediate stop" >/dev/null 2>&1 || true
+        rm -rf "$pg_pid_dir"
+    fi
+}
+trap cleanup EXIT
+
+find_pg_bin() {
+    local d
+    for d in /usr/lib/postgresql/*/bin; do
+        [[ -x "$d/initdb" ]] && { echo "$d"; return 0; }
+    done
+    return 1
+}
+
+if [[ -z "${STARLING_TEST_POSTGRES_URL:-}" && -z "${STARLING_SKIP_POSTGRES:-}" ]]; then
+    if ! pg_bin=$(find_pg_bin); then
+        if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+            echo "== installing PostgreSQL from Debian's packages"
+            apt-get update -qq >/dev/null
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null
+        fi
+        pg_bin=$(find_pg_bin) || { echo "PostgreSQL is not installed and cannot be installed here; set STARLING_SKIP_POSTGRES=1 to run without it" >&2; exit 1; }
+    fi
+    pg_pid_dir=$(mktemp -d /tmp/starling-pg.XXXXXX)
+    chmod 755 "$pg_pid_dir"
+    chown postgres "$pg_pid_dir"
+    port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+    su postgres -s /bin/sh -c "$pg_bin/initdb -A trust -U postgres -D '$pg_pid_dir/data'" >/dev/null
+    su postgres -s /bin/sh -c "$pg_bin/pg_ctl -D '$pg_pid_dir/data' -o \"-p $port -k $pg_pid_dir -c listen_addresses=127.0.0.1 -c max_connections=300 -c fsync=off\" -w -l '$pg_pid_dir/log' start" >/dev/null
+    export STARLING_TEST_POSTGRES_URL="postgres://postgres@127.0.0.1:$port/postgres"
+    echo "== PostgreSQL $("$pg_bin/postgres" --version | awk '{print $3}') on 127.0.0.1:$port"
+fi
+
+cargo test --workspace --all-targets --release "$@"
