@@ -45,8 +45,10 @@ pub struct DeltaHeader {
     pub base_version: u64,
     pub version: u64,
     pub created_unix_ms: u64,
-    /// State digest of the base weights (the hub keeps it current in O(changes)).
-    pub pre_digest: StateDigest,
+    /// State digest of the base weights when known (the hub keeps it current in
+    /// O(changes)); `None` makes the encoder compute it from the base ranges it is fed,
+    /// in the same parallel pass as the diff.
+    pub pre_digest: Option<StateDigest>,
 }
 
 /// A finished segment frame, ready to write or send.
@@ -76,7 +78,10 @@ pub struct DeltaEncoder {
     header: DeltaHeader,
     key: DigestKey,
     delta_id: [u8; 32],
-    post: StateDigest,
+    /// Σ over changes of h(new) − h(old).
+    change_digest: StateDigest,
+    /// Digest of the base, when the encoder computes it.
+    computed_pre: Option<StateDigest>,
     tensors: Vec<TensorEntry>,
     /// Element count fed so far for the current (last) tensor.
     fed: u64,
@@ -95,10 +100,11 @@ impl DeltaEncoder {
             &header.model_id,
             header.base_version,
             header.version,
-            header.pre_digest,
+            header.created_unix_ms,
         );
         Self {
-            post: header.pre_digest,
+            change_digest: StateDigest::default(),
+            computed_pre: header.pre_digest.is_none().then(StateDigest::default),
             cfg,
             header,
             key,
@@ -180,24 +186,38 @@ impl DeltaEncoder {
         let tkey = self.key.tensor(&name);
         let part = self.cfg.part_elems as usize;
         let choice = &self.cfg.choice;
-        let results: Vec<(EncodedPart, StateDigest)> = old
+        let compute_pre = self.computed_pre.is_some();
+        let results: Vec<(Option<EncodedPart>, StateDigest, StateDigest)> = old
             .par_chunks(part)
             .zip(new.par_chunks(part))
             .enumerate()
-            .filter_map(|(i, (o, n))| {
+            .map(|(i, (o, n))| {
                 let s = start + (i * part) as u64;
+                let pre = if compute_pre {
+                    tkey.range(s, o)
+                } else {
+                    StateDigest::default()
+                };
                 let d = diff_range(o, n);
                 if d.is_empty() {
-                    return None;
+                    return (None, StateDigest::default(), pre);
                 }
                 let digest = tkey.delta(s, &d.positions, &d.old, &d.new);
-                Some((EncodedPart::encode(&name, s, o, n, &d, choice), digest))
+                (
+                    Some(EncodedPart::encode(&name, s, o, n, &d, choice)),
+                    digest,
+                    pre,
+                )
             })
             .collect();
         self.fed += old.len() as u64;
         let mut out = Vec::new();
-        for (p, d) in results {
-            self.post.merge(d);
+        for (p, d, pre) in results {
+            if let Some(c) = self.computed_pre.as_mut() {
+                c.merge(pre);
+            }
+            let Some(p) = p else { continue };
+            self.change_digest.merge(d);
             let t = self.tensors.last_mut().expect("tensor begun above");
             t.changes += p.changes;
             t.codec_mask |= p.codec_mask();
@@ -251,11 +271,6 @@ impl DeltaEncoder {
         }
     }
 
-    /// The post-state digest accumulated so far.
-    pub fn post_digest(&self) -> StateDigest {
-        self.post
-    }
-
     /// Closes the last segment and produces the signed manifest and the trailer.
     pub fn finish(mut self, signing_key: Option<&SigningKey>) -> FinishedDelta {
         if let Some(t) = self.tensors.last() {
@@ -270,13 +285,20 @@ impl DeltaEncoder {
         if !self.pending.is_empty() {
             segments.push(self.close_segment());
         }
+        let pre_digest = self
+            .header
+            .pre_digest
+            .or(self.computed_pre)
+            .unwrap_or_default();
+        let mut post_digest = pre_digest;
+        post_digest.merge(self.change_digest);
         let manifest = Manifest {
             model_id: self.header.model_id,
             base_version: self.header.base_version,
             version: self.header.version,
             created_unix_ms: self.header.created_unix_ms,
-            pre_digest: self.header.pre_digest,
-            post_digest: self.post,
+            pre_digest,
+            post_digest,
             tensors: self.tensors,
             segments: self.segments,
         };

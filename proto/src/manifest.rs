@@ -74,14 +74,15 @@ pub struct Manifest {
     pub segments: Vec<SegmentEntry>,
 }
 
-/// The id every segment of a delta carries, derived from what the delta starts from.
-pub fn delta_id(model_id: &str, base_version: u64, version: u64, pre: StateDigest) -> [u8; 32] {
+/// The id every segment of a delta carries: known before the first segment is encoded
+/// (the base digest is not: a fresh encoder computes it in the same pass as the diff).
+pub fn delta_id(model_id: &str, base_version: u64, version: u64, created_unix_ms: u64) -> [u8; 32] {
     let mut h = blake3::Hasher::new_derive_key("starling delta id v1");
     h.update(&(model_id.len() as u64).to_le_bytes());
     h.update(model_id.as_bytes());
     h.update(&base_version.to_le_bytes());
     h.update(&version.to_le_bytes());
-    h.update(&pre.to_bytes());
+    h.update(&created_unix_ms.to_le_bytes());
     *h.finalize().as_bytes()
 }
 
@@ -91,7 +92,7 @@ impl Manifest {
             &self.model_id,
             self.base_version,
             self.version,
-            self.pre_digest,
+            self.created_unix_ms,
         )
     }
 

@@ -41,7 +41,11 @@ fn encode(
         base_version,
         version: base_version + 1,
         created_unix_ms: 0,
-        pre_digest: pre,
+        pre_digest: if base_version % 2 == 0 {
+            Some(pre)
+        } else {
+            None
+        },
     };
     let (bytes, _) = encode_in_memory(header, cfg, &tensors, key);
     (bytes, pre)

@@ -1,0 +1,423 @@
+//! Delta checkpoints on disk: diff two checkpoints into a `.sdc`, read one frame by frame,
+//! verify or apply one to a checkpoint.
+//!
+//! The diff streams: each tensor is read in chunks from both checkpoints, fed to the
+//! encoder, and every finished segment frame is written to the output at once, so memory
+//! stays at a few chunk buffers whatever the model size. The output is atomic: after any
+//! error no `.sdc` (and no partial safetensors from `apply`) exists at the destination.
+
+use std::fs::File;
+use std::io::{BufReader, Read};
+use std::path::{Path, PathBuf};
+
+use ed25519_dalek::SigningKey;
+use starling_proto::apply::{StageError, VersionedWeights, full_digest};
+use starling_proto::container::{
+    FILE_HEADER_LEN, FRAME_HEADER_LEN, Frame, FrameKind, Trailer, check_file_header, frame_hash,
+    parse_frame_header,
+};
+use starling_proto::digest::StateDigest;
+use starling_proto::encode::{DeltaEncoder, DeltaHeader, EncoderConfig};
+use starling_proto::manifest::{Manifest, TrustPolicy, hex};
+use starling_proto::{DecodeError, manifest::SignedManifest};
+use thiserror::Error;
+
+use crate::safetensors::{Checkpoint, CheckpointError};
+use crate::writer::{AtomicFile, SafetensorsWriter};
+
+/// Why a delta operation failed.
+#[derive(Debug, Error)]
+pub enum DeltaFileError {
+    #[error(transparent)]
+    Checkpoint(#[from] CheckpointError),
+    #[error("{op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: {source}")]
+    Decode {
+        path: PathBuf,
+        #[source]
+        source: DecodeError,
+    },
+    #[error(transparent)]
+    Stage(#[from] StageError),
+    #[error("tensor {name} after the delta has BLAKE3 {actual}, the manifest says {expected}")]
+    TensorHashMismatch {
+        name: String,
+        expected: String,
+        actual: String,
+    },
+}
+
+/// Options of a diff.
+#[derive(Debug, Clone)]
+pub struct DiffOptions {
+    pub model_id: String,
+    pub base_version: u64,
+    pub version: u64,
+    pub created_unix_ms: u64,
+    pub encoder: EncoderConfig,
+    /// Elements read per tensor chunk (memory ≈ 4 bytes × this, plus encoder buffers).
+    pub chunk_elems: usize,
+    /// Record each new tensor's BLAKE3 in the manifest (for audits; costs a hash pass).
+    pub tensor_hashes: bool,
+    pub signing_key: Option<SigningKey>,
+}
+
+impl DiffOptions {
+    pub fn new(model_id: &str, base_version: u64, version: u64, created_unix_ms: u64) -> Self {
+        Self {
+            model_id: model_id.to_owned(),
+            base_version,
+            version,
+            created_unix_ms,
+            encoder: EncoderConfig::default(),
+            chunk_elems: 1 << 24,
+            tensor_hashes: true,
+            signing_key: None,
+        }
+    }
+}
+
+/// What a diff produced.
+#[derive(Debug, Clone)]
+pub struct DiffSummary {
+    pub manifest: Manifest,
+    pub signed: bool,
+    pub delta_bytes: u64,
+    pub dense_bf16_bytes: u64,
+}
+
+/// Diffs `old` → `new` and streams the frames of the delta into `sink` as they are made
+/// (file header first). `progress` is told the elements scanned so far.
+pub fn diff_checkpoints(
+    old: &Checkpoint,
+    new: &Checkpoint,
+    opts: &DiffOptions,
+    sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    progress: &dyn Fn(u64),
+) -> Result<(SignedManifest, u64), DeltaFileError> {
+    old.check_same_layout(new)?;
+    let header = DeltaHeader {
+        model_id: opts.model_id.clone(),
+        base_version: opts.base_version,
+        version: opts.version,
+        created_unix_ms: opts.created_unix_ms,
+        pre_digest: None,
+    };
+    let sink_err = |source| DeltaFileError::Io {
+        op: "write",
+        path: PathBuf::from("<delta output>"),
+        source,
+    };
+    let mut enc = DeltaEncoder::new(header, opts.encoder.clone());
+    let mut written = 0u64;
+    let mut emit = |b: &[u8],
+                    sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>|
+     -> Result<(), DeltaFileError> {
+        written += b.len() as u64;
+        sink(b).map_err(sink_err)
+    };
+    emit(&enc.file_header(), sink)?;
+    let chunk = opts.chunk_elems.max(1);
+    let mut a = vec![0u16; chunk];
+    let mut b = vec![0u16; chunk];
+    let mut scanned = 0u64;
+    for (to, tn) in old.tensors().iter().zip(new.tensors()) {
+        enc.begin_tensor(&to.name, &to.shape);
+        let numel = to.numel();
+        let mut hasher = opts.tensor_hashes.then(blake3::Hasher::new);
+        let mut start = 0u64;
+        while start < numel {
+            let n = (numel - start).min(chunk as u64) as usize;
+            old.read_bf16(to, start, &mut a[..n])?;
+            new.read_bf16(tn, start, &mut b[..n])?;
+            if let Some(h) = hasher.as_mut() {
+                h.update(bytemuck::cast_slice(&b[..n]));
+            }
+            for f in enc.push_range(&a[..n], &b[..n]) {
+                emit(&f.bytes, sink)?;
+            }
+            start += n as u64;
+            scanned += n as u64;
+            progress(scanned);
+        }
+        if let Some(h) = hasher {
+            enc.set_tensor_hash(*h.finalize().as_bytes());
+        }
+    }
+    let fin = enc.finish(opts.signing_key.as_ref());
+    for f in &fin.segments {
+        emit(&f.bytes, sink)?;
+    }
+    emit(&fin.manifest_frame, sink)?;
+    emit(&fin.trailer_frame, sink)?;
+    Ok((fin.manifest, written))
+}
+
+/// Diffs two checkpoints into a `.sdc` file, atomically.
+pub fn diff_to_file(
+    old: &Checkpoint,
+    new: &Checkpoint,
+    dest: &Path,
+    opts: &DiffOptions,
+    progress: &dyn Fn(u64),
+) -> Result<DiffSummary, DeltaFileError> {
+    let io = |op, source| DeltaFileError::Io {
+        op,
+        path: dest.to_owned(),
+        source,
+    };
+    let mut out = AtomicFile::create(dest).map_err(|e| io("create", e))?;
+    let (signed, delta_bytes) =
+        diff_checkpoints(old, new, opts, &mut |b| out.write_all(b), progress)?;
+    out.commit().map_err(|e| io("write", e))?;
+    Ok(DiffSummary {
+        dense_bf16_bytes: 2 * signed.manifest.total_elements(),
+        signed: signed.is_signed(),
+        manifest: signed.manifest,
+        delta_bytes,
+    })
+}
+
+/// One frame read from a stream, owned.
+#[derive(Debug, Clone)]
+pub struct OwnedFrame {
+    pub kind: FrameKind,
+    pub body: Vec<u8>,
+    pub hash: [u8; 32],
+}
+
+impl OwnedFrame {
+    pub fn as_frame(&self) -> Frame<'_> {
+        Frame {
+            kind: self.kind,
+            body: &self.body,
+            hash: self.hash,
+        }
+    }
+}
+
+/// Reads and verifies the frames of a `.sdc` one at a time (bounded memory per frame).
+#[derive(Debug)]
+pub struct FrameReader<R> {
+    r: R,
+    done: bool,
+    offset: u64,
+    manifest_at: Option<(u64, u64)>,
+    segments: u32,
+}
+
+impl<R: Read> FrameReader<R> {
+    /// Reads and checks the file header.
+    pub fn new(mut r: R) -> Result<Self, DecodeError> {
+        let mut h = [0u8; FILE_HEADER_LEN];
+        read_fully(&mut r, &mut h, "file header")?;
+        check_file_header(&h)?;
+        Ok(Self {
+            r,
+            done: false,
+            offset: FILE_HEADER_LEN as u64,
+            manifest_at: None,
+            segments: 0,
+        })
+    }
+
+    /// The next verified frame; `None` after a trailer that matches what came before it
+    /// and is followed by nothing.
+    pub fn next_frame(&mut self) -> Result<Option<OwnedFrame>, DecodeError> {
+        if self.done {
+            return Ok(None);
+        }
+        let mut h = [0u8; FRAME_HEADER_LEN];
+        read_fully(&mut self.r, &mut h, "frame header")?;
+        let (kind, total) = parse_frame_header(&h)?;
+        let mut body = vec![0u8; total - FRAME_HEADER_LEN - 32];
+        read_fully(&mut self.r, &mut body, "frame body")?;
+        let mut hash = [0u8; 32];
+        read_fully(&mut self.r, &mut hash, "frame hash")?;
+        if frame_hash(kind, &body) != hash {
+            return Err(DecodeError::HashMismatch { what: "frame" });
+        }
+        match kind {
+            FrameKind::Segment => self.segments += 1,
+            FrameKind::Manifest => self.manifest_at = Some((self.offset, total as u64)),
+            FrameKind::Trailer => {
+                let t = Trailer::decode_body(&body)?;
+                if Some((t.manifest_offset, t.manifest_frame_len)) != self.manifest_at
+                    || t.segment_count != self.segments
+                {
+                    return Err(DecodeError::Malformed {
+                        what: "trailer",
+                        detail: "does not match the frames before it".into(),
+                    });
+                }
+                let mut extra = [0u8; 1];
+                if self
+                    .r
+                    .read(&mut extra)
+                    .map_err(|_| DecodeError::Truncated {
+                        what: "end of file",
+                    })?
+                    != 0
+                {
+                    return Err(DecodeError::TrailingBytes {
+                        what: "delta checkpoint",
+                        trailing: 1,
+                    });
+                }
+                self.done = true;
+            }
+        }
+        self.offset += total as u64;
+        Ok(Some(OwnedFrame { kind, body, hash }))
+    }
+}
+
+fn read_fully(r: &mut impl Read, buf: &mut [u8], what: &'static str) -> Result<(), DecodeError> {
+    r.read_exact(buf)
+        .map_err(|_| DecodeError::Truncated { what })
+}
+
+/// Result of verifying or applying a delta.
+#[derive(Debug, Clone)]
+pub struct ApplySummary {
+    pub manifest: Manifest,
+    pub changes: u64,
+    pub post_digest: StateDigest,
+    pub tensors_hash_checked: usize,
+}
+
+/// Stages, seals and commits `delta` on `base` in memory; returns the new weights.
+pub fn apply_in_memory(
+    base: &Checkpoint,
+    delta: &Path,
+    trust: &TrustPolicy,
+    base_version: Option<u64>,
+) -> Result<
+    (
+        VersionedWeights<std::collections::BTreeMap<String, Vec<u16>>>,
+        ApplySummary,
+    ),
+    DeltaFileError,
+> {
+    let decode_err = |source| DeltaFileError::Decode {
+        path: delta.to_owned(),
+        source,
+    };
+    let file = File::open(delta).map_err(|source| DeltaFileError::Io {
+        op: "open",
+        path: delta.to_owned(),
+        source,
+    })?;
+    let mut frames =
+        FrameReader::new(BufReader::with_capacity(1 << 20, file)).map_err(decode_err)?;
+    // The manifest is the last frame but one; staging needs to know the model and base
+    // first, so read the frames, then stage them (segments are small next to the model).
+    let mut all = Vec::new();
+    while let Some(f) = frames.next_frame().map_err(decode_err)? {
+        all.push(f);
+    }
+    let manifest = all
+        .iter()
+        .find(|f| f.kind == FrameKind::Manifest)
+        .ok_or(StageError::NoManifest)
+        .and_then(|f| SignedManifest::decode_body(&f.body).map_err(StageError::from))?;
+    let model_id = manifest.manifest.model_id.clone();
+    let weights = base.read_all()?;
+    let names: Vec<String> = weights.keys().cloned().collect();
+    let digest = full_digest(&model_id, &weights, &names);
+    let version = base_version
+        .or(base.version())
+        .unwrap_or(manifest.manifest.base_version);
+    let mut state = VersionedWeights::new(&model_id, weights, version, digest);
+    let mut stager = state.stager();
+    for f in &all {
+        stager.stage_frame(f.as_frame(), state.weights())?;
+    }
+    let sealed = stager.seal(trust)?;
+    let m = sealed.manifest().clone();
+    let undo = state.commit(sealed)?;
+    // Audit: full BLAKE3 of every tensor the manifest carries a hash for.
+    let mut checked = 0;
+    for t in &m.tensors {
+        if let (Some(expected), Some(data)) = (t.post_blake3, state.weights().get(&t.name)) {
+            let actual = blake3::hash(bytemuck::cast_slice(data));
+            if *actual.as_bytes() != expected {
+                return Err(DeltaFileError::TensorHashMismatch {
+                    name: t.name.clone(),
+                    expected: hex(&expected),
+                    actual: actual.to_hex().to_string(),
+                });
+            }
+            checked += 1;
+        }
+    }
+    let summary = ApplySummary {
+        changes: undo.changes() as u64,
+        post_digest: state.digest(),
+        tensors_hash_checked: checked,
+        manifest: m,
+    };
+    Ok((state, summary))
+}
+
+/// Applies `delta` to `base` and writes the result to `dest` atomically.
+pub fn apply_to_file(
+    base: &Checkpoint,
+    delta: &Path,
+    dest: &Path,
+    trust: &TrustPolicy,
+    base_version: Option<u64>,
+) -> Result<ApplySummary, DeltaFileError> {
+    let (state, summary) = apply_in_memory(base, delta, trust, base_version)?;
+    let io = |source| DeltaFileError::Io {
+        op: "write",
+        path: dest.to_owned(),
+        source,
+    };
+    let layout: Vec<(String, Vec<u64>)> = base
+        .tensors()
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone()))
+        .collect();
+    let mut w =
+        SafetensorsWriter::create(dest, &layout, Some(summary.manifest.version)).map_err(io)?;
+    for data in state.weights().values() {
+        w.write(data).map_err(io)?;
+    }
+    w.finish().map_err(io)?;
+    Ok(summary)
+}
+
+/// Reads only the manifest of a `.sdc` (verifying every frame on the way).
+pub fn read_manifest(delta: &Path) -> Result<(SignedManifest, Vec<OwnedFrame>), DeltaFileError> {
+    let decode_err = |source| DeltaFileError::Decode {
+        path: delta.to_owned(),
+        source,
+    };
+    let file = File::open(delta).map_err(|source| DeltaFileError::Io {
+        op: "open",
+        path: delta.to_owned(),
+        source,
+    })?;
+    let mut frames =
+        FrameReader::new(BufReader::with_capacity(1 << 20, file)).map_err(decode_err)?;
+    let mut segs = Vec::new();
+    let mut manifest = None;
+    while let Some(f) = frames.next_frame().map_err(decode_err)? {
+        match f.kind {
+            FrameKind::Manifest => {
+                manifest = Some(SignedManifest::decode_body(&f.body).map_err(decode_err)?)
+            }
+            FrameKind::Segment => segs.push(f),
+            FrameKind::Trailer => {}
+        }
+    }
+    let m = manifest.ok_or(StageError::NoManifest)?;
+    Ok((m, segs))
+}

@@ -1,0 +1,361 @@
+//! Reading safetensors checkpoints: one file, or a directory sharded with
+//! `model.safetensors.index.json`, as one name-sorted list of tensors.
+//!
+//! Nothing is mapped or loaded whole: [`Checkpoint::read_bf16`] reads a range of a tensor
+//! with positional reads into a caller's buffer, so a diff over a multi-GB pair keeps its
+//! memory to a few buffers. Headers are validated before any offset is trusted.
+
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use starling_proto::bf16::{f16_to_bf16, f32_to_bf16};
+use thiserror::Error;
+
+/// The `__metadata__` key under which Starling records a checkpoint's version.
+pub const VERSION_KEY: &str = "starling_version";
+
+/// Largest safetensors header accepted (the format itself caps it at 100 MB).
+const MAX_HEADER: u64 = 100 << 20;
+
+/// Why a checkpoint could not be read.
+#[derive(Debug, Error)]
+pub enum CheckpointError {
+    #[error("read {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path} is not a valid safetensors file: {detail}")]
+    Invalid { path: PathBuf, detail: String },
+    #[error("tensor {name} has dtype {dtype}; only BF16, F16 and F32 can be turned into BF16")]
+    UnsupportedDtype { name: String, dtype: String },
+    #[error(
+        "{path}: no model.safetensors.index.json, model.safetensors or *.safetensors file in this directory"
+    )]
+    NoWeights { path: PathBuf },
+    #[error("checkpoints differ in layout: {0}")]
+    LayoutMismatch(String),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
+    move |source| CheckpointError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// Element type stored in the file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceDtype {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl SourceDtype {
+    pub fn size(self) -> u64 {
+        match self {
+            Self::Bf16 | Self::F16 => 2,
+            Self::F32 => 4,
+        }
+    }
+}
+
+/// Where one tensor lives.
+#[derive(Debug, Clone)]
+pub struct TensorInfo {
+    pub name: String,
+    pub dtype: SourceDtype,
+    pub shape: Vec<u64>,
+    file: usize,
+    /// Absolute byte offset of the first element in the file.
+    offset: u64,
+}
+
+impl TensorInfo {
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+}
+
+/// An opened checkpoint.
+#[derive(Debug)]
+pub struct Checkpoint {
+    files: Vec<(PathBuf, File)>,
+    tensors: Vec<TensorInfo>,
+    version: Option<u64>,
+}
+
+impl Checkpoint {
+    /// Opens a `.safetensors` file, or a directory with `model.safetensors.index.json`
+    /// (sharded), `model.safetensors`, or exactly the `*.safetensors` files in it.
+    pub fn open(path: &Path) -> Result<Self, CheckpointError> {
+        let files: Vec<PathBuf> = if path.is_dir() {
+            let index = path.join("model.safetensors.index.json");
+            if index.exists() {
+                shards_from_index(&index)?
+            } else if path.join("model.safetensors").exists() {
+                vec![path.join("model.safetensors")]
+            } else {
+                let mut v: Vec<PathBuf> = std::fs::read_dir(path)
+                    .map_err(io_err(path))?
+                    .filter_map(|e| e.ok().map(|e| e.path()))
+                    .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+                    .collect();
+                v.sort();
+                if v.is_empty() {
+                    return Err(CheckpointError::NoWeights {
+                        path: path.to_owned(),
+                    });
+                }
+                v
+            }
+        } else {
+            vec![path.to_owned()]
+        };
+        let mut opened = Vec::with_capacity(files.len());
+        let mut tensors = Vec::new();
+        let mut version = None;
+        for (i, f) in files.into_iter().enumerate() {
+            let file = File::open(&f).map_err(io_err(&f))?;
+            let (t, v) = parse_header(&f, &file, i)?;
+            tensors.extend(t);
+            version = version.or(v);
+            opened.push((f, file));
+        }
+        tensors.sort_by(|a, b| a.name.cmp(&b.name));
+        if let Some(w) = tensors.windows(2).find(|w| w[0].name == w[1].name) {
+            return Err(CheckpointError::Invalid {
+                path: path.to_owned(),
+                detail: format!("tensor {} appears twice", w[0].name),
+            });
+        }
+        Ok(Self {
+            files: opened,
+            tensors,
+            version,
+        })
+    }
+
+    /// The Starling version recorded in the file's `__metadata__` (`starling_version`),
+    /// when a Starling tool wrote it.
+    pub fn version(&self) -> Option<u64> {
+        self.version
+    }
+
+    /// Tensors sorted by name.
+    pub fn tensors(&self) -> &[TensorInfo] {
+        &self.tensors
+    }
+
+    pub fn tensor(&self, name: &str) -> Option<&TensorInfo> {
+        self.tensors
+            .binary_search_by(|t| t.name.as_str().cmp(name))
+            .ok()
+            .map(|i| &self.tensors[i])
+    }
+
+    /// Total elements.
+    pub fn numel(&self) -> u64 {
+        self.tensors.iter().map(TensorInfo::numel).sum()
+    }
+
+    /// Reads elements `[start, start + out.len())` of `t` as BF16 bits into `out`.
+    pub fn read_bf16(
+        &self,
+        t: &TensorInfo,
+        start: u64,
+        out: &mut [u16],
+    ) -> Result<(), CheckpointError> {
+        let (path, file) = &self.files[t.file];
+        let n = out.len();
+        let at = t.offset + start * t.dtype.size();
+        match t.dtype {
+            SourceDtype::Bf16 => {
+                file.read_exact_at(bytemuck::cast_slice_mut(out), at)
+                    .map_err(io_err(path))?;
+            }
+            SourceDtype::F16 => {
+                file.read_exact_at(bytemuck::cast_slice_mut(out), at)
+                    .map_err(io_err(path))?;
+                for v in out.iter_mut() {
+                    *v = f16_to_bf16(*v);
+                }
+            }
+            SourceDtype::F32 => {
+                let mut buf = vec![0u32; n];
+                file.read_exact_at(bytemuck::cast_slice_mut(&mut buf), at)
+                    .map_err(io_err(path))?;
+                for (o, w) in out.iter_mut().zip(&buf) {
+                    *o = f32_to_bf16(f32::from_bits(*w));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads a whole tensor as BF16 bits.
+    pub fn read_tensor(&self, t: &TensorInfo) -> Result<Vec<u16>, CheckpointError> {
+        let mut v = vec![0u16; t.numel() as usize];
+        self.read_bf16(t, 0, &mut v)?;
+        Ok(v)
+    }
+
+    /// Reads every tensor into memory (small models, tests, `delta apply`).
+    pub fn read_all(&self) -> Result<BTreeMap<String, Vec<u16>>, CheckpointError> {
+        self.tensors
+            .iter()
+            .map(|t| Ok((t.name.clone(), self.read_tensor(t)?)))
+            .collect()
+    }
+
+    /// Checks that `other` has exactly the same tensor names and shapes.
+    pub fn check_same_layout(&self, other: &Checkpoint) -> Result<(), CheckpointError> {
+        if self.tensors.len() != other.tensors.len() {
+            return Err(CheckpointError::LayoutMismatch(format!(
+                "{} tensors vs {}",
+                self.tensors.len(),
+                other.tensors.len()
+            )));
+        }
+        for (a, b) in self.tensors.iter().zip(&other.tensors) {
+            if a.name != b.name {
+                return Err(CheckpointError::LayoutMismatch(format!(
+                    "tensor {} vs {}",
+                    a.name, b.name
+                )));
+            }
+            if a.shape != b.shape {
+                return Err(CheckpointError::LayoutMismatch(format!(
+                    "tensor {} has shape {:?} vs {:?}",
+                    a.name, a.shape, b.shape
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn shards_from_index(index: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let text = std::fs::read_to_string(index).map_err(io_err(index))?;
+    let invalid = |detail: String| CheckpointError::Invalid {
+        path: index.to_owned(),
+        detail,
+    };
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+    let map = v
+        .get("weight_map")
+        .and_then(|m| m.as_object())
+        .ok_or_else(|| invalid("no weight_map object".into()))?;
+    let dir = index.parent().unwrap_or(Path::new("."));
+    let mut shards: Vec<String> = map
+        .values()
+        .filter_map(|f| f.as_str().map(str::to_owned))
+        .collect();
+    if shards.len() != map.len() {
+        return Err(invalid("weight_map values must be file names".into()));
+    }
+    shards.sort();
+    shards.dedup();
+    for s in &shards {
+        if s.contains('/') || s.contains("..") {
+            return Err(invalid(format!("shard name {s} leaves the directory")));
+        }
+    }
+    Ok(shards.into_iter().map(|s| dir.join(s)).collect())
+}
+
+type Header = (Vec<TensorInfo>, Option<u64>);
+
+fn parse_header(path: &Path, file: &File, file_idx: usize) -> Result<Header, CheckpointError> {
+    let invalid = |detail: String| CheckpointError::Invalid {
+        path: path.to_owned(),
+        detail,
+    };
+    let file_len = file.metadata().map_err(io_err(path))?.len();
+    let mut len_bytes = [0u8; 8];
+    file.read_exact_at(&mut len_bytes, 0)
+        .map_err(|_| invalid("shorter than its 8-byte header length".into()))?;
+    let header_len = u64::from_le_bytes(len_bytes);
+    if header_len > MAX_HEADER || 8 + header_len > file_len {
+        return Err(invalid(format!(
+            "header length {header_len} does not fit the file of {file_len} bytes"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact_at(&mut header, 8).map_err(io_err(path))?;
+    let v: serde_json::Value =
+        serde_json::from_slice(&header).map_err(|e| invalid(format!("header JSON: {e}")))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| invalid("header is not a JSON object".into()))?;
+    let data_start = 8 + header_len;
+    let mut out = Vec::with_capacity(obj.len());
+    let mut version = None;
+    for (name, info) in obj {
+        if name == "__metadata__" {
+            version = info
+                .get(VERSION_KEY)
+                .and_then(|v| v.as_str())
+                .and_then(|v| v.parse().ok());
+            continue;
+        }
+        let dtype_s = info
+            .get("dtype")
+            .and_then(|d| d.as_str())
+            .ok_or_else(|| invalid(format!("{name}: no dtype")))?;
+        let dtype = match dtype_s {
+            "BF16" => SourceDtype::Bf16,
+            "F16" => SourceDtype::F16,
+            "F32" => SourceDtype::F32,
+            other => {
+                return Err(CheckpointError::UnsupportedDtype {
+                    name: name.clone(),
+                    dtype: other.to_owned(),
+                });
+            }
+        };
+        let shape: Vec<u64> = info
+            .get("shape")
+            .and_then(|s| s.as_array())
+            .ok_or_else(|| invalid(format!("{name}: no shape")))?
+            .iter()
+            .map(|d| {
+                d.as_u64()
+                    .ok_or_else(|| invalid(format!("{name}: bad dimension")))
+            })
+            .collect::<Result<_, _>>()?;
+        let offs = info
+            .get("data_offsets")
+            .and_then(|s| s.as_array())
+            .filter(|a| a.len() == 2)
+            .and_then(|a| Some((a[0].as_u64()?, a[1].as_u64()?)))
+            .ok_or_else(|| invalid(format!("{name}: bad data_offsets")))?;
+        let numel = shape
+            .iter()
+            .try_fold(1u64, |a, &d| a.checked_mul(d))
+            .ok_or_else(|| invalid(format!("{name}: shape overflows")))?;
+        let bytes = numel
+            .checked_mul(dtype.size())
+            .ok_or_else(|| invalid(format!("{name}: size overflows")))?;
+        if offs.1 < offs.0
+            || offs.1 - offs.0 != bytes
+            || data_start.checked_add(offs.1).is_none_or(|e| e > file_len)
+        {
+            return Err(invalid(format!(
+                "{name}: data_offsets {offs:?} do not match its shape or the file"
+            )));
+        }
+        out.push(TensorInfo {
+            name: name.clone(),
+            dtype,
+            shape,
+            file: file_idx,
+            offset: data_start + offs.0,
+        });
+    }
+    Ok((out, version))
+}

@@ -1,0 +1,488 @@
+//! A deterministic generator of consecutive BF16 checkpoints that behave like RL
+//! post-training.
+//!
+//! Each element has an FP32 master weight drawn with a magnitude spread typical of its
+//! tensor kind (embeddings, attention, MLP, norms, biases; per-row scales log-normal, a
+//! heavy tail of outliers). Every step applies a real Adam update (β₁ 0.9, β₂ 0.999,
+//! ε 1e-8, bias correction) driven by a gradient with a small persistent mean and a large
+//! per-step noise — RL policy gradients are noisy — at the chosen learning rate (optimizer state warm, as after pre-training and SFT), then casts
+//! to BF16 with round-to-nearest-even. The fraction of BF16 elements that change per step
+//! is *not* imposed: it emerges from update size versus each weight's ULP, as it does in
+//! real training (small weights change more often; norms near 1.0 rarely).
+//!
+//! Everything is a pure function of (seed, tensor, chunk, step), so chunks are generated in
+//! parallel and written in place: N+1 checkpoints of any size are produced in one pass
+//! with memory bounded by a few chunk buffers per thread.
+
+use std::collections::BTreeMap;
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+use rayon::prelude::*;
+use starling_proto::bf16::f32_to_bf16;
+
+/// What role a tensor plays; sets its initial magnitude.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Embedding,
+    Attention,
+    AttentionOut,
+    MlpIn,
+    MlpOut,
+    Norm,
+    Bias,
+    LmHead,
+}
+
+impl Kind {
+    /// Standard deviation of the initial weights (Qwen/Llama-like trained magnitudes).
+    fn std(self) -> f32 {
+        match self {
+            Kind::Embedding => 0.03,
+            Kind::Attention => 0.06,
+            Kind::AttentionOut => 0.04,
+            Kind::MlpIn => 0.05,
+            Kind::MlpOut => 0.036,
+            Kind::Norm => 0.1,
+            Kind::Bias => 0.1,
+            Kind::LmHead => 0.04,
+        }
+    }
+}
+
+/// One tensor of a model.
+#[derive(Debug, Clone)]
+pub struct TensorSpec {
+    pub name: String,
+    pub shape: Vec<u64>,
+    pub kind: Kind,
+}
+
+impl TensorSpec {
+    pub fn numel(&self) -> u64 {
+        self.shape.iter().product()
+    }
+    fn row_len(&self) -> u64 {
+        self.shape.last().copied().unwrap_or(1).max(1)
+    }
+}
+
+/// A model: tensors sorted by name.
+#[derive(Debug, Clone)]
+pub struct ModelSpec {
+    pub name: String,
+    pub tensors: Vec<TensorSpec>,
+}
+
+impl ModelSpec {
+    /// A Qwen2/Llama-style decoder: embeddings, per layer RMSNorms, q/k/v (with bias) and o
+    /// projections with grouped KV heads, gate/up/down MLP, final norm and LM head.
+    pub fn qwen_like(
+        name: &str,
+        hidden: u64,
+        layers: u64,
+        intermediate: u64,
+        vocab: u64,
+        heads: u64,
+        kv_heads: u64,
+    ) -> Self {
+        let hd = hidden / heads;
+        let mut t = vec![
+            spec(
+                "model.embed_tokens.weight",
+                &[vocab, hidden],
+                Kind::Embedding,
+            ),
+            spec("model.norm.weight", &[hidden], Kind::Norm),
+            spec("lm_head.weight", &[vocab, hidden], Kind::LmHead),
+        ];
+        for l in 0..layers {
+            let p = format!("model.layers.{l}");
+            t.push(spec(
+                &format!("{p}.input_layernorm.weight"),
+                &[hidden],
+                Kind::Norm,
+            ));
+            t.push(spec(
+                &format!("{p}.post_attention_layernorm.weight"),
+                &[hidden],
+                Kind::Norm,
+            ));
+            t.push(spec(
+                &format!("{p}.self_attn.q_proj.weight"),
+                &[heads * hd, hidden],
+                Kind::Attention,
+            ));
+            t.push(spec(
+                &format!("{p}.self_attn.q_proj.bias"),
+                &[heads * hd],
+                Kind::Bias,
+            ));
+            t.push(spec(
+                &format!("{p}.self_attn.k_proj.weight"),
+                &[kv_heads * hd, hidden],
+                Kind::Attention,
+            ));
+            t.push(spec(
+                &format!("{p}.self_attn.k_proj.bias"),
+                &[kv_heads * hd],
+                Kind::Bias,
+            ));
+            t.push(spec(
+                &format!("{p}.self_attn.v_proj.weight"),
+                &[kv_heads * hd, hidden],
+                Kind::Attention,
+            ));
+            t.push(spec(
+                &format!("{p}.self_attn.v_proj.bias"),
+                &[kv_heads * hd],
+                Kind::Bias,
+            ));
+            t.push(spec(
+                &format!("{p}.self_attn.o_proj.weight"),
+                &[hidden, heads * hd],
+                Kind::AttentionOut,
+            ));
+            t.push(spec(
+                &format!("{p}.mlp.gate_proj.weight"),
+                &[intermediate, hidden],
+                Kind::MlpIn,
+            ));
+            t.push(spec(
+                &format!("{p}.mlp.up_proj.weight"),
+                &[intermediate, hidden],
+                Kind::MlpIn,
+            ));
+            t.push(spec(
+                &format!("{p}.mlp.down_proj.weight"),
+                &[hidden, intermediate],
+                Kind::MlpOut,
+            ));
+        }
+        t.sort_by(|a, b| a.name.cmp(&b.name));
+        Self {
+            name: name.to_owned(),
+            tensors: t,
+        }
+    }
+
+    /// Named presets: `tiny` (~0.2 M parameters), `small` (~6 M), `100m` (~0.1 B),
+    /// `0.5b` (Qwen2.5-0.5B's shapes, ~0.5 B, 1 GB BF16), `1.5b` (Qwen2.5-1.5B's, 3.1 GB).
+    pub fn preset(name: &str) -> Option<Self> {
+        Some(match name {
+            "tiny" => Self::qwen_like(name, 64, 2, 176, 512, 4, 2),
+            "small" => Self::qwen_like(name, 256, 4, 704, 8192, 8, 2),
+            "100m" => Self::qwen_like(name, 640, 10, 1728, 32000, 10, 2),
+            "0.5b" => Self::qwen_like(name, 896, 24, 4864, 151_936, 14, 2),
+            "1.5b" => Self::qwen_like(name, 1536, 28, 8960, 151_936, 12, 2),
+            _ => return None,
+        })
+    }
+
+    pub const PRESETS: [&'static str; 5] = ["tiny", "small", "100m", "0.5b", "1.5b"];
+
+    pub fn numel(&self) -> u64 {
+        self.tensors.iter().map(TensorSpec::numel).sum()
+    }
+}
+
+fn spec(name: &str, shape: &[u64], kind: Kind) -> TensorSpec {
+    TensorSpec {
+        name: name.to_owned(),
+        shape: shape.to_vec(),
+        kind,
+    }
+}
+
+/// How training proceeds.
+#[derive(Debug, Clone, Copy)]
+pub struct TrainConfig {
+    pub seed: u64,
+    pub lr: f32,
+    /// Persistent gradient mean relative to the per-step noise (RL gradients: small).
+    pub signal_to_noise: f32,
+}
+
+impl Default for TrainConfig {
+    fn default() -> Self {
+        Self {
+            seed: 0,
+            lr: 3e-6,
+            signal_to_noise: 0.2,
+        }
+    }
+}
+
+/// Elements generated per work item.
+const CHUNK: u64 = 1 << 20;
+
+/// SplitMix64: tiny, fast, and stable forever (no dependency whose stream could change).
+#[derive(Debug, Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn new(parts: &[u64]) -> Self {
+        let mut s = 0x5851_F42D_4C95_7F2Du64;
+        for &p in parts {
+            s = mix64(s ^ p);
+        }
+        Self(s)
+    }
+    #[inline]
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        mix64(self.0)
+    }
+    #[inline]
+    fn uniform(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 + 0.5) / (1u64 << 24) as f32
+    }
+    /// Standard normal (Box–Muller).
+    fn normal(&mut self) -> f32 {
+        let u = self.uniform();
+        let v = self.uniform();
+        (-2.0 * u.ln()).sqrt() * (std::f32::consts::TAU * v).cos()
+    }
+    /// Approximately normal, cheap (Irwin–Hall of four 16-bit uniforms; tails at ±3.5σ).
+    #[inline]
+    fn fast_normal(&mut self) -> f32 {
+        let r = self.next();
+        let s = (r & 0xFFFF) + ((r >> 16) & 0xFFFF) + ((r >> 32) & 0xFFFF) + (r >> 48);
+        (s as f32 / 65536.0 - 2.0) * 1.732_050_8
+    }
+}
+
+#[inline]
+fn mix64(mut z: u64) -> u64 {
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Generates the BF16 bits of elements `[start, start + len)` of tensor `ti` at every step
+/// `0..=steps`, calling `emit(step, bits)` for each step in order.
+pub fn generate_chunk(
+    model: &ModelSpec,
+    ti: usize,
+    start: u64,
+    len: usize,
+    steps: u32,
+    cfg: &TrainConfig,
+    emit: &mut dyn FnMut(u32, &[u16]),
+) {
+    let t = &model.tensors[ti];
+    let row_len = t.row_len();
+    let mut init = Rng::new(&[cfg.seed, ti as u64, start, 0]);
+    let mut w = vec![0f32; len];
+    let mut mu = vec![0f32; len];
+    for (i, (wi, mi)) in w.iter_mut().zip(mu.iter_mut()).enumerate() {
+        let row = (start + i as u64) / row_len;
+        let mut row_rng = Rng::new(&[cfg.seed, ti as u64, row, 1]);
+        let row_scale = (0.25 * row_rng.normal()).exp();
+        let z = init.normal();
+        let tail = if init.uniform() < 0.01 { 4.0 } else { 1.0 };
+        *wi = match t.kind {
+            Kind::Norm => 1.0 + t.kind.std() * z * row_scale,
+            k => k.std() * row_scale * z * tail,
+        };
+        *mi = cfg.signal_to_noise * init.normal();
+    }
+    // Post-training starts from a warmed-up optimizer: m and v at their steady state for
+    // this gradient (mean g·μ, noise g), bias correction long since ≈ 1. A cold start
+    // would make the first steps move every weight by exactly ±lr.
+    let (b1, b2, eps) = (0.9f32, 0.999f32, 1e-8f32);
+    // Gradient scale: irrelevant to Adam's step size except against ε; typical magnitude.
+    let g_scale = 1e-3f32;
+    let mut warm = Rng::new(&[cfg.seed, ti as u64, start, 3]);
+    let m_noise = ((1.0 - b1) / (1.0 + b1)).sqrt();
+    let mut m: Vec<f32> = mu
+        .iter()
+        .map(|&u| g_scale * (u + m_noise * warm.normal()))
+        .collect();
+    let mut v: Vec<f32> = mu
+        .iter()
+        .map(|&u| g_scale * g_scale * (1.0 + u * u))
+        .collect();
+    let mut out: Vec<u16> = w.iter().map(|&x| f32_to_bf16(x)).collect();
+    emit(0, &out);
+    for step in 1..=steps {
+        let mut noise = Rng::new(&[cfg.seed, ti as u64, start, 4 + u64::from(step)]);
+        for i in 0..len {
+            let g = g_scale * (mu[i] + noise.fast_normal());
+            m[i] = b1 * m[i] + (1.0 - b1) * g;
+            v[i] = b2 * v[i] + (1.0 - b2) * g * g;
+            w[i] -= cfg.lr * m[i] / (v[i].sqrt() + eps);
+            out[i] = f32_to_bf16(w[i]);
+        }
+        emit(step, &out);
+    }
+}
+
+/// Generates every step of a model in memory (small models: tests, benches).
+pub fn generate_in_memory(
+    model: &ModelSpec,
+    steps: u32,
+    cfg: &TrainConfig,
+) -> Vec<BTreeMap<String, Vec<u16>>> {
+    let mut out: Vec<BTreeMap<String, Vec<u16>>> = (0..=steps)
+        .map(|_| {
+            model
+                .tensors
+                .iter()
+                .map(|t| (t.name.clone(), vec![0u16; t.numel() as usize]))
+                .collect()
+        })
+        .collect();
+    let work = chunks(model);
+    let results: Vec<(usize, u64, Vec<Vec<u16>>)> = work
+        .par_iter()
+        .map(|&(ti, start, len)| {
+            let mut per_step = Vec::with_capacity(steps as usize + 1);
+            generate_chunk(model, ti, start, len, steps, cfg, &mut |_, bits| {
+                per_step.push(bits.to_vec())
+            });
+            (ti, start, per_step)
+        })
+        .collect();
+    for (ti, start, per_step) in results {
+        let name = &model.tensors[ti].name;
+        for (s, bits) in per_step.into_iter().enumerate() {
+            if let Some(t) = out[s].get_mut(name) {
+                t[start as usize..start as usize + bits.len()].copy_from_slice(&bits);
+            }
+        }
+    }
+    out
+}
+
+fn chunks(model: &ModelSpec) -> Vec<(usize, u64, usize)> {
+    let mut v = Vec::new();
+    for (ti, t) in model.tensors.iter().enumerate() {
+        let mut s = 0;
+        while s < t.numel() {
+            let n = (t.numel() - s).min(CHUNK);
+            v.push((ti, s, n as usize));
+            s += n;
+        }
+    }
+    v
+}
+
+/// File name of step `s` in a generated directory.
+pub fn step_file(dir: &Path, step: u32) -> PathBuf {
+    dir.join(format!("step-{step:04}.safetensors"))
+}
+
+/// Writes `steps + 1` consecutive checkpoints (`step-0000.safetensors` …) into `dir`,
+/// in one pass with bounded memory. `progress` is told the elements done.
+pub fn generate_to_dir(
+    model: &ModelSpec,
+    steps: u32,
+    cfg: &TrainConfig,
+    dir: &Path,
+    progress: &(dyn Fn(u64) + Sync),
+) -> std::io::Result<Vec<PathBuf>> {
+    std::fs::create_dir_all(dir)?;
+    let layout: Vec<(String, Vec<u64>)> = model
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.shape.clone()))
+        .collect();
+    let mut data_start = 0u64;
+    let mut files = Vec::new();
+    let mut paths = Vec::new();
+    for s in 0..=steps {
+        let path = step_file(dir, s);
+        // Write the header through the safetensors writer's layout logic, then fill data
+        // in place: create the file with its header and final length.
+        let (header, data_len) = header_bytes(&layout, u64::from(s));
+        std::fs::write(&path, &header)?;
+        let f = OpenOptions::new().write(true).open(&path)?;
+        f.set_len(header.len() as u64 + data_len)?;
+        data_start = header.len() as u64;
+        files.push(f);
+        paths.push(path);
+    }
+    let mut offsets = Vec::with_capacity(model.tensors.len());
+    let mut off = 0u64;
+    for t in &model.tensors {
+        offsets.push(off);
+        off += 2 * t.numel();
+    }
+    let done = std::sync::atomic::AtomicU64::new(0);
+    chunks(model)
+        .par_iter()
+        .try_for_each(|&(ti, start, len)| -> std::io::Result<()> {
+            let mut result = Ok(());
+            generate_chunk(model, ti, start, len, steps, cfg, &mut |s, bits| {
+                if result.is_ok() {
+                    let at = data_start + offsets[ti] + 2 * start;
+                    result = files[s as usize].write_all_at(bytemuck::cast_slice(bits), at);
+                }
+            });
+            let d = done.fetch_add(len as u64, std::sync::atomic::Ordering::Relaxed) + len as u64;
+            progress(d);
+            result
+        })?;
+    for f in &files {
+        f.sync_all()?;
+    }
+    Ok(paths)
+}
+
+/// A safetensors header for `layout` (sorted by name), padded to 8 bytes, and data length.
+fn header_bytes(layout: &[(String, Vec<u64>)], version: u64) -> (Vec<u8>, u64) {
+    let mut header = serde_json::Map::new();
+    header.insert(
+        "__metadata__".into(),
+        serde_json::json!({"format": "pt", "producer": "starling bench gen", crate::safetensors::VERSION_KEY: version.to_string()}),
+    );
+    let mut off = 0u64;
+    for (name, shape) in layout {
+        let n: u64 = shape.iter().product();
+        header.insert(name.clone(), serde_json::json!({"dtype": "BF16", "shape": shape, "data_offsets": [off, off + 2 * n]}));
+        off += 2 * n;
+    }
+    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap_or_default();
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    (out, off)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generation_is_deterministic_and_density_emerges_in_the_rl_range() {
+        let model = ModelSpec::preset("small").expect("preset");
+        let cfg = TrainConfig {
+            seed: 3,
+            ..TrainConfig::default()
+        };
+        let a = generate_in_memory(&model, 3, &cfg);
+        let b = generate_in_memory(&model, 3, &cfg);
+        assert_eq!(a, b, "same seed, same bits");
+        let total: usize = a[0].values().map(Vec::len).sum();
+        let changed: usize = a[2]
+            .iter()
+            .map(|(n, v)| v.iter().zip(&a[3][n]).filter(|(x, y)| x != y).count())
+            .sum();
+        let density = changed as f64 / total as f64;
+        assert!((0.001..0.05).contains(&density), "density {density}");
+        // Norm weights (near 1.0, coarse ULP) change far less often than matrices.
+        let norm = &a[2]["model.norm.weight"];
+        let norm_changed = norm
+            .iter()
+            .zip(&a[3]["model.norm.weight"])
+            .filter(|(x, y)| x != y)
+            .count();
+        assert!((norm_changed as f64 / norm.len() as f64) < density);
+        let other = generate_in_memory(&model, 1, &TrainConfig { seed: 4, ..cfg });
+        assert_ne!(other[0], a[0], "another seed, other weights");
+    }
+}
