@@ -1,1 +1,476 @@
-fn main() {}
+//! Side-by-side benchmark of Starling's delta codec.
+//!
+//! For each learning rate it generates a consecutive checkpoint pair with the workload
+//! generator and measures, in the same run and on the same bytes:
+//! - encoded size of Starling and of the peers' encodings (implemented here from their
+//!   papers' descriptions), and the empirical entropy bounds;
+//! - diff+encode throughput (dense GB/s scanned) on 1 thread and on all threads, next to
+//!   a plain two-buffer compare loop over the same bytes;
+//! - decode (staging) speed, commit-time apply next to a bare scatter of the same pairs,
+//!   and the digest update cost per change.
+//!
+//! `cargo run --release -p starling-benches --bin codec-bench -- --help`
+
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use rayon::prelude::*;
+use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_in_memory};
+use starling_proto::apply::{VersionedWeights, full_digest, scatter};
+use starling_proto::codec::value::ulp_step_zigzag;
+use starling_proto::container::read_delta;
+use starling_proto::diff::{count_differences, diff_range};
+use starling_proto::digest::DigestKey;
+use starling_proto::encode::{DeltaHeader, EncoderConfig, encode_in_memory};
+use starling_proto::manifest::TrustPolicy;
+use starling_proto::wire::put_varint;
+
+#[derive(Parser, Debug)]
+#[command(about = "Starling codec benchmark: sizes vs peers and bounds, speed vs a compare loop")]
+struct Args {
+    /// Model preset of the workload generator (tiny, small, 100m, 0.5b, 1.5b).
+    #[arg(long, default_value = "100m")]
+    model: String,
+    /// Learning rates to generate pairs at.
+    #[arg(long, value_delimiter = ',', default_value = "1e-6,3e-6,1e-5")]
+    lrs: Vec<f32>,
+    /// Timed repetitions per measurement (the median is reported).
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+}
+
+type Model = BTreeMap<String, Vec<u16>>;
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let spec = ModelSpec::preset(&args.model).context("unknown model preset")?;
+    let threads = rayon::current_num_threads();
+    println!(
+        "# codec-bench: model {} ({:.1} M params, {:.1} MB BF16), {} threads, {} reps (median)\n",
+        spec.name,
+        spec.numel() as f64 / 1e6,
+        spec.numel() as f64 * 2.0 / 1e6,
+        threads,
+        args.reps
+    );
+    let row_lens: BTreeMap<String, usize> = spec
+        .tensors
+        .iter()
+        .map(|t| {
+            (
+                t.name.clone(),
+                t.shape.last().copied().unwrap_or(1) as usize,
+            )
+        })
+        .collect();
+    let mut size_rows = Vec::new();
+    let mut speed_rows = Vec::new();
+    for &lr in &args.lrs {
+        let steps = generate_in_memory(
+            &spec,
+            2,
+            &TrainConfig {
+                seed: args.seed,
+                lr,
+                ..TrainConfig::default()
+            },
+        );
+        let (old, new) = (&steps[1], &steps[2]);
+        size_rows.push(sizes(lr, old, new, &row_lens));
+        speed_rows.push(speeds(lr, old, new, args.reps, threads)?);
+    }
+    print_sizes(&size_rows);
+    print_speeds(&speed_rows, threads);
+    Ok(())
+}
+
+struct SizeRow {
+    lr: f32,
+    elements: u64,
+    changes: u64,
+    starling: usize,
+    naive: usize,
+    sparrow: usize,
+    pulse: usize,
+    slime: usize,
+    bound: f64,
+    bound_ctx: f64,
+}
+
+fn header(model: &Model) -> DeltaHeader {
+    let names: Vec<String> = model.keys().cloned().collect();
+    DeltaHeader {
+        model_id: "bench".into(),
+        base_version: 1,
+        version: 2,
+        created_unix_ms: 0,
+        pre_digest: Some(full_digest("bench", model, &names)),
+    }
+}
+
+fn tensors<'a>(old: &'a Model, new: &'a Model) -> Vec<(&'a str, Vec<u64>, &'a [u16], &'a [u16])> {
+    old.iter()
+        .map(|(n, o)| {
+            (
+                n.as_str(),
+                vec![o.len() as u64],
+                o.as_slice(),
+                new[n].as_slice(),
+            )
+        })
+        .collect()
+}
+
+fn zstd1(b: &[u8]) -> usize {
+    zstd::bulk::compress(b, 1)
+        .map(|c| c.len())
+        .unwrap_or(b.len())
+}
+
+/// `row_lens`: last dimension of each tensor, for the 2-D COO baseline.
+fn sizes(lr: f32, old: &Model, new: &Model, row_lens: &BTreeMap<String, usize>) -> SizeRow {
+    let (bytes, _) = encode_in_memory(
+        header(old),
+        EncoderConfig::default(),
+        &tensors(old, new),
+        None,
+    );
+    let mut naive = 0;
+    let mut sparrow = Vec::new();
+    let (mut p_rows, mut p_cols, mut p_vals) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut s_pos, mut s_vals) = (Vec::new(), Vec::new());
+    let mut changes = 0u64;
+    let mut elements = 0u64;
+    let mut mask_bits = 0f64;
+    let mut mask_ctx_bits = 0f64;
+    let mut residual_hist: BTreeMap<u16, u64> = BTreeMap::new();
+    for (name, o) in old {
+        let n = &new[name];
+        let d = diff_range(o, n);
+        elements += o.len() as u64;
+        changes += d.len() as u64;
+        naive += d.len() * 6;
+        // SparrowRL: delta-coded LEB128 indices (per tensor) + raw BF16 values.
+        let mut prev = 0u64;
+        for &p in &d.positions {
+            put_varint(&mut sparrow, p - prev);
+            prev = p;
+        }
+        for v in &d.new {
+            sparrow.extend_from_slice(&v.to_le_bytes());
+        }
+        // PULSE-style: per-tensor 2-D COO, uint8 row deltas (255 + u32 escape), uint16
+        // column deltas within a row (absolute at a new row), BF16 values; zstd-1 on top.
+        let cols = row_lens.get(name).copied().unwrap_or(o.len()).max(1);
+        let (mut pr, mut pc) = (0usize, 0usize);
+        for &p in &d.positions {
+            let (r, c) = (p as usize / cols, p as usize % cols);
+            let dr = r - pr;
+            if dr < 255 {
+                p_rows.push(dr as u8);
+            } else {
+                p_rows.push(255);
+                p_rows.extend_from_slice(&(dr as u32).to_le_bytes());
+            }
+            let dc = if dr == 0 { c - pc } else { c };
+            p_cols.extend_from_slice(&(dc as u16).to_le_bytes());
+            pr = r;
+            pc = c;
+        }
+        for v in &d.new {
+            p_vals.extend_from_slice(&v.to_le_bytes());
+        }
+        // slime-style: int32 flat positions + BF16 values, zstd-1.
+        for (&p, &v) in d.positions.iter().zip(&d.new) {
+            s_pos.extend_from_slice(&(p as u32).to_le_bytes());
+            s_vals.extend_from_slice(&v.to_le_bytes());
+        }
+        // Bounds: order-0 mask entropy per tensor; mask entropy given the base value's
+        // BF16 exponent; order-0 entropy of the ULP step over all changes.
+        mask_bits += o.len() as f64 * h2(d.len() as f64 / o.len() as f64);
+        let mut by_exp = [[0u64; 2]; 256];
+        let mut is_changed = vec![false; o.len()];
+        for &p in &d.positions {
+            is_changed[p as usize] = true;
+        }
+        for (v, &c) in o.iter().zip(&is_changed) {
+            by_exp[((v >> 7) & 0xFF) as usize][usize::from(c)] += 1;
+        }
+        for [u, c] in by_exp {
+            let t = (u + c) as f64;
+            if t > 0.0 {
+                mask_ctx_bits += t * h2(c as f64 / t);
+            }
+        }
+        for (&a, &b) in d.old.iter().zip(&d.new) {
+            *residual_hist.entry(ulp_step_zigzag(a, b)).or_default() += 1;
+        }
+    }
+    let total: u64 = residual_hist.values().sum();
+    let residual_bits: f64 = residual_hist
+        .values()
+        .map(|&c| -(c as f64) * (c as f64 / total as f64).log2())
+        .sum();
+    let mut pulse_all = p_rows;
+    pulse_all.extend_from_slice(&p_cols);
+    pulse_all.extend_from_slice(&p_vals);
+    let mut slime_all = s_pos;
+    slime_all.extend_from_slice(&s_vals);
+    SizeRow {
+        lr,
+        elements,
+        changes,
+        starling: bytes.len(),
+        naive,
+        sparrow: sparrow.len(),
+        pulse: zstd1(&pulse_all),
+        slime: zstd1(&slime_all),
+        bound: (mask_bits + residual_bits) / 8.0,
+        bound_ctx: (mask_ctx_bits + residual_bits) / 8.0,
+    }
+}
+
+fn h2(p: f64) -> f64 {
+    if p <= 0.0 || p >= 1.0 {
+        0.0
+    } else {
+        -(p * p.log2() + (1.0 - p) * (1.0 - p).log2())
+    }
+}
+
+fn print_sizes(rows: &[SizeRow]) {
+    println!("## Encoded size (bytes per changed element; whole-model totals in MB)\n");
+    println!(
+        "| lr | density | changes | naive i32+bf16 | SparrowRL | PULSE-style | slime-style | **Starling** | bound (mask+step) | bound (mask\\|exp + step) | vs SparrowRL | vs best baseline | vs bound |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let per = |b: f64| b / r.changes.max(1) as f64;
+        let best = r.naive.min(r.sparrow).min(r.pulse).min(r.slime) as f64;
+        println!(
+            "| {:.0e} | {:.2}% | {} | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | **{:.2} ({:.1})** | {:.2} | {:.2} | {:.2}× smaller | {:.2}× smaller | {:.2}× the bound |",
+            r.lr,
+            100.0 * r.changes as f64 / r.elements as f64,
+            r.changes,
+            per(r.naive as f64),
+            r.naive as f64 / 1e6,
+            per(r.sparrow as f64),
+            r.sparrow as f64 / 1e6,
+            per(r.pulse as f64),
+            r.pulse as f64 / 1e6,
+            per(r.slime as f64),
+            r.slime as f64 / 1e6,
+            per(r.starling as f64),
+            r.starling as f64 / 1e6,
+            per(r.bound),
+            per(r.bound_ctx),
+            r.sparrow as f64 / r.starling as f64,
+            best / r.starling as f64,
+            r.starling as f64 / r.bound,
+        );
+    }
+    let r = &rows[0];
+    println!(
+        "\nDense BF16 checkpoint: {:.1} MB.\n",
+        r.elements as f64 * 2.0 / 1e6
+    );
+}
+
+struct SpeedRow {
+    lr: f32,
+    dense_bytes: f64,
+    changes: u64,
+    compare_1: f64,
+    encode_1: f64,
+    compare_n: f64,
+    encode_n: f64,
+    sparrow_1: f64,
+    decode_1: f64,
+    commit: f64,
+    scatter: f64,
+    digest_ns: f64,
+    memcpy: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn time<T>(reps: usize, mut f: impl FnMut() -> T) -> f64 {
+    median(
+        (0..reps)
+            .map(|_| {
+                let t = Instant::now();
+                std::hint::black_box(f());
+                t.elapsed().as_secs_f64()
+            })
+            .collect(),
+    )
+}
+
+fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Result<SpeedRow> {
+    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
+    let all = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()?;
+    let ts = tensors(old, new);
+    let hdr = header(old);
+    let dense_bytes = 2.0 * 2.0 * old.values().map(Vec::len).sum::<usize>() as f64; // both buffers
+    let compare = || -> usize {
+        ts.par_iter()
+            .map(|(_, _, o, n)| {
+                o.par_chunks(1 << 22)
+                    .zip(n.par_chunks(1 << 22))
+                    .map(|(a, b)| count_differences(a, b))
+                    .sum::<usize>()
+            })
+            .sum()
+    };
+    let encode = || {
+        encode_in_memory(hdr.clone(), EncoderConfig::default(), &ts, None)
+            .0
+            .len()
+    };
+    let sparrow = || -> usize {
+        ts.par_iter()
+            .map(|(_, _, o, n)| {
+                let d = diff_range(o, n);
+                let mut out = Vec::with_capacity(d.len() * 4);
+                let mut prev = 0;
+                for &p in &d.positions {
+                    put_varint(&mut out, p - prev);
+                    prev = p;
+                }
+                for v in &d.new {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+                out.len()
+            })
+            .sum()
+    };
+    let memcpy_src: Vec<u16> = old.values().flatten().copied().collect();
+    let mut memcpy_dst = vec![0u16; memcpy_src.len()];
+    let memcpy = time(reps, || memcpy_dst.copy_from_slice(&memcpy_src));
+    let compare_1 = one.install(|| time(reps, compare));
+    let encode_1 = one.install(|| time(reps, encode));
+    let sparrow_1 = one.install(|| time(reps, sparrow));
+    let compare_n = all.install(|| time(reps, compare));
+    let encode_n = all.install(|| time(reps, encode));
+
+    // Decode = staging (verify, decode to absolute bits, gather undo log, digest change).
+    let (bytes, _) = encode_in_memory(hdr.clone(), EncoderConfig::default(), &ts, None);
+    let delta = read_delta(&bytes, &TrustPolicy::AnySigner)?;
+    let pre = hdr.pre_digest.unwrap_or_default();
+    let stage = |w: &VersionedWeights<Model>| -> Result<_> {
+        let mut st = w.stager();
+        for s in &delta.segments {
+            let e = &delta.manifest.manifest.segments[s.seq as usize];
+            st.stage_segment(s, e.hash, e.frame_len, w.weights())?;
+        }
+        st.stage_manifest(delta.manifest.clone())?;
+        Ok(st.seal(&TrustPolicy::AnySigner)?)
+    };
+    let w = VersionedWeights::new("bench", old.clone(), 1, pre);
+    let decode_1 = one.install(|| time(reps, || stage(&w).map(|_| ())));
+    // Commit vs bare scatter of the same pairs, each on a fresh copy of the base.
+    let mut commits = Vec::new();
+    let mut scatters = Vec::new();
+    let pairs: Vec<(String, Vec<u64>, Vec<u16>)> = old
+        .iter()
+        .map(|(n, o)| {
+            let d = diff_range(o, &new[n]);
+            (n.clone(), d.positions, d.new)
+        })
+        .collect();
+    for _ in 0..reps {
+        let mut w = VersionedWeights::new("bench", old.clone(), 1, pre);
+        let sealed = stage(&w)?;
+        let t = Instant::now();
+        let undo = w.commit(sealed)?;
+        commits.push(t.elapsed().as_secs_f64());
+        std::hint::black_box(undo);
+        let mut plain = old.clone();
+        let t = Instant::now();
+        for (n, p, v) in &pairs {
+            if let Some(x) = plain.get_mut(n) {
+                scatter(x, p, v);
+            }
+        }
+        scatters.push(t.elapsed().as_secs_f64());
+        std::hint::black_box(&plain);
+    }
+    let changes: u64 = pairs.iter().map(|p| p.1.len() as u64).sum();
+    // Digest update per change: h(old) and h(new) for every change.
+    let key = DigestKey::for_model("bench");
+    let diffs: Vec<(String, starling_proto::diff::RangeDiff)> = old
+        .iter()
+        .map(|(n, o)| (n.clone(), diff_range(o, &new[n])))
+        .collect();
+    let digest_only = time(reps, || {
+        diffs
+            .iter()
+            .map(|(n, d)| key.tensor(n).delta(0, &d.positions, &d.old, &d.new).0)
+            .fold(0u128, u128::wrapping_add)
+    });
+    Ok(SpeedRow {
+        lr,
+        dense_bytes,
+        changes,
+        compare_1,
+        encode_1,
+        compare_n,
+        encode_n,
+        sparrow_1,
+        decode_1,
+        commit: median(commits),
+        scatter: median(scatters),
+        digest_ns: digest_only * 1e9 / changes.max(1) as f64,
+        memcpy,
+    })
+}
+
+fn print_speeds(rows: &[SpeedRow], threads: usize) {
+    println!("## Speed (dense GB/s scanned = both checkpoints' bytes / time)\n");
+    println!(
+        "| lr | compare loop 1T | **diff+encode 1T** | ratio | SparrowRL diff+encode 1T | compare loop {threads}T | **diff+encode {threads}T** | ratio | scaling 1T→{threads}T | memcpy GB/s |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let g = |t: f64| r.dense_bytes / t / 1e9;
+        println!(
+            "| {:.0e} | {:.2} | **{:.2}** | {:.2} | {:.2} | {:.2} | **{:.2}** | {:.2} | {:.2}× | {:.2} |",
+            r.lr,
+            g(r.compare_1),
+            g(r.encode_1),
+            r.compare_1 / r.encode_1,
+            g(r.sparrow_1),
+            g(r.compare_n),
+            g(r.encode_n),
+            r.compare_n / r.encode_n,
+            r.encode_1 / r.encode_n,
+            r.dense_bytes / 2.0 / r.memcpy / 1e9 * 2.0,
+        );
+    }
+    println!("\n## Decode and apply\n");
+    println!(
+        "| lr | changes | staging (decode+verify+undo) 1T, ns/change | **commit apply**, ms | bare scatter, ms | commit / scatter | digest update, ns/change |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    for r in rows {
+        println!(
+            "| {:.0e} | {} | {:.1} | **{:.2}** | {:.2} | {:.2} | {:.1} |",
+            r.lr,
+            r.changes,
+            r.decode_1 * 1e9 / r.changes.max(1) as f64,
+            r.commit * 1e3,
+            r.scatter * 1e3,
+            r.commit / r.scatter,
+            r.digest_ns,
+        );
+    }
+}

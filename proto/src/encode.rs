@@ -71,6 +71,15 @@ pub struct FinishedDelta {
     pub trailer_frame: Vec<u8>,
 }
 
+/// One range of one tensor to encode.
+#[derive(Debug)]
+struct Work<'a> {
+    tensor: usize,
+    start: u64,
+    old: &'a [u16],
+    new: &'a [u16],
+}
+
 /// The encoder state of one delta.
 #[derive(Debug)]
 pub struct DeltaEncoder {
@@ -176,23 +185,82 @@ impl DeltaEncoder {
             "old and new ranges must be equally long"
         );
         let t = self.tensors.last().expect("begin_tensor before push_range");
-        let start = self.fed;
         assert!(
-            start + old.len() as u64 <= t.numel(),
+            self.fed + old.len() as u64 <= t.numel(),
             "range runs past tensor {}",
             t.name
         );
-        let name = t.name.clone();
-        let tkey = self.key.tensor(&name);
+        let work = vec![Work {
+            tensor: self.tensors.len() - 1,
+            start: self.fed,
+            old,
+            new,
+        }];
+        self.fed += old.len() as u64;
+        self.encode_work(work)
+    }
+
+    /// Diffs and codes several *whole* tensors at once, in parallel across tensors as well
+    /// as within them (many small tensors would otherwise leave cores idle). Names must be
+    /// ascending and follow the tensors fed before.
+    ///
+    /// # Panics
+    /// As [`begin_tensor`](Self::begin_tensor) and [`push_range`](Self::push_range).
+    pub fn push_tensors(
+        &mut self,
+        tensors: &[(&str, &[u64], &[u16], &[u16])],
+    ) -> Vec<SegmentFrame> {
+        let mut work = Vec::new();
+        for (name, shape, old, new) in tensors {
+            self.begin_tensor(name, shape);
+            assert_eq!(
+                old.len(),
+                new.len(),
+                "old and new ranges must be equally long"
+            );
+            assert_eq!(
+                old.len() as u64,
+                self.tensors.last().map_or(0, TensorEntry::numel),
+                "tensor {name} is not whole"
+            );
+            self.fed = old.len() as u64;
+            work.push(Work {
+                tensor: self.tensors.len() - 1,
+                start: 0,
+                old,
+                new,
+            });
+        }
+        self.encode_work(work)
+    }
+
+    fn encode_work(&mut self, work: Vec<Work<'_>>) -> Vec<SegmentFrame> {
         let part = self.cfg.part_elems as usize;
         let choice = &self.cfg.choice;
         let compute_pre = self.computed_pre.is_some();
-        let results: Vec<(Option<EncodedPart>, StateDigest, StateDigest)> = old
-            .par_chunks(part)
-            .zip(new.par_chunks(part))
+        let keys: Vec<_> = work
+            .iter()
+            .map(|w| self.key.tensor(&self.tensors[w.tensor].name))
+            .collect();
+        let names: Vec<&str> = work
+            .iter()
+            .map(|w| self.tensors[w.tensor].name.as_str())
+            .collect();
+        // Flatten into (work item, part) jobs so small tensors and big ones share the pool.
+        let jobs: Vec<(usize, usize)> = work
+            .iter()
             .enumerate()
-            .map(|(i, (o, n))| {
-                let s = start + (i * part) as u64;
+            .flat_map(|(wi, w)| (0..w.old.len().div_ceil(part)).map(move |pi| (wi, pi)))
+            .collect();
+        let results: Vec<(usize, Option<EncodedPart>, StateDigest, StateDigest)> = jobs
+            .par_iter()
+            .map(|&(wi, pi)| {
+                let w = &work[wi];
+                let lo = pi * part;
+                let hi = (lo + part).min(w.old.len());
+                let (o, n) = (&w.old[lo..hi], &w.new[lo..hi]);
+                let s = w.start + lo as u64;
+                let tkey = &keys[wi];
                 let pre = if compute_pre {
                     tkey.range(s, o)
                 } else {
@@ -200,25 +268,25 @@ impl DeltaEncoder {
                 };
                 let d = diff_range(o, n);
                 if d.is_empty() {
-                    return (None, StateDigest::default(), pre);
+                    return (w.tensor, None, StateDigest::default(), pre);
                 }
                 let digest = tkey.delta(s, &d.positions, &d.old, &d.new);
                 (
-                    Some(EncodedPart::encode(&name, s, o, n, &d, choice)),
+                    w.tensor,
+                    Some(EncodedPart::encode(names[wi], s, o, n, &d, choice)),
                     digest,
                     pre,
                 )
             })
             .collect();
-        self.fed += old.len() as u64;
         let mut out = Vec::new();
-        for (p, d, pre) in results {
+        for (ti, p, d, pre) in results {
             if let Some(c) = self.computed_pre.as_mut() {
                 c.merge(pre);
             }
             let Some(p) = p else { continue };
             self.change_digest.merge(d);
-            let t = self.tensors.last_mut().expect("tensor begun above");
+            let t = &mut self.tensors[ti];
             t.changes += p.changes;
             t.codec_mask |= p.codec_mask();
             self.pending_bytes += p.payload_len() + p.tensor.len() + 32;
@@ -331,12 +399,19 @@ pub fn encode_in_memory(
     order.sort_by_key(|&i| tensors[i].0);
     let mut enc = DeltaEncoder::new(header, cfg);
     let mut out = enc.file_header().to_vec();
-    for i in order {
-        let (name, shape, old, new) = &tensors[i];
-        enc.begin_tensor(name, shape);
-        for f in enc.push_range(old, new) {
-            out.extend_from_slice(&f.bytes);
-        }
+    let batch: Vec<(&str, &[u64], &[u16], &[u16])> = order
+        .iter()
+        .map(|&i| {
+            (
+                tensors[i].0,
+                tensors[i].1.as_slice(),
+                tensors[i].2,
+                tensors[i].3,
+            )
+        })
+        .collect();
+    for f in enc.push_tensors(&batch) {
+        out.extend_from_slice(&f.bytes);
     }
     let fin = enc.finish(signing_key);
     for f in &fin.segments {

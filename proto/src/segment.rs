@@ -59,7 +59,8 @@ pub struct CodecChoice {
 
 impl Default for CodecChoice {
     /// All codecs allowed; candidates that cannot win are skipped by cheap statistics:
-    /// the bitmap only from density 1/32, raw+zstd values only when over a quarter of the
+    /// the bitmap only from density 1/8 (below it Rice gaps are within a few percent of the
+    /// mask entropy and a bitmap pass costs more than the whole sparse encode), raw+zstd values only when over a quarter of the
     /// steps are beyond ±8 ULP, dense only from density 1/8. The exact-size candidates
     /// (LEB128 gaps, raw values) are sized without encoding.
     fn default() -> Self {
@@ -132,7 +133,7 @@ impl EncodedPart {
                 codec::index::encode(IndexCodec::Leb128GapsZstd, &diff.positions, len, level)
             });
         }
-        if allowed_i(IndexCodec::BitmapZstd) && (all || best_index.is_empty() || n * 32 >= len) {
+        if allowed_i(IndexCodec::BitmapZstd) && (all || best_index.is_empty() || n * 8 >= len) {
             best_index.offer(IndexCodec::BitmapZstd, || {
                 codec::index::encode(IndexCodec::BitmapZstd, &diff.positions, len, level)
             });

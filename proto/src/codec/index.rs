@@ -144,8 +144,8 @@ fn best_rice_k(xs: &[u64]) -> u32 {
     } else {
         (mean * std::f64::consts::LN_2).log2().floor().max(0.0) as i64
     };
-    let lo = (guess - 2).max(0) as u32;
-    let hi = (guess + 2).min(58) as u32;
+    let lo = guess.clamp(0, 58) as u32;
+    let hi = (guess + 1).min(58) as u32;
     (lo..=hi).min_by_key(|&k| rice_cost(xs, k)).unwrap_or(0)
 }
 

@@ -131,11 +131,32 @@ impl DenseCodec {
     }
 }
 
+thread_local! {
+    /// One compression context per thread and level: creating a context costs tens of
+    /// microseconds, more than coding a typical part.
+    static COMPRESSOR: std::cell::RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> =
+        const { std::cell::RefCell::new(None) };
+    static DECOMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+        const { std::cell::RefCell::new(None) };
+}
+
 /// zstd-compresses `data` at `level` (level 1 is the measured sweet spot for these payloads).
 pub(crate) fn zstd_compress(data: &[u8], level: i32) -> Vec<u8> {
-    // Compressing from memory into memory cannot fail for valid levels; fall back to an
-    // uncompressible marker length if the library ever reports an error.
-    zstd::bulk::compress(data, level).unwrap_or_else(|_| vec![0xff; data.len() + 64])
+    let fresh =
+        || zstd::bulk::compress(data, level).unwrap_or_else(|_| vec![0xff; data.len() + 64]);
+    COMPRESSOR.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.as_ref().is_none_or(|(l, _)| *l != level) {
+            *c = zstd::bulk::Compressor::new(level).ok().map(|z| (level, z));
+        }
+        match c.as_mut() {
+            // Compressing memory into memory cannot fail for a valid level; if the library
+            // ever reports an error, fall back to a one-shot call (and to an oversized
+            // marker that simply loses the size comparison).
+            Some((_, z)) => z.compress(data).unwrap_or_else(|_| fresh()),
+            None => fresh(),
+        }
+    })
 }
 
 /// zstd-decompresses `data`, refusing output larger than `max_out` bytes.
@@ -162,8 +183,18 @@ pub(crate) fn zstd_decompress(
             });
         }
     }
-    zstd::bulk::decompress(data, max_out).map_err(|e| DecodeError::Zstd {
+    let err = |e: std::io::Error| DecodeError::Zstd {
         what,
         detail: e.to_string(),
+    };
+    DECOMPRESSOR.with(|d| {
+        let mut d = d.borrow_mut();
+        if d.is_none() {
+            *d = zstd::bulk::Decompressor::new().ok();
+        }
+        match d.as_mut() {
+            Some(z) => z.decompress(data, max_out).map_err(err),
+            None => zstd::bulk::decompress(data, max_out).map_err(err),
+        }
     })
 }
