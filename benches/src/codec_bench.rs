@@ -23,7 +23,7 @@ use starling_proto::codec::value::ulp_step_zigzag;
 use starling_proto::container::read_delta;
 use starling_proto::diff::{count_differences, diff_range};
 use starling_proto::digest::DigestKey;
-use starling_proto::encode::{DeltaHeader, EncoderConfig, encode_in_memory};
+use starling_proto::encode::{DeltaHeader, EncoderConfig, encode_in_memory, flat_pairs};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::wire::put_varint;
 
@@ -112,19 +112,6 @@ fn header(model: &Model) -> DeltaHeader {
     }
 }
 
-fn tensors<'a>(old: &'a Model, new: &'a Model) -> Vec<(&'a str, Vec<u64>, &'a [u16], &'a [u16])> {
-    old.iter()
-        .map(|(n, o)| {
-            (
-                n.as_str(),
-                vec![o.len() as u64],
-                o.as_slice(),
-                new[n].as_slice(),
-            )
-        })
-        .collect()
-}
-
 fn zstd1(b: &[u8]) -> usize {
     zstd::bulk::compress(b, 1)
         .map(|c| c.len())
@@ -136,7 +123,7 @@ fn sizes(lr: f32, old: &Model, new: &Model, row_lens: &BTreeMap<String, usize>) 
     let (bytes, _) = encode_in_memory(
         header(old),
         EncoderConfig::default(),
-        &tensors(old, new),
+        &flat_pairs(old, new),
         None,
     );
     let mut naive = 0;
@@ -318,14 +305,15 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
     let all = rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build()?;
-    let ts = tensors(old, new);
+    let ts = flat_pairs(old, new);
     let hdr = header(old);
     let dense_bytes = 2.0 * 2.0 * old.values().map(Vec::len).sum::<usize>() as f64; // both buffers
     let compare = || -> usize {
         ts.par_iter()
-            .map(|(_, _, o, n)| {
-                o.par_chunks(1 << 22)
-                    .zip(n.par_chunks(1 << 22))
+            .map(|t| {
+                t.old
+                    .par_chunks(1 << 22)
+                    .zip(t.new.par_chunks(1 << 22))
                     .map(|(a, b)| count_differences(a, b))
                     .sum::<usize>()
             })
@@ -338,8 +326,8 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
     };
     let sparrow = || -> usize {
         ts.par_iter()
-            .map(|(_, _, o, n)| {
-                let d = diff_range(o, n);
+            .map(|t| {
+                let d = diff_range(t.old, t.new);
                 let mut out = Vec::with_capacity(d.len() * 4);
                 let mut prev = 0;
                 for &p in &d.positions {

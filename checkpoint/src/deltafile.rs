@@ -17,7 +17,7 @@ use starling_proto::container::{
     parse_frame_header,
 };
 use starling_proto::digest::StateDigest;
-use starling_proto::encode::{DeltaEncoder, DeltaHeader, EncoderConfig};
+use starling_proto::encode::{DeltaEncoder, DeltaHeader, EncoderConfig, TensorPair};
 use starling_proto::manifest::{Manifest, TrustPolicy, hex};
 use starling_proto::{DecodeError, manifest::SignedManifest};
 use thiserror::Error;
@@ -127,9 +127,59 @@ pub fn diff_checkpoints(
     let mut a = vec![0u16; chunk];
     let mut b = vec![0u16; chunk];
     let mut scanned = 0u64;
+    // Tensors smaller than a chunk are read whole and encoded together, in parallel across
+    // tensors; larger ones are streamed chunk by chunk (parallel within the chunk).
+    let mut batch: Vec<(String, Vec<u64>, Vec<u16>, Vec<u16>)> = Vec::new();
+    let mut batch_elems = 0usize;
+    let flush = |batch: &mut Vec<(String, Vec<u64>, Vec<u16>, Vec<u16>)>,
+                 enc: &mut DeltaEncoder,
+                 sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+                 emit: &mut dyn FnMut(
+        &[u8],
+        &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    ) -> Result<(), DeltaFileError>|
+     -> Result<(), DeltaFileError> {
+        let pairs: Vec<TensorPair<'_>> = batch
+            .iter()
+            .map(|(name, shape, o, n)| TensorPair {
+                name,
+                shape: shape.clone(),
+                old: o,
+                new: n,
+            })
+            .collect();
+        for f in enc.push_tensors(&pairs) {
+            emit(&f.bytes, sink)?;
+        }
+        if opts.tensor_hashes {
+            for (name, _, _, n) in batch.iter() {
+                enc.set_tensor_hash(name, *blake3::hash(bytemuck::cast_slice(n)).as_bytes());
+            }
+        }
+        batch.clear();
+        Ok(())
+    };
     for (to, tn) in old.tensors().iter().zip(new.tensors()) {
-        enc.begin_tensor(&to.name, &to.shape);
         let numel = to.numel();
+        if numel <= chunk as u64 {
+            batch.push((
+                to.name.clone(),
+                to.shape.clone(),
+                old.read_tensor(to)?,
+                new.read_tensor(tn)?,
+            ));
+            batch_elems += numel as usize;
+            scanned += numel;
+            if batch_elems >= chunk {
+                flush(&mut batch, &mut enc, sink, &mut emit)?;
+                batch_elems = 0;
+                progress(scanned);
+            }
+            continue;
+        }
+        flush(&mut batch, &mut enc, sink, &mut emit)?;
+        batch_elems = 0;
+        enc.begin_tensor(&to.name, &to.shape);
         let mut hasher = opts.tensor_hashes.then(blake3::Hasher::new);
         let mut start = 0u64;
         while start < numel {
@@ -147,9 +197,11 @@ pub fn diff_checkpoints(
             progress(scanned);
         }
         if let Some(h) = hasher {
-            enc.set_tensor_hash(*h.finalize().as_bytes());
+            enc.set_tensor_hash(&to.name, *h.finalize().as_bytes());
         }
     }
+    flush(&mut batch, &mut enc, sink, &mut emit)?;
+    progress(scanned);
     let fin = enc.finish(opts.signing_key.as_ref());
     for f in &fin.segments {
         emit(&f.bytes, sink)?;
@@ -283,6 +335,9 @@ fn read_fully(r: &mut impl Read, buf: &mut [u8], what: &'static str) -> Result<(
         .map_err(|_| DecodeError::Truncated { what })
 }
 
+/// A model in memory: tensor name → BF16 bits.
+pub type Model = std::collections::BTreeMap<String, Vec<u16>>;
+
 /// Result of verifying or applying a delta.
 #[derive(Debug, Clone)]
 pub struct ApplySummary {
@@ -298,13 +353,7 @@ pub fn apply_in_memory(
     delta: &Path,
     trust: &TrustPolicy,
     base_version: Option<u64>,
-) -> Result<
-    (
-        VersionedWeights<std::collections::BTreeMap<String, Vec<u16>>>,
-        ApplySummary,
-    ),
-    DeltaFileError,
-> {
+) -> Result<(VersionedWeights<Model>, ApplySummary), DeltaFileError> {
     let decode_err = |source| DeltaFileError::Decode {
         path: delta.to_owned(),
         source,

@@ -394,9 +394,9 @@ pub fn generate_to_dir(
     let mut paths = Vec::new();
     for s in 0..=steps {
         let path = step_file(dir, s);
-        // Write the header through the safetensors writer's layout logic, then fill data
-        // in place: create the file with its header and final length.
-        let (header, data_len) = header_bytes(&layout, u64::from(s));
+        // The header as the safetensors writer lays it out (name order); the data is
+        // filled in place below: create each file with its header at its final length.
+        let (header, data_len) = crate::writer::header_bytes(&layout, Some(u64::from(s)));
         std::fs::write(&path, &header)?;
         let f = OpenOptions::new().write(true).open(&path)?;
         f.set_len(header.len() as u64 + data_len)?;
@@ -429,28 +429,6 @@ pub fn generate_to_dir(
         f.sync_all()?;
     }
     Ok(paths)
-}
-
-/// A safetensors header for `layout` (sorted by name), padded to 8 bytes, and data length.
-fn header_bytes(layout: &[(String, Vec<u64>)], version: u64) -> (Vec<u8>, u64) {
-    let mut header = serde_json::Map::new();
-    header.insert(
-        "__metadata__".into(),
-        serde_json::json!({"format": "pt", "producer": "starling bench gen", crate::safetensors::VERSION_KEY: version.to_string()}),
-    );
-    let mut off = 0u64;
-    for (name, shape) in layout {
-        let n: u64 = shape.iter().product();
-        header.insert(name.clone(), serde_json::json!({"dtype": "BF16", "shape": shape, "data_offsets": [off, off + 2 * n]}));
-        off += 2 * n;
-    }
-    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap_or_default();
-    while h.len() % 8 != 0 {
-        h.push(b' ');
-    }
-    let mut out = (h.len() as u64).to_le_bytes().to_vec();
-    out.extend_from_slice(&h);
-    (out, off)
 }
 
 #[cfg(test)]

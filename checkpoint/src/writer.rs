@@ -91,33 +91,15 @@ impl SafetensorsWriter {
         tensors: &[(String, Vec<u64>)],
         version: Option<u64>,
     ) -> std::io::Result<Self> {
+        let (header, _) = header_bytes(tensors, version);
         let mut sorted: Vec<&(String, Vec<u64>)> = tensors.iter().collect();
         sorted.sort_by(|a, b| a.0.cmp(&b.0));
-        let mut header = serde_json::Map::new();
-        let mut meta = json!({"format": "pt", "producer": "starling"});
-        if let Some(v) = version {
-            meta[crate::safetensors::VERSION_KEY] = json!(v.to_string());
-        }
-        header.insert("__metadata__".into(), meta);
-        let mut off = 0u64;
-        let mut layout = Vec::with_capacity(sorted.len());
-        for (name, shape) in &sorted {
-            let n: u64 = shape.iter().product();
-            header.insert(
-                name.clone(),
-                json!({"dtype": "BF16", "shape": shape, "data_offsets": [off, off + 2 * n]}),
-            );
-            off += 2 * n;
-            layout.push((name.clone(), n));
-        }
-        let mut h = serde_json::to_vec(&serde_json::Value::Object(header))
-            .map_err(std::io::Error::other)?;
-        while h.len() % 8 != 0 {
-            h.push(b' ');
-        }
+        let layout = sorted
+            .iter()
+            .map(|(n, shape)| (n.clone(), shape.iter().product()))
+            .collect();
         let mut out = AtomicFile::create(dest)?;
-        out.write_all(&(h.len() as u64).to_le_bytes())?;
-        out.write_all(&h)?;
+        out.write_all(&header)?;
         Ok(Self {
             out,
             layout,
@@ -153,4 +135,34 @@ impl SafetensorsWriter {
         }
         self.out.commit()
     }
+}
+
+/// The bytes before the data of a BF16 safetensors file laid out in name order (length
+/// prefix and JSON header padded to 8 bytes), and the length of the data after them.
+pub fn header_bytes(tensors: &[(String, Vec<u64>)], version: Option<u64>) -> (Vec<u8>, u64) {
+    let mut sorted: Vec<&(String, Vec<u64>)> = tensors.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut header = serde_json::Map::new();
+    let mut meta = json!({"format": "pt", "producer": "starling"});
+    if let Some(v) = version {
+        meta[crate::safetensors::VERSION_KEY] = json!(v.to_string());
+    }
+    header.insert("__metadata__".into(), meta);
+    let mut off = 0u64;
+    for (name, shape) in &sorted {
+        let n: u64 = shape.iter().product();
+        header.insert(
+            name.clone(),
+            json!({"dtype": "BF16", "shape": shape, "data_offsets": [off, off + 2 * n]}),
+        );
+        off += 2 * n;
+    }
+    // Serializing a map of strings and numbers cannot fail.
+    let mut h = serde_json::to_vec(&serde_json::Value::Object(header)).unwrap_or_default();
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend_from_slice(&h);
+    (out, off)
 }

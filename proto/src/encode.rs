@@ -71,6 +71,15 @@ pub struct FinishedDelta {
     pub trailer_frame: Vec<u8>,
 }
 
+/// A whole tensor in both versions, by name and shape.
+#[derive(Debug, Clone)]
+pub struct TensorPair<'a> {
+    pub name: &'a str,
+    pub shape: Vec<u64>,
+    pub old: &'a [u16],
+    pub new: &'a [u16],
+}
+
 /// One range of one tensor to encode.
 #[derive(Debug)]
 struct Work<'a> {
@@ -166,9 +175,9 @@ impl DeltaEncoder {
         self.fed = 0;
     }
 
-    /// Records the BLAKE3 of the current tensor's new bytes (for anchors and audits).
-    pub fn set_tensor_hash(&mut self, hash: [u8; 32]) {
-        if let Some(t) = self.tensors.last_mut() {
+    /// Records the BLAKE3 of a begun tensor's new bytes (for anchors and audits).
+    pub fn set_tensor_hash(&mut self, name: &str, hash: [u8; 32]) {
+        if let Some(t) = self.tensors.iter_mut().rev().find(|t| t.name == name) {
             t.post_blake3 = Some(hash);
         }
     }
@@ -206,12 +215,15 @@ impl DeltaEncoder {
     ///
     /// # Panics
     /// As [`begin_tensor`](Self::begin_tensor) and [`push_range`](Self::push_range).
-    pub fn push_tensors(
-        &mut self,
-        tensors: &[(&str, &[u64], &[u16], &[u16])],
-    ) -> Vec<SegmentFrame> {
+    pub fn push_tensors(&mut self, tensors: &[TensorPair<'_>]) -> Vec<SegmentFrame> {
         let mut work = Vec::new();
-        for (name, shape, old, new) in tensors {
+        for &TensorPair {
+            name,
+            ref shape,
+            old,
+            new,
+        } in tensors
+        {
             self.begin_tensor(name, shape);
             assert_eq!(
                 old.len(),
@@ -388,28 +400,17 @@ impl DeltaEncoder {
 }
 
 /// Encodes a whole in-memory model pair into `.sdc` bytes (tests, benches, small tools).
-/// Tensors are given as (name, shape, old, new), in any order.
+/// Tensors may come in any order.
 pub fn encode_in_memory(
     header: DeltaHeader,
     cfg: EncoderConfig,
-    tensors: &[(&str, Vec<u64>, &[u16], &[u16])],
+    tensors: &[TensorPair<'_>],
     signing_key: Option<&SigningKey>,
 ) -> (Vec<u8>, SignedManifest) {
-    let mut order: Vec<usize> = (0..tensors.len()).collect();
-    order.sort_by_key(|&i| tensors[i].0);
+    let mut batch = tensors.to_vec();
+    batch.sort_by_key(|t| t.name);
     let mut enc = DeltaEncoder::new(header, cfg);
     let mut out = enc.file_header().to_vec();
-    let batch: Vec<(&str, &[u64], &[u16], &[u16])> = order
-        .iter()
-        .map(|&i| {
-            (
-                tensors[i].0,
-                tensors[i].1.as_slice(),
-                tensors[i].2,
-                tensors[i].3,
-            )
-        })
-        .collect();
     for f in enc.push_tensors(&batch) {
         out.extend_from_slice(&f.bytes);
     }
@@ -420,4 +421,21 @@ pub fn encode_in_memory(
     out.extend_from_slice(&fin.manifest_frame);
     out.extend_from_slice(&fin.trailer_frame);
     (out, fin.manifest)
+}
+
+/// Pairs every tensor of two name → bits maps as 1-D tensors (tests, benches, tools).
+pub fn flat_pairs<'a>(
+    old: &'a std::collections::BTreeMap<String, Vec<u16>>,
+    new: &'a std::collections::BTreeMap<String, Vec<u16>>,
+) -> Vec<TensorPair<'a>> {
+    old.iter()
+        .filter_map(|(n, o)| {
+            new.get(n).map(|v| TensorPair {
+                name: n,
+                shape: vec![o.len() as u64],
+                old: o,
+                new: v,
+            })
+        })
+        .collect()
 }

@@ -7,7 +7,7 @@ use proptest::prelude::*;
 use starling_proto::apply::{StageError, VersionedWeights, Weights, full_digest};
 use starling_proto::container::{AssembleError, FILE_HEADER_LEN, parse_frame, read_delta};
 use starling_proto::digest::StateDigest;
-use starling_proto::encode::{DeltaHeader, EncoderConfig, encode_in_memory};
+use starling_proto::encode::{DeltaHeader, EncoderConfig, encode_in_memory, flat_pairs};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::segment::CodecChoice;
 
@@ -25,23 +25,13 @@ fn encode(
     base_version: u64,
 ) -> (Vec<u8>, StateDigest) {
     let pre = full_digest("m", old, &names(old));
-    let tensors: Vec<(&str, Vec<u64>, &[u16], &[u16])> = old
-        .iter()
-        .map(|(n, o)| {
-            (
-                n.as_str(),
-                vec![o.len() as u64],
-                o.as_slice(),
-                new[n].as_slice(),
-            )
-        })
-        .collect();
+    let tensors = flat_pairs(old, new);
     let header = DeltaHeader {
         model_id: "m".into(),
         base_version,
         version: base_version + 1,
         created_unix_ms: 0,
-        pre_digest: if base_version % 2 == 0 {
+        pre_digest: if base_version.is_multiple_of(2) {
             Some(pre)
         } else {
             None
@@ -158,7 +148,7 @@ fn sample_pair() -> (Model, Model) {
     let mut new = Model::new();
     for t in 0..3 {
         let o: Vec<u16> = (0..2000u32)
-            .map(|i| (i * 2654435761u32 >> 16) as u16)
+            .map(|i| (i.wrapping_mul(2654435761u32) >> 16) as u16)
             .collect();
         let n: Vec<u16> = o
             .iter()

@@ -5,7 +5,7 @@
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_in_memory};
 use starling_proto::apply::{VersionedWeights, full_digest};
 use starling_proto::container::read_delta;
-use starling_proto::encode::{DeltaHeader, EncoderConfig, encode_in_memory};
+use starling_proto::encode::{DeltaHeader, EncoderConfig, encode_in_memory, flat_pairs};
 use starling_proto::manifest::TrustPolicy;
 
 #[test]
@@ -31,17 +31,7 @@ fn fifty_chained_deltas_stay_bit_identical() {
     let mut total_changes = 0u64;
     for v in 1..versions.len() {
         let (old, new) = (&versions[v - 1], &versions[v]);
-        let tensors: Vec<(&str, Vec<u64>, &[u16], &[u16])> = old
-            .iter()
-            .map(|(n, o)| {
-                (
-                    n.as_str(),
-                    vec![o.len() as u64],
-                    o.as_slice(),
-                    new[n].as_slice(),
-                )
-            })
-            .collect();
+        let tensors = flat_pairs(old, new);
         let header = DeltaHeader {
             model_id: "tiny".into(),
             base_version: v as u64 - 1,
