@@ -41,6 +41,9 @@ struct Args {
     reps: usize,
     #[arg(long, default_value_t = 7)]
     seed: u64,
+    /// Only run diff+encode this many times on the first learning rate (for profilers).
+    #[arg(long)]
+    profile_encode: Option<usize>,
 }
 
 type Model = BTreeMap<String, Vec<u16>>;
@@ -67,6 +70,32 @@ fn main() -> Result<()> {
             )
         })
         .collect();
+    if let Some(n) = args.profile_encode {
+        let lr = args.lrs.first().copied().unwrap_or(3e-6);
+        let steps = generate_in_memory(
+            &spec,
+            2,
+            &TrainConfig {
+                seed: args.seed,
+                lr,
+                ..TrainConfig::default()
+            },
+        );
+        let ts = flat_pairs(&steps[1], &steps[2]);
+        let hdr = header(&steps[1]);
+        let t = Instant::now();
+        let mut bytes = 0;
+        for _ in 0..n {
+            bytes += encode_in_memory(hdr.clone(), EncoderConfig::default(), &ts, None)
+                .0
+                .len();
+        }
+        println!(
+            "{n} encodes, {bytes} bytes, {:.3} s",
+            t.elapsed().as_secs_f64()
+        );
+        return Ok(());
+    }
     let mut size_rows = Vec::new();
     let mut speed_rows = Vec::new();
     for &lr in &args.lrs {

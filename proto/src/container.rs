@@ -111,6 +111,18 @@ pub fn frame_hash(kind: FrameKind, body: &[u8]) -> [u8; 32] {
     *h.finalize().as_bytes()
 }
 
+#[cfg(test)]
+mod build_tests {
+    use super::*;
+
+    #[test]
+    fn built_frames_equal_encoded_frames() {
+        let (f, h) = build_frame(FrameKind::Segment, 4, |out| out.extend_from_slice(b"body"));
+        assert_eq!(f, encode_frame(FrameKind::Segment, b"body"));
+        assert_eq!(h, frame_hash(FrameKind::Segment, b"body"));
+    }
+}
+
 /// Wraps a body into a frame.
 ///
 /// # Panics
@@ -128,6 +140,32 @@ pub fn encode_frame(kind: FrameKind, body: &[u8]) -> Vec<u8> {
     out.extend_from_slice(body);
     out.extend_from_slice(&frame_hash(kind, body));
     out
+}
+
+/// Builds a frame in place: `write_body` appends the body after a reserved header, then
+/// the length is patched in and the hash appended (no second copy of the body).
+///
+/// # Panics
+/// If the body exceeds the kind's bound (an encoder bug, never input).
+pub fn build_frame(
+    kind: FrameKind,
+    capacity: usize,
+    write_body: impl FnOnce(&mut Vec<u8>),
+) -> (Vec<u8>, [u8; 32]) {
+    let mut out = Vec::with_capacity(capacity + FRAME_OVERHEAD);
+    out.push(kind as u8);
+    out.extend_from_slice(&[0; 4]);
+    write_body(&mut out);
+    let len = out.len() - FRAME_HEADER_LEN;
+    assert!(
+        len <= kind.max_body(),
+        "{} body of {len} bytes",
+        kind.name()
+    );
+    out[1..5].copy_from_slice(&(len as u32).to_le_bytes());
+    let hash = *blake3::hash(&out).as_bytes();
+    out.extend_from_slice(&hash);
+    (out, hash)
 }
 
 /// Parses a frame header (kind and body length), bounding the length by the kind.

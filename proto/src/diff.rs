@@ -30,8 +30,21 @@ const BLOCK: usize = 32;
 /// # Panics
 /// If the ranges differ in length (a caller bug: shapes are checked before diffing).
 pub fn diff_range(old: &[u16], new: &[u16]) -> RangeDiff {
-    assert_eq!(old.len(), new.len(), "diff_range needs equal lengths");
     let mut out = RangeDiff::default();
+    diff_range_into(old, new, &mut out);
+    out
+}
+
+/// [`diff_range`] into a reused buffer (cleared first): a hot loop that diffs part after
+/// part keeps its capacity instead of faulting in fresh pages for every part.
+///
+/// # Panics
+/// If the ranges differ in length.
+pub fn diff_range_into(old: &[u16], new: &[u16], out: &mut RangeDiff) {
+    assert_eq!(old.len(), new.len(), "diff_range needs equal lengths");
+    out.positions.clear();
+    out.new.clear();
+    out.old.clear();
     let blocks = old.len() / BLOCK;
     for (b, (o, n)) in old
         .chunks_exact(BLOCK)
@@ -55,8 +68,7 @@ pub fn diff_range(old: &[u16], new: &[u16]) -> RangeDiff {
         }
     }
     let tail = blocks * BLOCK;
-    scan(&old[tail..], &new[tail..], tail as u64, &mut out);
-    out
+    scan(&old[tail..], &new[tail..], tail as u64, out);
 }
 
 #[inline]

@@ -11,9 +11,9 @@ use ed25519_dalek::SigningKey;
 use rayon::prelude::*;
 
 use crate::container::{
-    FILE_HEADER_LEN, FrameKind, Trailer, encode_frame, file_header, frame_hash,
+    FILE_HEADER_LEN, FrameKind, Trailer, build_frame, encode_frame, file_header,
 };
-use crate::diff::diff_range;
+use crate::diff::{RangeDiff, diff_range_into};
 use crate::digest::{DigestKey, StateDigest};
 use crate::manifest::{Dtype, Manifest, SegmentEntry, SignedManifest, TensorEntry, delta_id};
 use crate::segment::{CodecChoice, EncodedPart, MAX_PART_ELEMS, MAX_PARTS_PER_SEGMENT, Segment};
@@ -69,6 +69,11 @@ pub struct FinishedDelta {
     pub manifest: SignedManifest,
     pub manifest_frame: Vec<u8>,
     pub trailer_frame: Vec<u8>,
+}
+
+thread_local! {
+    /// Each worker's diff buffer, reused from part to part.
+    static DIFF_BUF: std::cell::RefCell<RangeDiff> = std::cell::RefCell::new(RangeDiff::default());
 }
 
 /// A whole tensor in both versions, by name and shape.
@@ -278,17 +283,20 @@ impl DeltaEncoder {
                 } else {
                     StateDigest::default()
                 };
-                let d = diff_range(o, n);
-                if d.is_empty() {
-                    return (w.tensor, None, StateDigest::default(), pre);
-                }
-                let digest = tkey.delta(s, &d.positions, &d.old, &d.new);
-                (
-                    w.tensor,
-                    Some(EncodedPart::encode(names[wi], s, o, n, &d, choice)),
-                    digest,
-                    pre,
-                )
+                DIFF_BUF.with(|buf| {
+                    let d = &mut *buf.borrow_mut();
+                    diff_range_into(o, n, d);
+                    if d.is_empty() {
+                        return (w.tensor, None, StateDigest::default(), pre);
+                    }
+                    let digest = tkey.delta(s, &d.positions, &d.old, &d.new);
+                    (
+                        w.tensor,
+                        Some(EncodedPart::encode(names[wi], s, o, n, d, choice)),
+                        digest,
+                        pre,
+                    )
+                })
             })
             .collect();
         let mut out = Vec::new();
@@ -333,9 +341,9 @@ impl DeltaEncoder {
             parts,
         };
         let changes = seg.changes();
-        let body = seg.encode_body();
-        let hash = frame_hash(FrameKind::Segment, &body);
-        let bytes = encode_frame(FrameKind::Segment, &body);
+        let (bytes, hash) = build_frame(FrameKind::Segment, seg.body_len_hint(), |out| {
+            seg.write_body(out)
+        });
         self.segments.push(SegmentEntry {
             seq,
             frame_len: bytes.len() as u64,

@@ -60,8 +60,10 @@ pub struct CodecChoice {
 impl Default for CodecChoice {
     /// All codecs allowed; candidates that cannot win are skipped by cheap statistics:
     /// the bitmap only from density 1/8 (below it Rice gaps are within a few percent of the
-    /// mask entropy and a bitmap pass costs more than the whole sparse encode), raw+zstd values only when over a quarter of the
-    /// steps are beyond ±8 ULP, dense only from density 1/8. The exact-size candidates
+    /// mask entropy and a bitmap pass costs more than the whole sparse encode), raw+zstd
+    /// values only when the ULP residual took a byte or more per change (raw values carry
+    /// ~11 bits of mantissa and exponent, so they cannot win below that), dense only from
+    /// density 1/8. The exact-size candidates
     /// (LEB128 gaps, raw values) are sized without encoding.
     fn default() -> Self {
         Self {
@@ -121,7 +123,9 @@ impl EncodedPart {
                 codec::index::encode(IndexCodec::RiceGaps, &diff.positions, len, level)
             });
         }
+        // LEB128 spends at least a byte per gap: size it only when the best so far does not.
         if allowed_i(IndexCodec::Leb128Gaps)
+            && (all || best_index.beaten_by(diff.len()))
             && best_index.beaten_by(codec::index::leb128_gaps_len(&diff.positions))
         {
             best_index.offer(IndexCodec::Leb128Gaps, || {
@@ -151,7 +155,7 @@ impl EncodedPart {
             });
         }
         if allowed_v(ValueCodec::RawZstd)
-            && (all || best_value.is_empty() || large_step_share(diff) > 0.25)
+            && (all || best_value.is_empty() || !best_value.beaten_by(diff.len()))
         {
             best_value.offer(ValueCodec::RawZstd, || {
                 codec::value::encode(ValueCodec::RawZstd, &diff.new, &diff.old, level)
@@ -374,19 +378,6 @@ fn payload_len(p: &PartPayload) -> usize {
     }
 }
 
-fn large_step_share(diff: &RangeDiff) -> f64 {
-    if diff.is_empty() {
-        return 0.0;
-    }
-    let large = diff
-        .old
-        .iter()
-        .zip(&diff.new)
-        .filter(|&(&o, &n)| codec::value::ulp_step_zigzag(o, n) > 16)
-        .count();
-    large as f64 / diff.len() as f64
-}
-
 /// Decoded absolute new bits of one part.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DecodedPart {
@@ -419,20 +410,28 @@ pub struct Segment {
 impl Segment {
     /// The segment body (without the frame envelope).
     pub fn encode_body(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(
-            64 + self
-                .parts
-                .iter()
-                .map(|p| p.payload_len() + 64)
-                .sum::<usize>(),
-        );
-        out.extend_from_slice(&self.delta_id);
-        put_varint(&mut out, u64::from(self.seq));
-        put_varint(&mut out, self.parts.len() as u64);
-        for p in &self.parts {
-            p.write(&mut out);
-        }
+        let mut out = Vec::with_capacity(self.body_len_hint());
+        self.write_body(&mut out);
         out
+    }
+
+    /// An upper estimate of the body length, for buffer capacity.
+    pub fn body_len_hint(&self) -> usize {
+        64 + self
+            .parts
+            .iter()
+            .map(|p| p.payload_len() + p.tensor.len() + 64)
+            .sum::<usize>()
+    }
+
+    /// Appends the segment body to `out`.
+    pub fn write_body(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.delta_id);
+        put_varint(out, u64::from(self.seq));
+        put_varint(out, self.parts.len() as u64);
+        for p in &self.parts {
+            p.write(out);
+        }
     }
 
     /// Parses a segment body. Lengths are bounded by the body itself.
