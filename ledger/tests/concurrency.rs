@@ -238,7 +238,7 @@ async fn hammer(ledger: Arc<Ledger>) -> Arc<Ledger> {
     }
     let swept = sweeper.await.expect("sweeper task");
 
-    let t = tally.lock().unwrap();
+    let t = std::mem::take(&mut *tally.lock().unwrap());
     println!(
         "{:?}: swept {swept:?}; rejections {:?}",
         ledger.backend(),
@@ -280,7 +280,6 @@ async fn hammer(ledger: Arc<Ledger>) -> Arc<Ledger> {
     let counts = ledger.job_counts().await.unwrap();
     assert_eq!((counts.done, counts.total()), (JOBS as u64, JOBS as u64));
     ledger.check_invariants().await.unwrap();
-    drop(t);
     ledger_arc
 }
 

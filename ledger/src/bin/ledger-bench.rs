@@ -278,28 +278,11 @@ async fn main() -> anyhow::Result<()> {
         max_per_call: args.batch.max(1),
         ..LedgerConfig::default()
     };
-    let (url, cleanup): (
-        String,
-        Box<
-            dyn FnOnce()
-                -> std::pin::Pin<Box<dyn std::future::Future<Output = anyhow::Result<()>>>>,
-        >,
-    ) = match args.backend {
+    let (url, scratch) = match args.backend {
         BackendArg::Sqlite => {
             let path = std::env::temp_dir()
                 .join(format!("starling-ledger-bench-{}.db", std::process::id()));
-            let url = format!("sqlite:{}", path.display());
-            (
-                url,
-                Box::new(move || {
-                    Box::pin(async move {
-                        for suffix in ["", "-wal", "-shm"] {
-                            let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
-                        }
-                        Ok(())
-                    })
-                }),
-            )
+            (format!("sqlite:{}", path.display()), Scratch::Sqlite(path))
         }
         BackendArg::Postgres => {
             let admin = args
@@ -315,20 +298,9 @@ async fn main() -> anyhow::Result<()> {
                 .execute(&mut conn)
                 .await
                 .context("create bench database")?;
-            let url = database_url(&admin, &name);
             (
-                url,
-                Box::new(move || {
-                    Box::pin(async move {
-                        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
-                        )))
-                        .execute(&mut conn)
-                        .await
-                        .context("drop bench database")?;
-                        Ok(())
-                    })
-                }),
+                database_url(&admin, &name),
+                Scratch::Postgres { conn, name },
             )
         }
     };
@@ -340,7 +312,7 @@ async fn main() -> anyhow::Result<()> {
     let outcome = run(Arc::clone(&ledger), &args).await;
     ledger.close().await;
     drop(ledger);
-    cleanup().await?;
+    scratch.remove().await?;
     let phases = outcome?;
     for p in &phases {
         p.print();
@@ -353,6 +325,40 @@ async fn main() -> anyhow::Result<()> {
     };
     total.print();
     Ok(())
+}
+
+/// The throwaway database the benchmark runs on.
+#[derive(Debug)]
+enum Scratch {
+    Sqlite(std::path::PathBuf),
+    Postgres { conn: PgConnection, name: String },
+}
+
+impl Scratch {
+    async fn remove(self) -> anyhow::Result<()> {
+        match self {
+            Scratch::Sqlite(path) => {
+                for suffix in ["", "-wal", "-shm"] {
+                    let file = format!("{}{suffix}", path.display());
+                    match std::fs::remove_file(&file) {
+                        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                            return Err(e).context(format!("remove {file}"));
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            Scratch::Postgres { mut conn, name } => {
+                sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                    "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                )))
+                .execute(&mut conn)
+                .await
+                .context("drop bench database")?;
+            }
+        }
+        Ok(())
+    }
 }
 
 /// `admin` with its database name replaced by `name`.
