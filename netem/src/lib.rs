@@ -1,0 +1,1 @@
+//! The UDP link emulator (being built).
