@@ -79,9 +79,6 @@ pub(crate) const ACTOR_ACTIVE: &str = "SELECT active_version FROM actors WHERE i
 pub(crate) const ACTOR_TAU: &str = "SELECT tau FROM actors WHERE id = $1";
 pub(crate) const RELEASE_SILENT: &str = "UPDATE jobs SET assignee = NULL WHERE state = 'pending' \
      AND assignee IN (SELECT id FROM actors WHERE last_heartbeat < $1)";
-pub(crate) const INSERT_RESULT: &str = "INSERT INTO results \
-     (job_id, actor_id, version, digest, tokens, elapsed_ms, completion_ms, payload, accepted_at) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)";
 pub(crate) const ACTOR_BY_ID: &str = "SELECT id, region, hardware, active_version, staged_version, tau, \
      last_heartbeat FROM actors WHERE id = $1";
 pub(crate) const JOB_VIEW: &str = "SELECT j.id, j.state, j.attempts, j.lease_holder, r.actor_id \

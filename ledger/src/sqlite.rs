@@ -381,23 +381,29 @@ impl SqliteStore {
             .await?;
         let rows = sql::job_rows(&rows)?;
         let decided = sql::decide(&rows, results, actor, now, tau, beta, judge);
-        for (sub, row) in &decided.accepted {
-            sqlx::query(sql::INSERT_RESULT)
-                .bind(sub.job.0)
-                .bind(actor.as_str())
-                .bind(sub.version.to_db())
-                .bind(&sub.digest.0[..])
-                .bind(i64::from(sub.tokens))
-                .bind(crate::ids::duration_millis(sub.elapsed))
-                .bind(
-                    now.millis()
-                        .saturating_sub(row.leased_at.unwrap_or(now.millis()))
-                        .max(0),
-                )
-                .bind(&sub.payload[..])
-                .bind(now.millis())
-                .execute(&mut *tx)
-                .await?;
+        // Multi-row INSERTs: one statement per 256 results (2,304 parameters, far below
+        // SQLite's limit of 32,766).
+        for chunk in decided.accepted.chunks(256) {
+            let mut insert = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+                "INSERT INTO results (job_id, actor_id, version, digest, tokens, elapsed_ms, \
+                 completion_ms, payload, accepted_at) ",
+            );
+            insert.push_values(chunk, |mut b, (sub, row)| {
+                b.push_bind(sub.job.0)
+                    .push_bind(actor.as_str())
+                    .push_bind(sub.version.to_db())
+                    .push_bind(&sub.digest.0[..])
+                    .push_bind(i64::from(sub.tokens))
+                    .push_bind(crate::ids::duration_millis(sub.elapsed))
+                    .push_bind(
+                        now.millis()
+                            .saturating_sub(row.leased_at.unwrap_or(now.millis()))
+                            .max(0),
+                    )
+                    .push_bind(&sub.payload[..])
+                    .push_bind(now.millis());
+            });
+            insert.build().execute(&mut *tx).await?;
         }
         if !decided.accepted.is_empty() {
             let done = sqlx::query(SQLITE_MARK_DONE)
