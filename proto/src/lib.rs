@@ -22,6 +22,7 @@ pub mod digest;
 pub mod encode;
 pub mod error;
 pub mod manifest;
+pub mod msg;
 pub mod segment;
 pub mod wire;
 
