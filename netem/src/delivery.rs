@@ -5,8 +5,8 @@
 //! instant the [`LinkModel`](crate::LinkModel) chose; one thread per
 //! direction runs [`DeliveryQueue::run`], which sleeps on a condition
 //! variable until the earliest due time minus [`SPIN`], spins for the rest
-//! (sleep wake-ups on Linux are late by 50–100 µs), then sends every packet
-//! that is due. Tokio timers were measured to add ~1 ms of bias here, hence
+//! (sleep wake-ups on Linux are late by ~50 µs of timer slack), then sends
+//! every packet that is due. Tokio timers were measured to add ~1 ms of bias here, hence
 //! a plain thread.
 //!
 //! Invariants: packets leave in `(due, push order)` order, never before their
@@ -24,7 +24,13 @@ use std::time::{Duration, Instant};
 use crate::stats::DirectionCounters;
 
 /// How long before a due time the thread stops sleeping and starts spinning.
-pub(crate) const SPIN: Duration = Duration::from_micros(100);
+///
+/// Zero: on this project's 2 shared, busy cores, spinning 30–100 µs per wake
+/// *raised* the added p50/p99 delay (the spinning thread starves the receive
+/// threads): at 300 Mbit/s p50 went from ~0.1–0.6 ms (no spin) to ~0.8–2.3 ms
+/// (see `docs/netem.md`). On a quiet machine with spare cores, 50–100 µs buys
+/// precision below the timer slack.
+pub(crate) const SPIN: Duration = Duration::from_micros(0);
 
 /// Most packets taken off the heap per lock acquisition, so that receive
 /// threads are never blocked behind a long run of sends.

@@ -7,7 +7,7 @@
 //! - `netem-client-PORT`, one per client, receives the upstream's replies on
 //!   that client's upstream socket.
 //! - `netem-up` and `netem-down` deliver each direction's packets at the
-//!   times the model chose (see [`crate::delivery`]).
+//!   times the model chose (see the private `delivery` module).
 //!
 //! Both directions share one model each across all clients: the emulated
 //! link is the region's bottleneck, not a per-flow one.

@@ -1,6 +1,6 @@
 //! Packet and byte counters of a running proxy, per direction.
 //!
-//! The live counters ([`DirectionCounters`]) are relaxed atomics updated by the
+//! The live counters (`DirectionCounters`, crate-private) are relaxed atomics updated by the
 //! receive and delivery threads; [`DirectionStats`] and [`ProxyStats`] are
 //! plain snapshots of them. Each counter only grows. A packet is counted
 //! in `packets_in` when received, then exactly once more when its fate is
