@@ -92,8 +92,69 @@ pub struct DiffSummary {
     pub dense_bf16_bytes: u64,
 }
 
+/// Writes frames to the caller's sink and counts the bytes.
+struct Emitter<'s> {
+    sink: &'s mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    written: u64,
+}
+
+impl Emitter<'_> {
+    fn emit(&mut self, b: &[u8]) -> Result<(), DeltaFileError> {
+        self.written += b.len() as u64;
+        (self.sink)(b).map_err(|source| DeltaFileError::Io {
+            op: "write",
+            path: PathBuf::from("<delta output>"),
+            source,
+        })
+    }
+}
+
+/// A small tensor read whole from both checkpoints, waiting to be encoded with others.
+struct WholeTensor {
+    name: String,
+    shape: Vec<u64>,
+    old: Vec<u16>,
+    new: Vec<u16>,
+}
+
+/// Encodes a batch of whole tensors in parallel and emits the segments that filled up.
+fn flush_batch(
+    batch: &mut Vec<WholeTensor>,
+    enc: &mut DeltaEncoder,
+    out: &mut Emitter<'_>,
+    hashes: bool,
+) -> Result<(), DeltaFileError> {
+    let pairs: Vec<TensorPair<'_>> = batch
+        .iter()
+        .map(|t| TensorPair {
+            name: &t.name,
+            shape: t.shape.clone(),
+            old: &t.old,
+            new: &t.new,
+        })
+        .collect();
+    for f in enc.push_tensors(&pairs) {
+        out.emit(&f.bytes)?;
+    }
+    if hashes {
+        for t in batch.iter() {
+            enc.set_tensor_hash(
+                &t.name,
+                *blake3::hash(bytemuck::cast_slice(&t.new)).as_bytes(),
+            );
+        }
+    }
+    batch.clear();
+    Ok(())
+}
+
 /// Diffs `old` → `new` and streams the frames of the delta into `sink` as they are made
-/// (file header first). `progress` is told the elements scanned so far.
+/// (file header first). `progress` is told the elements scanned so far. Returns the signed
+/// manifest and the bytes written.
+///
+/// Tensors smaller than a read chunk are read whole and encoded together, in parallel across
+/// tensors; larger ones are streamed chunk by chunk (parallel within the chunk), so memory
+/// stays at a few chunk buffers whatever the model size.
 pub fn diff_checkpoints(
     old: &Checkpoint,
     new: &Checkpoint,
@@ -109,75 +170,34 @@ pub fn diff_checkpoints(
         created_unix_ms: opts.created_unix_ms,
         pre_digest: None,
     };
-    let sink_err = |source| DeltaFileError::Io {
-        op: "write",
-        path: PathBuf::from("<delta output>"),
-        source,
-    };
     let mut enc = DeltaEncoder::new(header, opts.encoder.clone());
-    let mut written = 0u64;
-    let mut emit = |b: &[u8],
-                    sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>|
-     -> Result<(), DeltaFileError> {
-        written += b.len() as u64;
-        sink(b).map_err(sink_err)
-    };
-    emit(&enc.file_header(), sink)?;
+    let mut out = Emitter { sink, written: 0 };
+    out.emit(&enc.file_header())?;
     let chunk = opts.chunk_elems.max(1);
     let mut a = vec![0u16; chunk];
     let mut b = vec![0u16; chunk];
     let mut scanned = 0u64;
-    // Tensors smaller than a chunk are read whole and encoded together, in parallel across
-    // tensors; larger ones are streamed chunk by chunk (parallel within the chunk).
-    let mut batch: Vec<(String, Vec<u64>, Vec<u16>, Vec<u16>)> = Vec::new();
+    let mut batch: Vec<WholeTensor> = Vec::new();
     let mut batch_elems = 0usize;
-    let flush = |batch: &mut Vec<(String, Vec<u64>, Vec<u16>, Vec<u16>)>,
-                 enc: &mut DeltaEncoder,
-                 sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
-                 emit: &mut dyn FnMut(
-        &[u8],
-        &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
-    ) -> Result<(), DeltaFileError>|
-     -> Result<(), DeltaFileError> {
-        let pairs: Vec<TensorPair<'_>> = batch
-            .iter()
-            .map(|(name, shape, o, n)| TensorPair {
-                name,
-                shape: shape.clone(),
-                old: o,
-                new: n,
-            })
-            .collect();
-        for f in enc.push_tensors(&pairs) {
-            emit(&f.bytes, sink)?;
-        }
-        if opts.tensor_hashes {
-            for (name, _, _, n) in batch.iter() {
-                enc.set_tensor_hash(name, *blake3::hash(bytemuck::cast_slice(n)).as_bytes());
-            }
-        }
-        batch.clear();
-        Ok(())
-    };
     for (to, tn) in old.tensors().iter().zip(new.tensors()) {
         let numel = to.numel();
         if numel <= chunk as u64 {
-            batch.push((
-                to.name.clone(),
-                to.shape.clone(),
-                old.read_tensor(to)?,
-                new.read_tensor(tn)?,
-            ));
+            batch.push(WholeTensor {
+                name: to.name.clone(),
+                shape: to.shape.clone(),
+                old: old.read_tensor(to)?,
+                new: new.read_tensor(tn)?,
+            });
             batch_elems += numel as usize;
             scanned += numel;
             if batch_elems >= chunk {
-                flush(&mut batch, &mut enc, sink, &mut emit)?;
+                flush_batch(&mut batch, &mut enc, &mut out, opts.tensor_hashes)?;
                 batch_elems = 0;
                 progress(scanned);
             }
             continue;
         }
-        flush(&mut batch, &mut enc, sink, &mut emit)?;
+        flush_batch(&mut batch, &mut enc, &mut out, opts.tensor_hashes)?;
         batch_elems = 0;
         enc.begin_tensor(&to.name, &to.shape);
         let mut hasher = opts.tensor_hashes.then(blake3::Hasher::new);
@@ -190,7 +210,7 @@ pub fn diff_checkpoints(
                 h.update(bytemuck::cast_slice(&b[..n]));
             }
             for f in enc.push_range(&a[..n], &b[..n]) {
-                emit(&f.bytes, sink)?;
+                out.emit(&f.bytes)?;
             }
             start += n as u64;
             scanned += n as u64;
@@ -200,15 +220,15 @@ pub fn diff_checkpoints(
             enc.set_tensor_hash(&to.name, *h.finalize().as_bytes());
         }
     }
-    flush(&mut batch, &mut enc, sink, &mut emit)?;
+    flush_batch(&mut batch, &mut enc, &mut out, opts.tensor_hashes)?;
     progress(scanned);
     let fin = enc.finish(opts.signing_key.as_ref());
     for f in &fin.segments {
-        emit(&f.bytes, sink)?;
+        out.emit(&f.bytes)?;
     }
-    emit(&fin.manifest_frame, sink)?;
-    emit(&fin.trailer_frame, sink)?;
-    Ok((fin.manifest, written))
+    out.emit(&fin.manifest_frame)?;
+    out.emit(&fin.trailer_frame)?;
+    Ok((fin.manifest, out.written))
 }
 
 /// Diffs two checkpoints into a `.sdc` file, atomically.

@@ -419,6 +419,11 @@ fn signed_message(bytes: &[u8]) -> Vec<u8> {
     m
 }
 
+/// The ed25519 public key of a 32-byte signing seed.
+pub fn public_key_of(seed: &[u8; 32]) -> [u8; 32] {
+    SigningKey::from_bytes(seed).verifying_key().to_bytes()
+}
+
 /// Lower-case hex of bytes (for keys and hashes in messages).
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()

@@ -38,6 +38,29 @@ pub enum Command {
     /// Delta checkpoint tools.
     #[command(subcommand)]
     Delta(DeltaCmd),
+    /// Create a cluster: its certificate authority, the hub's credentials and the
+    /// manifest-signing key, in DIR (secrets written with mode 0600).
+    Init {
+        /// Cluster directory (created; must not hold a cluster yet).
+        #[arg(long, default_value = "cluster", env = "STARLING_HUB_CLUSTER_DIR")]
+        dir: PathBuf,
+        /// Cluster name (a DNS label: a–z, 0–9, '-').
+        #[arg(long, default_value = "starling")]
+        name: String,
+    },
+    /// Issue credentials for a relay or an actor into OUT (copy OUT to that machine).
+    Issue {
+        #[arg(long, default_value = "cluster", env = "STARLING_HUB_CLUSTER_DIR")]
+        dir: PathBuf,
+        /// relay or actor.
+        #[arg(long)]
+        role: String,
+        /// The peer's name (a DNS label), e.g. eu-west-relay or a100-07.
+        #[arg(long)]
+        name: String,
+        #[arg(short, long)]
+        out: PathBuf,
+    },
     /// Create an ed25519 signing key (FILE, mode 0600) and its public key (FILE.pub).
     Keygen {
         /// Where to write the secret key; must not exist.
@@ -172,6 +195,37 @@ impl Trust {
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Delta(cmd) => delta(cmd),
+        Command::Init { dir, name } => {
+            let mut seed = [0u8; 32];
+            getrandom::fill(&mut seed).map_err(|e| anyhow::anyhow!("read OS randomness: {e}"))?;
+            starling_transport::identity::init_cluster(&dir, &name, seed)
+                .with_context(|| format!("create cluster in {}", dir.display()))?;
+            println!(
+                "created cluster {name} in {}: ca.pem, hub.pem/.key, signing.key/.pub",
+                dir.display()
+            );
+            println!(
+                "next: starling-hub issue --dir {} --role relay|actor --name NAME -o DIR",
+                dir.display()
+            );
+            Ok(())
+        }
+        Command::Issue {
+            dir,
+            role,
+            name,
+            out,
+        } => {
+            let role = starling_transport::identity::Role::parse(&role)?;
+            starling_transport::identity::issue(&dir, role, &name, &out)
+                .with_context(|| format!("issue {} credentials for {name}", role.as_str()))?;
+            println!(
+                "issued {} credentials for {name} into {}",
+                role.as_str(),
+                out.display()
+            );
+            Ok(())
+        }
         Command::Keygen { out } => {
             let public = keys::generate(&out)?;
             println!(

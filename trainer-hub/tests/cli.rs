@@ -305,3 +305,53 @@ fn bad_arguments_and_missing_files_get_clear_errors() {
     ]));
     assert!(e.contains("unknown model preset"), "{e}");
 }
+
+#[test]
+fn init_and_issue_create_cluster_credentials() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let cluster = d.path().join("cluster");
+    ok(&hub(&[&"init", &"--dir", &cluster, &"--name", &"test"]));
+    for f in [
+        "ca.pem",
+        "ca.key",
+        "hub.pem",
+        "hub.key",
+        "signing.key",
+        "signing.pub",
+    ] {
+        assert!(cluster.join(f).exists(), "{f}");
+    }
+    let e = err(&hub(&[&"init", &"--dir", &cluster]));
+    assert!(e.contains("already exists"), "{e}");
+    let a = d.path().join("a1");
+    ok(&hub(&[
+        &"issue", &"--dir", &cluster, &"--role", &"actor", &"--name", &"a1", &"-o", &a,
+    ]));
+    let creds = starling_transport::identity::Credentials::load_peer(&a).expect("load");
+    assert_eq!(creds.name, "a1");
+    let e = err(&hub(&[
+        &"issue", &"--dir", &cluster, &"--role", &"pilot", &"--name", &"x", &"-o", &a,
+    ]));
+    assert!(e.contains("unknown role"), "{e}");
+    // The manifest key from init signs deltas that peers can verify with signing.pub.
+    let steps = tiny_steps(d.path(), 1);
+    let delta = d.path().join("d.sdc");
+    ok(&hub(&[
+        &"delta",
+        &"diff",
+        &steps[0],
+        &steps[1],
+        &"-o",
+        &delta,
+        &"--signing-key",
+        &cluster.join("signing.key"),
+    ]));
+    ok(&hub(&[
+        &"delta",
+        &"verify",
+        &steps[0],
+        &delta,
+        &"--trust",
+        &a.join("signing.pub"),
+    ]));
+}

@@ -1,0 +1,19 @@
+//! `starling-transport`: who may talk to whom, and over what.
+//!
+//! - [`identity`]: the cluster's certificate authority and the credentials it issues to the
+//!   hub, relays and actors (`starling-hub init` / `starling-hub issue`);
+//! - [`endpoint`]: QUIC endpoints with mutual TLS against the cluster CA (a peer without valid
+//!   credentials is refused during the handshake, before it can send anything), and the
+//!   check that a peer's certificate proves the role and name it claims;
+//! - [`link`]: transport parameters derived from a link profile (rate, RTT): BBR, and
+//!   receive windows sized to the bandwidth-delay product so several streams do not overfill
+//!   a long bottleneck and starve control traffic;
+//! - [`framed`]: control messages over QUIC streams.
+
+pub mod endpoint;
+pub mod framed;
+pub mod identity;
+pub mod link;
+
+/// The ALPN protocol id of Starling's QUIC connections.
+pub const ALPN: &[u8] = b"starling/1";

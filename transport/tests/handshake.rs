@@ -1,0 +1,240 @@
+//! Mutual TLS over real QUIC sockets on loopback: who gets in, who is refused, and when.
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use quinn::crypto::rustls::QuicClientConfig;
+use rustls::pki_types::pem::PemObject;
+use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
+use starling_transport::endpoint::{
+    EndpointError, client_endpoint, connect, server_endpoint, verify_peer,
+};
+use starling_transport::framed::{MessageReader, send};
+use starling_transport::identity::{Credentials, Role, init_cluster, issue};
+use starling_transport::link::LinkProfile;
+
+const LOOPBACK: &str = "127.0.0.1:0";
+
+fn cluster(dir: &Path, name: &str) -> Credentials {
+    init_cluster(dir, name, [7; 32]).expect("init");
+    Credentials::load_hub(dir).expect("hub creds")
+}
+
+/// A hub that answers each connection's first Hello: Welcome if the certificate proves the
+/// claimed identity, Refuse(NotAuthorized) otherwise. Returns its address.
+fn spawn_hub(creds: &Credentials) -> (SocketAddr, quinn::Endpoint) {
+    let ep =
+        server_endpoint(creds, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN).expect("server");
+    let addr = ep.local_addr().expect("local addr");
+    let server = ep.clone();
+    tokio::spawn(async move {
+        while let Some(incoming) = server.accept().await {
+            tokio::spawn(async move {
+                let Ok(conn) = incoming.await else { return };
+                let Ok((mut tx, rx)) = conn.accept_bi().await else {
+                    return;
+                };
+                let mut reader = MessageReader::new(rx);
+                let Ok(Some(Message::Hello { role, name, .. })) = reader.next().await else {
+                    return;
+                };
+                let role = match role {
+                    MsgRole::Relay => Role::Relay,
+                    MsgRole::Actor => Role::Actor,
+                };
+                let reply = match verify_peer(&conn, role, &name) {
+                    Ok(()) => Message::Welcome { latest_version: 41 },
+                    Err(e) => Message::Refuse {
+                        reason: RefuseReason::NotAuthorized,
+                        detail: e.to_string(),
+                    },
+                };
+                let _ = send(&mut tx, &reply).await;
+                let _ = tx.finish();
+                // Keep the connection open until the client closes it.
+                let _ = conn.closed().await;
+            });
+        }
+    });
+    (addr, ep)
+}
+
+fn hello(name: &str) -> Message {
+    Message::Hello {
+        protocol: PROTOCOL_VERSION,
+        role: MsgRole::Actor,
+        name: name.into(),
+        region: "eu".into(),
+        model_id: "m".into(),
+        active: None,
+    }
+}
+
+async fn say_hello(
+    creds: &Credentials,
+    addr: SocketAddr,
+    claimed: &str,
+) -> Result<Message, String> {
+    let ep = client_endpoint(creds, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN)
+        .map_err(|e| e.to_string())?;
+    let conn = connect(&ep, addr, Role::Hub, "hub")
+        .await
+        .map_err(|e| e.to_string())?;
+    let (mut tx, rx) = conn.open_bi().await.map_err(|e| e.to_string())?;
+    send(&mut tx, &hello(claimed))
+        .await
+        .map_err(|e| e.to_string())?;
+    let reply = MessageReader::new(rx)
+        .next()
+        .await
+        .map_err(|e| e.to_string())?;
+    conn.close(0u32.into(), b"done");
+    ep.wait_idle().await;
+    reply.ok_or_else(|| "no reply".to_string())
+}
+
+#[tokio::test]
+async fn only_cluster_members_get_in_and_only_as_themselves() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let hub = cluster(&d.path().join("cluster"), "test");
+    issue(
+        &d.path().join("cluster"),
+        Role::Actor,
+        "a1",
+        &d.path().join("a1"),
+    )
+    .expect("issue a1");
+    issue(
+        &d.path().join("cluster"),
+        Role::Relay,
+        "r1",
+        &d.path().join("r1"),
+    )
+    .expect("issue r1");
+    let a1 = Credentials::load_peer(&d.path().join("a1")).expect("a1 creds");
+    assert_eq!((a1.role, a1.name.as_str()), (Role::Actor, "a1"));
+    let (addr, _server) = spawn_hub(&hub);
+
+    let t = Duration::from_secs(20);
+    // A member, as itself: welcomed.
+    let r = tokio::time::timeout(t, say_hello(&a1, addr, "a1"))
+        .await
+        .expect("in time");
+    assert_eq!(r, Ok(Message::Welcome { latest_version: 41 }));
+    // A member claiming to be another actor: refused with a reason.
+    let r = tokio::time::timeout(t, say_hello(&a1, addr, "a2"))
+        .await
+        .expect("in time");
+    assert!(
+        matches!(
+            r,
+            Ok(Message::Refuse {
+                reason: RefuseReason::NotAuthorized,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+
+    // Credentials of another cluster: the handshake itself fails.
+    let other = d.path().join("other");
+    cluster(&other, "other");
+    issue(&other, Role::Actor, "a1", &d.path().join("other-a1")).expect("issue");
+    let foreign = Credentials::load_peer(&d.path().join("other-a1")).expect("creds");
+    let r = tokio::time::timeout(t, say_hello(&foreign, addr, "a1"))
+        .await
+        .expect("in time");
+    assert!(r.is_err(), "foreign credentials got in: {r:?}");
+
+    // No client certificate at all: refused during the handshake.
+    let ep =
+        client_endpoint(&a1, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN).expect("endpoint");
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls::pki_types::CertificateDer::pem_slice_iter(a1.ca_pem.as_bytes()) {
+        roots.add(c.expect("ca")).expect("add");
+    }
+    let mut tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    tls.alpn_protocols = vec![starling_transport::ALPN.to_vec()];
+    let cfg =
+        quinn::ClientConfig::new(Arc::new(QuicClientConfig::try_from(tls).expect("quic tls")));
+    let r = tokio::time::timeout(t, async {
+        let conn = ep
+            .connect_with(cfg, addr, "hub.starling")
+            .map_err(|e| e.to_string())?
+            .await
+            .map_err(|e| e.to_string())?;
+        let (mut tx, rx) = conn.open_bi().await.map_err(|e| e.to_string())?;
+        send(&mut tx, &hello("a1"))
+            .await
+            .map_err(|e| e.to_string())?;
+        MessageReader::new(rx)
+            .next()
+            .await
+            .map_err(|e| e.to_string())
+    })
+    .await
+    .expect("in time");
+    assert!(
+        !matches!(r, Ok(Some(Message::Welcome { .. }))),
+        "a client without a certificate was welcomed: {r:?}"
+    );
+
+    // The client checks the server too: a relay is not the hub.
+    let relay = Credentials::load_peer(&d.path().join("r1")).expect("r1 creds");
+    let relay_ep = server_endpoint(&relay, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN)
+        .expect("relay server");
+    let relay_addr = relay_ep.local_addr().expect("addr");
+    let accepting = relay_ep.clone();
+    tokio::spawn(async move {
+        while let Some(incoming) = accepting.accept().await {
+            if let Ok(conn) = incoming.await {
+                tokio::spawn(async move { conn.closed().await });
+            }
+        }
+    });
+    let client =
+        client_endpoint(&a1, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN).expect("endpoint");
+    let r = tokio::time::timeout(t, connect(&client, relay_addr, Role::Hub, "hub"))
+        .await
+        .expect("in time");
+    assert!(matches!(r, Err(EndpointError::Connect { .. })), "{r:?}");
+    let r = tokio::time::timeout(t, connect(&client, relay_addr, Role::Relay, "r1"))
+        .await
+        .expect("in time");
+    assert!(r.is_ok(), "{r:?}");
+}
+
+#[test]
+fn identity_files_are_refused_when_wrong() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let c = d.path().join("c");
+    init_cluster(&c, "prod-1", [1; 32]).expect("init");
+    // A second init would overwrite the CA: refused.
+    assert!(init_cluster(&c, "prod-1", [1; 32]).is_err());
+    // Names must be DNS labels; the hub role is not issued.
+    assert!(issue(&c, Role::Actor, "Bad_Name", &d.path().join("x")).is_err());
+    assert!(issue(&c, Role::Hub, "h", &d.path().join("x")).is_err());
+    assert!(
+        issue(
+            &d.path().join("nope"),
+            Role::Actor,
+            "a",
+            &d.path().join("x")
+        )
+        .is_err()
+    );
+    // Secrets are private to their owner.
+    use std::os::unix::fs::PermissionsExt;
+    for f in ["ca.key", "hub.key", "signing.key"] {
+        let mode = std::fs::metadata(c.join(f))
+            .expect("stat")
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode, 0o600, "{f}");
+    }
+}
