@@ -259,7 +259,7 @@ fn h2(p: f64) -> f64 {
 }
 
 fn print_sizes(rows: &[SizeRow]) {
-    println!("## Encoded size (bytes per changed element; whole-model totals in MB)\n");
+    println!("### Encoded size (bytes per changed element; whole-model totals in MB)\n");
     println!(
         "| lr | density | changes | naive i32+bf16 | SparrowRL | PULSE-style | slime-style | **Starling** | bound (mask+step) | bound (mask\\|exp + step) | vs SparrowRL | vs best baseline | vs bound |"
     );
@@ -452,7 +452,7 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
 }
 
 fn print_speeds(rows: &[SpeedRow], threads: usize) {
-    println!("## Speed (dense GB/s scanned = both checkpoints' bytes / time)\n");
+    println!("### Speed (dense GB/s scanned = both checkpoints' bytes / time)\n");
     println!(
         "| lr | compare loop 1T | **diff+encode 1T** | ratio | SparrowRL diff+encode 1T | compare loop {threads}T | **diff+encode {threads}T** | ratio | scaling 1T→{threads}T | memcpy GB/s |"
     );
@@ -473,7 +473,7 @@ fn print_speeds(rows: &[SpeedRow], threads: usize) {
             r.dense_bytes / 2.0 / r.memcpy / 1e9 * 2.0,
         );
     }
-    println!("\n## Decode and apply\n");
+    println!("\n### Decode and apply\n");
     println!(
         "| lr | changes | staging (decode+verify+undo) 1T, ns/change | **commit apply**, ms | bare scatter, ms | commit / scatter | digest update, ns/change |"
     );
