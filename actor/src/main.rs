@@ -1,8 +1,63 @@
-//! `starling-actor`: stages deltas beside the inference engine and activates them on COMMIT.
-//! Its data plane arrives with the streaming-distribution work; until then the binary only
-//! says so and exits with an error, so nobody mistakes it for an actor.
+//! `starling-actor`: parses the command line and runs the actor until the hub goes away or
+//! the process is stopped.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+
+/// Starling actor: keeps a local copy of the policy's weights in step with the hub, applying
+/// each signed delta only after verifying all of it.
+#[derive(Parser, Debug)]
+#[command(name = "starling-actor", version)]
+struct Args {
+    /// Credentials directory written by `starling-hub issue --role actor`.
+    #[arg(long, env = "STARLING_ACTOR_CREDENTIALS")]
+    credentials: PathBuf,
+    /// The hub's QUIC address.
+    #[arg(long, default_value = "127.0.0.1:7443", env = "STARLING_ACTOR_HUB")]
+    hub: SocketAddr,
+    /// Checkpoint to start from when the store holds none yet.
+    #[arg(long, env = "STARLING_ACTOR_INIT")]
+    init: PathBuf,
+    /// Directory for the active weights (survives restarts).
+    #[arg(long, default_value = "actor-store", env = "STARLING_ACTOR_STORE")]
+    store: PathBuf,
+    #[arg(long, default_value = "default", env = "STARLING_ACTOR_REGION")]
+    region: String,
+    #[arg(long, default_value = "model", env = "STARLING_ACTOR_MODEL_ID")]
+    model_id: String,
+}
 
 fn main() -> std::process::ExitCode {
-    eprintln!("starling-actor: the actor is not implemented yet (see docs/ARCHITECTURE.md)");
-    std::process::ExitCode::from(2)
+    let a = Args::parse();
+    let cfg = starling_actor::ActorConfig {
+        credentials: a.credentials,
+        hub: a.hub,
+        init: a.init,
+        store: a.store,
+        region: a.region,
+        model_id: a.model_id,
+        link: starling_transport::link::LinkProfile::LAN,
+    };
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")
+        .and_then(|rt| {
+            rt.block_on(async {
+                tokio::select! {
+                    r = starling_actor::run(cfg) => r,
+                    _ = tokio::signal::ctrl_c() => Ok(()),
+                }
+            })
+        });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
 }

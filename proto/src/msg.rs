@@ -24,6 +24,8 @@ pub const MAX_SEQS: usize = 1 << 16;
 pub enum Role {
     Relay = 1,
     Actor = 2,
+    /// The training side (holder of the hub's own credentials): may publish.
+    Trainer = 3,
 }
 
 /// Why a peer refuses a request or a delta; each tells the other side what to do next.
@@ -96,6 +98,17 @@ pub enum Message {
         reason: RefuseReason,
         detail: String,
     },
+    /// Trainer → hub: diff the checkpoint at `path` (on the hub's machine) against the current
+    /// version and publish it.
+    Publish {
+        path: String,
+    },
+    /// Hub → trainer: published as `version`, with `changes` changed elements in `bytes`.
+    Published {
+        version: u64,
+        changes: u64,
+        bytes: u64,
+    },
     /// Liveness and RTT probe; answered by a `Pong` with the same nonce.
     Ping {
         nonce: u64,
@@ -119,6 +132,8 @@ impl Message {
             Self::Refuse { .. } => 9,
             Self::Ping { .. } => 10,
             Self::Pong { .. } => 11,
+            Self::Publish { .. } => 12,
+            Self::Published { .. } => 13,
         }
     }
 
@@ -177,6 +192,16 @@ impl Message {
             Self::Ping { nonce } | Self::Pong { nonce } => {
                 out.extend_from_slice(&nonce.to_le_bytes())
             }
+            Self::Publish { path } => put_bytes(out, path.as_bytes()),
+            Self::Published {
+                version,
+                changes,
+                bytes,
+            } => {
+                put_varint(out, *version);
+                put_varint(out, *changes);
+                put_varint(out, *bytes);
+            }
         }
     }
 
@@ -212,6 +237,7 @@ impl Message {
                 let role = match r.u8("role")? {
                     1 => Role::Relay,
                     2 => Role::Actor,
+                    3 => Role::Trainer,
                     id => return Err(DecodeError::UnknownCodec { what: "role", id }),
                 };
                 let name = r.str("peer name", MAX_NAME_LEN)?.to_owned();
@@ -283,6 +309,14 @@ impl Message {
             11 => Self::Pong {
                 nonce: r.u64_le("nonce")?,
             },
+            12 => Self::Publish {
+                path: r.str("path", 4096)?.to_owned(),
+            },
+            13 => Self::Published {
+                version: r.varint("version")?,
+                changes: r.varint("changes")?,
+                bytes: r.varint("bytes")?,
+            },
             id => {
                 return Err(DecodeError::UnknownCodec {
                     what: "message type",
@@ -301,7 +335,7 @@ pub fn check(buf: &[u8]) -> Result<Option<usize>, DecodeError> {
     let Some(&ty) = buf.first() else {
         return Ok(None);
     };
-    if !(1..=11).contains(&ty) {
+    if !(1..=13).contains(&ty) {
         return Err(DecodeError::UnknownCodec {
             what: "message type",
             id: ty,
@@ -407,6 +441,14 @@ mod tests {
             },
             Message::Ping { nonce: 42 },
             Message::Pong { nonce: 42 },
+            Message::Publish {
+                path: "/ckpt/step-7".into(),
+            },
+            Message::Published {
+                version: 7,
+                changes: 1000,
+                bytes: 1300,
+            },
         ]
     }
 

@@ -61,6 +61,34 @@ pub enum Command {
         #[arg(short, long)]
         out: PathBuf,
     },
+    /// Run the hub's distribution service (QUIC, mutual TLS with the cluster's credentials).
+    Serve {
+        #[arg(long, default_value = "cluster", env = "STARLING_HUB_CLUSTER_DIR")]
+        cluster: PathBuf,
+        /// Checkpoint store (deltas are written here before they are announced).
+        #[arg(long, default_value = "hub-store", env = "STARLING_HUB_STORE")]
+        store: PathBuf,
+        #[arg(long, default_value = "0.0.0.0:7443", env = "STARLING_HUB_LISTEN")]
+        listen: std::net::SocketAddr,
+        /// The current checkpoint (safetensors file or sharded directory).
+        #[arg(long, env = "STARLING_HUB_INIT")]
+        init: PathBuf,
+        /// Its version (default: recorded in its metadata, else 0).
+        #[arg(long)]
+        init_version: Option<u64>,
+        #[arg(long, default_value = "model", env = "STARLING_HUB_MODEL_ID")]
+        model_id: String,
+    },
+    /// Ask a running hub to publish a new checkpoint (a path on the hub's machine).
+    Publish {
+        path: PathBuf,
+        #[arg(long, default_value = "127.0.0.1:7443", env = "STARLING_HUB_ADDR")]
+        hub: std::net::SocketAddr,
+        #[arg(long, default_value = "cluster", env = "STARLING_HUB_CLUSTER_DIR")]
+        cluster: PathBuf,
+        #[arg(long, default_value = "model", env = "STARLING_HUB_MODEL_ID")]
+        model_id: String,
+    },
     /// Create an ed25519 signing key (FILE, mode 0600) and its public key (FILE.pub).
     Keygen {
         /// Where to write the secret key; must not exist.
@@ -195,6 +223,52 @@ impl Trust {
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Delta(cmd) => delta(cmd),
+        Command::Serve {
+            cluster,
+            store,
+            listen,
+            init,
+            init_version,
+            model_id,
+        } => {
+            let version = match init_version {
+                Some(v) => v,
+                None => Checkpoint::open(&init)
+                    .with_context(|| format!("open {}", init.display()))?
+                    .version()
+                    .unwrap_or(0),
+            };
+            let cfg = crate::serve::ServeConfig {
+                cluster,
+                store,
+                listen,
+                init,
+                init_version: version,
+                model_id,
+                link: starling_transport::link::LinkProfile::LAN,
+            };
+            runtime()?.block_on(async {
+                tokio::select! {
+                    r = crate::serve::serve(cfg) => r,
+                    _ = tokio::signal::ctrl_c() => Ok(()),
+                }
+            })
+        }
+        Command::Publish {
+            path,
+            hub,
+            cluster,
+            model_id,
+        } => {
+            let (version, changes, bytes) = runtime()?.block_on(crate::serve::publish_remote(
+                &cluster, hub, &model_id, &path,
+            ))?;
+            println!(
+                "published {} as version {version}: {changes} changes, {bytes} bytes",
+                path.display()
+            );
+            Ok(())
+        }
         Command::Init { dir, name } => {
             let mut seed = [0u8; 32];
             getrandom::fill(&mut seed).map_err(|e| anyhow::anyhow!("read OS randomness: {e}"))?;
@@ -254,6 +328,13 @@ pub fn run(cli: Cli) -> Result<()> {
         }
         Command::Demo { dir, model, steps } => crate::cli::demo(&dir, &model, steps),
     }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")
 }
 
 fn now_ms() -> u64 {

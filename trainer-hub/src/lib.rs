@@ -5,3 +5,4 @@
 
 pub mod cli;
 pub mod keys;
+pub mod serve;

@@ -69,3 +69,97 @@ impl MessageReader {
         }
     }
 }
+
+/// A verified delta frame read from a stream.
+#[derive(Debug, Clone)]
+pub struct StreamFrame {
+    pub kind: starling_proto::container::FrameKind,
+    pub body: Vec<u8>,
+    pub hash: [u8; 32],
+}
+
+impl StreamFrame {
+    pub fn as_frame(&self) -> starling_proto::container::Frame<'_> {
+        starling_proto::container::Frame {
+            kind: self.kind,
+            body: &self.body,
+            hash: self.hash,
+        }
+    }
+}
+
+/// Reads one control message and then delta frames from a data stream (a version's
+/// stream starts with an `Announce` and carries that version's `.sdc` frames).
+#[derive(Debug)]
+pub struct DataStreamReader {
+    recv: RecvStream,
+    buf: Vec<u8>,
+}
+
+impl DataStreamReader {
+    pub fn new(recv: RecvStream) -> Self {
+        Self {
+            recv,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Reads more bytes; `false` at the end of the stream.
+    async fn fill(&mut self) -> Result<bool, FramedError> {
+        let mut chunk = [0u8; 64 * 1024];
+        match self.recv.read(&mut chunk).await? {
+            Some(n) => {
+                self.buf.extend_from_slice(&chunk[..n]);
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// The leading control message.
+    pub async fn message(&mut self) -> Result<Message, FramedError> {
+        loop {
+            if let Some(total) = check(&self.buf)? {
+                let (m, n) = Message::decode(&self.buf[..total])?;
+                self.buf.drain(..n);
+                return Ok(m);
+            }
+            if !self.fill().await? {
+                return Err(FramedError::Truncated);
+            }
+        }
+    }
+
+    /// The next verified frame, or `None` at a clean end of the stream.
+    pub async fn frame(&mut self) -> Result<Option<StreamFrame>, FramedError> {
+        use starling_proto::container::{
+            FRAME_HASH_LEN, FRAME_HEADER_LEN, frame_hash, parse_frame_header,
+        };
+        loop {
+            if self.buf.len() >= FRAME_HEADER_LEN {
+                let mut h = [0u8; FRAME_HEADER_LEN];
+                h.copy_from_slice(&self.buf[..FRAME_HEADER_LEN]);
+                let (kind, total) = parse_frame_header(&h)?;
+                if self.buf.len() >= total {
+                    let body = self.buf[FRAME_HEADER_LEN..total - FRAME_HASH_LEN].to_vec();
+                    let mut hash = [0u8; 32];
+                    hash.copy_from_slice(&self.buf[total - FRAME_HASH_LEN..total]);
+                    self.buf.drain(..total);
+                    if frame_hash(kind, &body) != hash {
+                        return Err(FramedError::Decode(DecodeError::HashMismatch {
+                            what: "streamed frame",
+                        }));
+                    }
+                    return Ok(Some(StreamFrame { kind, body, hash }));
+                }
+            }
+            if !self.fill().await? {
+                return if self.buf.is_empty() {
+                    Ok(None)
+                } else {
+                    Err(FramedError::Truncated)
+                };
+            }
+        }
+    }
+}

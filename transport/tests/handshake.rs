@@ -43,6 +43,7 @@ fn spawn_hub(creds: &Credentials) -> (SocketAddr, quinn::Endpoint) {
                 let role = match role {
                     MsgRole::Relay => Role::Relay,
                     MsgRole::Actor => Role::Actor,
+                    MsgRole::Trainer => Role::Hub,
                 };
                 let reply = match verify_peer(&conn, role, &name) {
                     Ok(()) => Message::Welcome { latest_version: 41 },
