@@ -8,9 +8,12 @@
 //! rename), so a restarted actor resumes from the version it last activated. An inference
 //! engine is not attached yet; the engine trait arrives with the rollout work.
 //!
-//! Not yet here: relays (the actor talks to the hub directly), anchors for actors more than
-//! the hub's retention behind, an in-place memory-mapped store (today a full rewrite per
-//! version), metrics.
+//! Sources are tried in order (the region's relays, then the hub); when one dies the actor
+//! subscribes to the next after the version it holds, so nothing it activated is lost.
+//!
+//! Not yet here: anchors for actors more than the retention behind, resuming a half-received
+//! version segment by segment (a version is refetched whole), an in-place memory-mapped store
+//! (today a full rewrite per version), safe points of an inference engine, metrics.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -24,18 +27,26 @@ use starling_checkpoint::writer::SafetensorsWriter;
 use starling_proto::apply::{VersionedWeights, full_digest};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
-use starling_transport::endpoint::{client_endpoint, connect};
-use starling_transport::framed::{DataStreamReader, MessageReader, StreamFrame, send};
+use starling_transport::framed::{StreamFrame, send};
 use starling_transport::identity::{Credentials, Role};
 use starling_transport::link::LinkProfile;
-use tokio::sync::mpsc;
+use starling_transport::upstream::{UpstreamEvent, subscribe};
+
+/// Where to subscribe: relays of the actor's region first, then the hub.
+#[derive(Debug, Clone)]
+pub struct Source {
+    pub role: Role,
+    pub name: String,
+    pub addr: SocketAddr,
+}
 
 /// What the actor needs.
 #[derive(Debug, Clone)]
 pub struct ActorConfig {
     /// Credentials written by `starling-hub issue --role actor`.
     pub credentials: PathBuf,
-    pub hub: SocketAddr,
+    /// Tried in order; on failure or disconnect the next one (then around again).
+    pub sources: Vec<Source>,
     /// The checkpoint to start from when the store holds none yet.
     pub init: PathBuf,
     /// Where the active weights are kept.
@@ -44,6 +55,9 @@ pub struct ActorConfig {
     pub model_id: String,
     pub link: LinkProfile,
 }
+
+/// How many times in a row the actor may fail to reach any source before it gives up.
+const MAX_FAILOVERS: u32 = 50;
 
 const CURRENT: &str = "current.safetensors";
 
@@ -77,17 +91,9 @@ fn persist(store: &Path, layout: &[(String, Vec<u64>)], w: &Model, version: u64)
     out.finish().context("write weights")
 }
 
-enum Event {
-    Delta {
-        version: u64,
-        frames: Vec<StreamFrame>,
-    },
-    Commit(u64),
-    Closed(String),
-}
-
-/// Runs until the hub connection ends. Prints `active VERSION DIGEST` after each activation
-/// and `refetch VERSION` when a delta failed verification and is requested again.
+/// Runs until every source failed too often or the process is stopped. Prints `active
+/// VERSION DIGEST` after each activation, `refetch VERSION` when a delta failed verification
+/// and is requested again, and `upstream ROLE NAME` when it (re)subscribes.
 pub async fn run(cfg: ActorConfig) -> Result<()> {
     let creds = Credentials::load_peer(&cfg.credentials).context("load credentials")?;
     if creds.role != Role::Actor {
@@ -96,6 +102,9 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
             cfg.credentials.display(),
             creds.role.as_str()
         );
+    }
+    if cfg.sources.is_empty() {
+        bail!("no hub or relay to subscribe to");
     }
     let trusted =
         std::fs::read_to_string(cfg.credentials.join("signing.pub")).context("read signing.pub")?;
@@ -106,155 +115,115 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
     let mut state = VersionedWeights::new(&cfg.model_id, weights, version, digest);
     println!("active {} {}", state.version(), state.digest());
 
-    let bind: SocketAddr = if cfg.hub.is_ipv4() {
-        "0.0.0.0:0"
-    } else {
-        "[::]:0"
-    }
-    .parse()?;
-    let ep = client_endpoint(&creds, bind, &cfg.link)?;
-    let conn = connect(&ep, cfg.hub, Role::Hub, "hub").await?;
-    let (mut tx, rx) = conn.open_bi().await.context("open control stream")?;
-    let mut reader = MessageReader::new(rx);
-    send(
-        &mut tx,
-        &Message::Hello {
+    let mut pending: BTreeMap<u64, Vec<StreamFrame>> = BTreeMap::new();
+    let mut commits: BTreeSet<u64> = BTreeSet::new();
+    let mut retries: BTreeMap<u64, u32> = BTreeMap::new();
+    let mut failures = 0u32;
+    for source in cfg.sources.iter().cycle() {
+        let hello = Message::Hello {
             protocol: PROTOCOL_VERSION,
             role: MsgRole::Actor,
             name: creds.name.clone(),
             region: cfg.region.clone(),
             model_id: cfg.model_id.clone(),
             active: Some((state.version(), state.digest().to_bytes())),
-        },
-    )
-    .await?;
-    match reader.next().await? {
-        Some(Message::Welcome { .. }) => {}
-        Some(Message::Refuse { reason, detail }) => bail!("hub refused ({reason:?}): {detail}"),
-        other => bail!("unexpected answer {other:?}"),
-    }
-    send(
-        &mut tx,
-        &Message::Subscribe {
-            after_version: state.version(),
-        },
-    )
-    .await?;
-
-    let (events_tx, mut events) = mpsc::channel::<Event>(64);
-    let data_conn = conn.clone();
-    let data_events = events_tx.clone();
-    tokio::spawn(async move {
-        // One stream per version: Announce, then the delta's frames.
-        while let Ok(recv) = data_conn.accept_uni().await {
-            let ev = data_events.clone();
-            tokio::spawn(async move {
-                let mut r = DataStreamReader::new(recv);
-                let version = match r.message().await {
-                    Ok(Message::Announce { version, .. }) => version,
-                    Ok(other) => return eprintln!("data stream began with {other:?}"),
-                    Err(e) => return eprintln!("data stream: {e}"),
-                };
-                let mut frames = Vec::new();
-                loop {
-                    match r.frame().await {
-                        Ok(Some(f)) => frames.push(f),
-                        Ok(None) => break,
-                        // A corrupted or cut stream: deliver what arrived; staging finds the
-                        // gap and the actor asks for the version again.
-                        Err(e) => {
-                            eprintln!("version {version}: {e}");
-                            break;
-                        }
-                    }
+        };
+        let mut up = match subscribe(
+            &creds,
+            source.addr,
+            source.role,
+            &source.name,
+            &hello,
+            state.version(),
+            &cfg.link,
+        )
+        .await
+        {
+            Ok(up) => up,
+            Err(e) => {
+                failures += 1;
+                eprintln!(
+                    "{} {} at {}: {e}",
+                    source.role.as_str(),
+                    source.name,
+                    source.addr
+                );
+                if failures > MAX_FAILOVERS {
+                    bail!("no source reachable after {failures} attempts: {e}");
                 }
-                let _ = ev.send(Event::Delta { version, frames }).await;
-            });
-        }
-    });
-    tokio::spawn(async move {
-        loop {
-            match reader.next().await {
-                Ok(Some(Message::Commit { version })) => {
-                    if events_tx.send(Event::Commit(version)).await.is_err() {
-                        return;
-                    }
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        println!("upstream {} {}", source.role.as_str(), source.name);
+        // Versions already active will not be needed again; later ones are resent anyway.
+        pending.retain(|&v, _| v > state.version());
+        commits.retain(|&v| v > state.version());
+        while let Some(ev) = up.events.recv().await {
+            match ev {
+                UpstreamEvent::Delta { version, frames } => {
+                    pending.insert(version, frames);
                 }
-                Ok(Some(Message::Refuse { reason, detail })) => {
-                    eprintln!("hub: {reason:?}: {detail}")
+                UpstreamEvent::Commit(v) => {
+                    commits.insert(v);
                 }
-                Ok(Some(other)) => eprintln!("hub: ignored {other:?}"),
-                Ok(None) => {
-                    return drop(
-                        events_tx
-                            .send(Event::Closed("hub closed the control stream".into()))
-                            .await,
-                    );
-                }
-                Err(e) => return drop(events_tx.send(Event::Closed(e.to_string())).await),
-            }
-        }
-    });
-
-    let mut pending: BTreeMap<u64, Vec<StreamFrame>> = BTreeMap::new();
-    let mut commits: BTreeSet<u64> = BTreeSet::new();
-    let mut retries: BTreeMap<u64, u32> = BTreeMap::new();
-    while let Some(ev) = events.recv().await {
-        match ev {
-            Event::Delta { version, frames } => {
-                pending.insert(version, frames);
-            }
-            Event::Commit(v) => {
-                commits.insert(v);
-            }
-            Event::Closed(why) => {
-                conn.close(0u32.into(), b"bye");
-                ep.wait_idle().await;
-                bail!("{why}");
-            }
-        }
-        // Activate every next version that is both fully received and committed.
-        loop {
-            let next = state.version() + 1;
-            if !commits.contains(&next) {
-                break;
-            }
-            let Some(frames) = pending.remove(&next) else {
-                break;
-            };
-            match stage_and_commit(&mut state, &frames, &trust) {
-                Ok(()) => {
-                    commits.remove(&next);
-                    persist(&cfg.store, &layout, state.weights(), state.version())?;
-                    println!("active {} {}", state.version(), state.digest());
-                    send(
-                        &mut tx,
-                        &Message::Active {
-                            version: state.version(),
-                            digest: state.digest().to_bytes(),
-                        },
-                    )
-                    .await?;
-                }
-                Err(e) => {
-                    let n = retries.entry(next).or_default();
-                    *n += 1;
-                    eprintln!("version {next} refused ({e:#}); fetching it again (attempt {n})");
-                    println!("refetch {next}");
-                    if *n > 5 {
-                        bail!("version {next} failed verification {n} times: {e:#}");
-                    }
-                    send(
-                        &mut tx,
-                        &Message::Fetch {
-                            version: next,
-                            seqs: Vec::new(),
-                        },
-                    )
-                    .await?;
+                UpstreamEvent::Refused(why) => eprintln!("upstream refused: {why}"),
+                UpstreamEvent::Closed(why) => {
+                    eprintln!("upstream {} {}: {why}", source.role.as_str(), source.name);
                     break;
                 }
             }
+            // Activate every next version that is both fully received and committed.
+            loop {
+                let next = state.version() + 1;
+                if !commits.contains(&next) {
+                    break;
+                }
+                let Some(frames) = pending.remove(&next) else {
+                    break;
+                };
+                match stage_and_commit(&mut state, &frames, &trust) {
+                    Ok(()) => {
+                        failures = 0;
+                        commits.remove(&next);
+                        persist(&cfg.store, &layout, state.weights(), state.version())?;
+                        println!("active {} {}", state.version(), state.digest());
+                        let _ = send(
+                            &mut up.control,
+                            &Message::Active {
+                                version: state.version(),
+                                digest: state.digest().to_bytes(),
+                            },
+                        )
+                        .await;
+                    }
+                    Err(e) => {
+                        let n = retries.entry(next).or_default();
+                        *n += 1;
+                        eprintln!(
+                            "version {next} refused ({e:#}); fetching it again (attempt {n})"
+                        );
+                        println!("refetch {next}");
+                        if *n > 5 {
+                            bail!("version {next} failed verification {n} times: {e:#}");
+                        }
+                        let _ = send(
+                            &mut up.control,
+                            &Message::Fetch {
+                                version: next,
+                                seqs: Vec::new(),
+                            },
+                        )
+                        .await;
+                        break;
+                    }
+                }
+            }
+        }
+        up.close().await;
+        failures += 1;
+        if failures > MAX_FAILOVERS {
+            bail!("lost every upstream {failures} times in a row");
         }
     }
     Ok(())

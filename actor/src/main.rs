@@ -15,9 +15,12 @@ struct Args {
     /// Credentials directory written by `starling-hub issue --role actor`.
     #[arg(long, env = "STARLING_ACTOR_CREDENTIALS")]
     credentials: PathBuf,
-    /// The hub's QUIC address.
+    /// The hub's QUIC address (the last resort when no relay answers).
     #[arg(long, default_value = "127.0.0.1:7443", env = "STARLING_ACTOR_HUB")]
     hub: SocketAddr,
+    /// A relay of this actor's region, as NAME@ADDR (repeatable; tried in order, before the hub).
+    #[arg(long = "relay", env = "STARLING_ACTOR_RELAYS", value_delimiter = ',')]
+    relays: Vec<String>,
     /// Checkpoint to start from when the store holds none yet.
     #[arg(long, env = "STARLING_ACTOR_INIT")]
     init: PathBuf,
@@ -32,9 +35,29 @@ struct Args {
 
 fn main() -> std::process::ExitCode {
     let a = Args::parse();
+    let mut sources = Vec::new();
+    for r in &a.relays {
+        let parsed = r
+            .split_once('@')
+            .and_then(|(n, addr)| addr.parse::<SocketAddr>().ok().map(|addr| (n, addr)));
+        let Some((name, addr)) = parsed else {
+            eprintln!("error: --relay {r:?} is not NAME@ADDR");
+            return std::process::ExitCode::from(2);
+        };
+        sources.push(starling_actor::Source {
+            role: starling_transport::identity::Role::Relay,
+            name: name.to_owned(),
+            addr,
+        });
+    }
+    sources.push(starling_actor::Source {
+        role: starling_transport::identity::Role::Hub,
+        name: "hub".into(),
+        addr: a.hub,
+    });
     let cfg = starling_actor::ActorConfig {
         credentials: a.credentials,
-        hub: a.hub,
+        sources,
         init: a.init,
         store: a.store,
         region: a.region,

@@ -1,10 +1,73 @@
-//! `starling-relay`: the per-region relay (verified cut-through forwarding, version cache,
-//! commit propagation). Its data plane arrives with the streaming-distribution work; until
-//! then the binary only says so and exits with an error, so nobody mistakes it for a relay.
+//! `starling-relay`: parses the command line and runs the relay.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Parser;
+use starling_transport::link::LinkProfile;
+
+/// Starling relay: receives each delta once per region over the WAN, verifies it, caches it
+/// and serves the region's actors.
+#[derive(Parser, Debug)]
+#[command(name = "starling-relay", version)]
+struct Args {
+    /// Credentials directory written by `starling-hub issue --role relay`.
+    #[arg(long, env = "STARLING_RELAY_CREDENTIALS")]
+    credentials: PathBuf,
+    #[arg(long, default_value = "127.0.0.1:7443", env = "STARLING_RELAY_HUB")]
+    hub: SocketAddr,
+    /// Where actors of the region connect.
+    #[arg(long, default_value = "0.0.0.0:7444", env = "STARLING_RELAY_LISTEN")]
+    listen: SocketAddr,
+    #[arg(long, default_value = "default", env = "STARLING_RELAY_REGION")]
+    region: String,
+    #[arg(long, default_value = "model", env = "STARLING_RELAY_MODEL_ID")]
+    model_id: String,
+    /// Cache versions after this one.
+    #[arg(long, default_value_t = 0)]
+    from_version: u64,
+    /// WAN rate to the hub in Mbit/s (sizes receive windows to the bandwidth-delay product).
+    #[arg(long, default_value_t = 1000)]
+    wan_mbit: u64,
+    /// WAN round-trip time to the hub in milliseconds.
+    #[arg(long, default_value_t = 50)]
+    wan_rtt_ms: u64,
+}
 
 fn main() -> std::process::ExitCode {
-    eprintln!(
-        "starling-relay: the relay data plane is not implemented yet (see docs/ARCHITECTURE.md)"
-    );
-    std::process::ExitCode::from(2)
+    let a = Args::parse();
+    let cfg = starling_relay::RelayConfig {
+        credentials: a.credentials,
+        hub: a.hub,
+        listen: a.listen,
+        region: a.region,
+        model_id: a.model_id,
+        from_version: a.from_version,
+        wan: LinkProfile {
+            rate_bps: a.wan_mbit * 1_000_000,
+            rtt: Duration::from_millis(a.wan_rtt_ms),
+        },
+        lan: LinkProfile::LAN,
+    };
+    let result = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("start the async runtime")
+        .and_then(|rt| {
+            rt.block_on(async {
+                tokio::select! {
+                    r = starling_relay::run(cfg) => r,
+                    _ = tokio::signal::ctrl_c() => Ok(()),
+                }
+            })
+        });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
 }

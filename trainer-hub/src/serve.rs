@@ -6,14 +6,14 @@
 //! its store (atomically: a version is listed only once its bytes are durable), and
 //! announces it. Every subscriber gets each version after the one it holds on its own
 //! unidirectional stream (`Announce`, then the `.sdc` frames), followed by `Commit` on its
-//! control stream; `Fetch` asks for a version again (after a corrupted or lost stream).
+//! control stream; `Fetch` asks for a version again (after a corrupted or lost stream). The
+//! sending side is shared with the relays (`starling_transport::fanout`).
 //!
 //! Not yet here (see docs/ARCHITECTURE.md): cut-through streaming of segments while they are
 //! encoded, relays, anchors for late joiners, striping, metrics. The hub keeps the *path* of
 //! the last published checkpoint as its snapshot, so the trainer must keep that file until
 //! the next publish.
 
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -27,10 +27,11 @@ use starling_checkpoint::safetensors::Checkpoint;
 use starling_proto::container::FILE_HEADER_LEN;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
 use starling_transport::endpoint::{client_endpoint, connect, server_endpoint, verify_peer};
+use starling_transport::fanout::{Retained, VersionBook, serve_subscriber};
 use starling_transport::framed::{MessageReader, send};
 use starling_transport::identity::{Credentials, Role};
 use starling_transport::link::LinkProfile;
-use tokio::sync::{Mutex, broadcast, mpsc};
+use tokio::sync::Mutex;
 
 /// What `serve` needs.
 #[derive(Debug, Clone)]
@@ -45,18 +46,10 @@ pub struct ServeConfig {
     pub link: LinkProfile,
 }
 
-#[derive(Debug, Clone)]
-struct Published {
-    path: PathBuf,
-    base: u64,
-    delta_id: [u8; 32],
-}
-
 #[derive(Debug)]
 struct State {
     version: u64,
     snapshot: PathBuf,
-    deltas: BTreeMap<u64, Published>,
 }
 
 #[derive(Debug)]
@@ -64,14 +57,11 @@ struct Hub {
     cfg: ServeConfig,
     signing: SigningKey,
     state: Mutex<State>,
-    versions: broadcast::Sender<u64>,
-    /// Test-only fault injection: the first stream of this version gets one byte flipped.
-    corrupt_once: std::sync::Mutex<Option<u64>>,
+    book: Arc<VersionBook>,
 }
 
-/// Environment variable naming a version whose first transmission is corrupted (one
-/// flipped byte inside the first segment), for fault tests. Never set it in production.
-pub const FAULT_CORRUPT_VERSION: &str = "STARLING_HUB_TEST_CORRUPT_VERSION";
+/// Deltas kept in memory for subscribers that fall behind (older ones: from the store).
+const RETAIN: usize = 256;
 
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -89,21 +79,14 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
     std::fs::create_dir_all(cfg.store.join("deltas")).context("create store")?;
     let endpoint = server_endpoint(&creds, cfg.listen, &cfg.link).context("listen")?;
     let addr = endpoint.local_addr().context("local address")?;
-    let (versions, _) = broadcast::channel(1024);
     let hub = Arc::new(Hub {
         state: Mutex::new(State {
             version: cfg.init_version,
             snapshot: cfg.init.clone(),
-            deltas: BTreeMap::new(),
         }),
+        book: Arc::new(VersionBook::new(cfg.init_version, RETAIN)),
         cfg,
         signing,
-        versions,
-        corrupt_once: std::sync::Mutex::new(
-            std::env::var(FAULT_CORRUPT_VERSION)
-                .ok()
-                .and_then(|v| v.parse().ok()),
-        ),
     });
     println!("listening on {addr}");
     while let Some(incoming) = endpoint.accept().await {
@@ -182,108 +165,8 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection) -> Result<()> {
     if role == MsgRole::Trainer {
         return serve_trainer(hub, tx, reader).await;
     }
-    let Some(Message::Subscribe { after_version }) = reader.next().await? else {
-        bail!("{name}: expected Subscribe");
-    };
-    eprintln!("{name} subscribed after version {after_version}");
-    // Control messages from the subscriber: fetch requests go to the sender loop; reports
-    // are logged.
-    let (fetch_tx, mut fetch_rx) = mpsc::channel::<u64>(64);
-    let who = name.clone();
-    tokio::spawn(async move {
-        while let Ok(Some(m)) = reader.next().await {
-            match m {
-                Message::Fetch { version, .. } => {
-                    if fetch_tx.send(version).await.is_err() {
-                        break;
-                    }
-                }
-                Message::Active { version, .. } => eprintln!("{who} active at version {version}"),
-                other => eprintln!("{who}: ignored {other:?}"),
-            }
-        }
-    });
-    let mut events = hub.versions.subscribe();
-    let mut next = after_version + 1;
-    loop {
-        let latest = hub.state.lock().await.version;
-        while next <= latest {
-            send_version(&hub, &conn, &mut tx, next).await?;
-            next += 1;
-        }
-        tokio::select! {
-            e = events.recv() => {
-                if let Err(broadcast::error::RecvError::Closed) = e {
-                    return Ok(());
-                }
-            }
-            f = fetch_rx.recv() => match f {
-                Some(v) if v < next => send_version(&hub, &conn, &mut tx, v).await?,
-                Some(_) => {}
-                None => return Ok(()),
-            },
-            _ = conn.closed() => return Ok(()),
-        }
-    }
-}
-
-/// Streams version `v` on a new unidirectional stream, then sends `Commit(v)`.
-async fn send_version(
-    hub: &Hub,
-    conn: &Connection,
-    control: &mut SendStream,
-    v: u64,
-) -> Result<()> {
-    let published = hub.state.lock().await.deltas.get(&v).cloned();
-    let Some(p) = published else {
-        send(
-            control,
-            &Message::Refuse {
-                reason: RefuseReason::VersionUnavailable,
-                detail: format!("version {v} is not retained"),
-            },
-        )
-        .await?;
-        return Ok(());
-    };
-    let bytes = tokio::fs::read(&p.path)
-        .await
-        .with_context(|| format!("read {}", p.path.display()))?;
-    let frames = bytes
-        .get(FILE_HEADER_LEN..)
-        .ok_or_else(|| anyhow!("{} is shorter than a header", p.path.display()))?;
-    let corrupt = {
-        let mut c = hub
-            .corrupt_once
-            .lock()
-            .map_err(|_| anyhow!("fault hook lock poisoned"))?;
-        if *c == Some(v) {
-            c.take().is_some()
-        } else {
-            false
-        }
-    };
-    let mut owned;
-    let frames = if corrupt && frames.len() > 64 {
-        owned = frames.to_vec();
-        owned[40] ^= 0x01;
-        eprintln!("fault injection: corrupted the first transmission of version {v}");
-        &owned[..]
-    } else {
-        frames
-    };
-    let mut data = conn.open_uni().await.context("open data stream")?;
-    let mut announce = Vec::new();
-    Message::Announce {
-        version: v,
-        base_version: p.base,
-        delta_id: p.delta_id,
-    }
-    .encode(&mut announce);
-    data.write_all(&announce).await.context("send announce")?;
-    data.write_all(frames).await.context("send delta")?;
-    data.finish().context("finish data stream")?;
-    send(control, &Message::Commit { version: v }).await?;
+    eprintln!("{name} connected");
+    serve_subscriber(hub.book.clone(), conn, tx, reader, name).await?;
     Ok(())
 }
 
@@ -335,18 +218,21 @@ async fn publish(hub: &Arc<Hub>, path: &Path) -> Result<Message> {
     })
     .await
     .context("diff task")??;
-    state.deltas.insert(
+    let bytes = tokio::fs::read(&dest)
+        .await
+        .with_context(|| format!("read {}", dest.display()))?;
+    let frames = bytes
+        .get(FILE_HEADER_LEN..)
+        .ok_or_else(|| anyhow!("{} is shorter than a header", dest.display()))?;
+    hub.book.insert(Retained {
         version,
-        Published {
-            path: dest,
-            base,
-            delta_id: summary.manifest.delta_id(),
-        },
-    );
+        base,
+        delta_id: summary.manifest.delta_id(),
+        frames: Arc::new(frames.to_vec()),
+    })?;
     state.version = version;
     state.snapshot = path.to_owned();
     drop(state);
-    let _ = hub.versions.send(version);
     eprintln!(
         "published version {version}: {} changes, {} bytes",
         summary.manifest.total_changes(),

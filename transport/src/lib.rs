@@ -11,9 +11,11 @@
 //! - [`framed`]: control messages over QUIC streams.
 
 pub mod endpoint;
+pub mod fanout;
 pub mod framed;
 pub mod identity;
 pub mod link;
+pub mod upstream;
 
 /// The ALPN protocol id of Starling's QUIC connections.
 pub const ALPN: &[u8] = b"starling/1";

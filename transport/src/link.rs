@@ -15,6 +15,11 @@ use std::time::Duration;
 use quinn::congestion::BbrConfig;
 use quinn::{IdleTimeout, TransportConfig, VarInt};
 
+/// Keep-alive period on every connection.
+pub const KEEP_ALIVE: Duration = Duration::from_secs(1);
+/// A connection silent for this long is dead (see `transport_config`).
+pub const IDLE_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// The floor for windows, so that short or fast links still keep enough bytes in flight.
 const MIN_WINDOW: u64 = 256 * 1024;
 
@@ -54,8 +59,11 @@ impl LinkProfile {
         t.send_window(conn.saturating_mul(2));
         t.initial_rtt(self.rtt.max(Duration::from_micros(100)));
         t.max_concurrent_uni_streams(VarInt::from_u32(256));
-        t.keep_alive_interval(Some(Duration::from_secs(5)));
-        t.max_idle_timeout(IdleTimeout::try_from(Duration::from_secs(30)).ok());
+        // A peer that vanished (SIGKILL, power loss) sends no close: the idle timeout is how
+        // fast its subscribers fail over. Keep-alives make an idle but live link never time
+        // out; five seconds also rides out a few lost keep-alives on a lossy WAN.
+        t.keep_alive_interval(Some(KEEP_ALIVE));
+        t.max_idle_timeout(IdleTimeout::try_from(IDLE_TIMEOUT).ok());
         t
     }
 }

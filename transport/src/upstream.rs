@@ -1,0 +1,155 @@
+//! The receiving side of a subscription, shared by actors and relays: connect to the hub or
+//! a relay, say who we are, subscribe after a version, and turn what arrives into events —
+//! each version's frames (read from its own stream, every frame hash checked) and each
+//! `Commit`.
+
+use std::net::SocketAddr;
+
+use quinn::{Connection, Endpoint, SendStream};
+use starling_proto::msg::Message;
+use thiserror::Error;
+use tokio::sync::mpsc;
+
+use crate::endpoint::{EndpointError, client_endpoint, connect};
+use crate::framed::{DataStreamReader, FramedError, MessageReader, StreamFrame, send};
+use crate::identity::{Credentials, Role};
+use crate::link::LinkProfile;
+
+/// Something the upstream sent.
+#[derive(Debug)]
+pub enum UpstreamEvent {
+    /// Every frame of `version` that arrived intact, in order. A corrupted or cut stream
+    /// ends early: the frames before the damage are delivered and the receiver finds the
+    /// gap when it checks the delta as a whole.
+    Delta {
+        version: u64,
+        frames: Vec<StreamFrame>,
+    },
+    Commit(u64),
+    Refused(String),
+    Closed(String),
+}
+
+/// Why a subscription could not be set up.
+#[derive(Debug, Error)]
+pub enum UpstreamError {
+    #[error(transparent)]
+    Endpoint(#[from] EndpointError),
+    #[error(transparent)]
+    Framed(#[from] FramedError),
+    #[error("open control stream: {0}")]
+    Connection(#[from] quinn::ConnectionError),
+    #[error("refused: {0}")]
+    Refused(String),
+    #[error("unexpected answer to Hello: {0}")]
+    Unexpected(String),
+}
+
+/// A live subscription.
+#[derive(Debug)]
+pub struct Upstream {
+    pub endpoint: Endpoint,
+    pub conn: Connection,
+    /// Our half of the control stream (for `Fetch`, `Active`).
+    pub control: SendStream,
+    pub events: mpsc::Receiver<UpstreamEvent>,
+    /// The newest version the upstream had when it welcomed us.
+    pub latest: u64,
+}
+
+impl Upstream {
+    /// Closes the connection and waits briefly for the peer to see it.
+    pub async fn close(self) {
+        self.conn.close(0u32.into(), b"bye");
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(2), self.endpoint.wait_idle())
+            .await;
+    }
+}
+
+/// Connects to the server (`role`, `name`) at `addr`, sends `hello`, and subscribes after
+/// `after_version`.
+pub async fn subscribe(
+    creds: &Credentials,
+    addr: SocketAddr,
+    role: Role,
+    name: &str,
+    hello: &Message,
+    after_version: u64,
+    link: &LinkProfile,
+) -> Result<Upstream, UpstreamError> {
+    let bind: SocketAddr = if addr.is_ipv4() {
+        "0.0.0.0:0"
+    } else {
+        "[::]:0"
+    }
+    .parse()
+    .map_err(|_| UpstreamError::Unexpected("bind address".into()))?;
+    let endpoint = client_endpoint(creds, bind, link)?;
+    let conn = connect(&endpoint, addr, role, name).await?;
+    let (mut control, rx) = conn.open_bi().await?;
+    let mut reader = MessageReader::new(rx);
+    send(&mut control, hello).await?;
+    let latest = match reader.next().await? {
+        Some(Message::Welcome { latest_version }) => latest_version,
+        Some(Message::Refuse { reason, detail }) => {
+            return Err(UpstreamError::Refused(format!("{reason:?}: {detail}")));
+        }
+        other => return Err(UpstreamError::Unexpected(format!("{other:?}"))),
+    };
+    send(&mut control, &Message::Subscribe { after_version }).await?;
+    let (tx, events) = mpsc::channel(64);
+    let data_conn = conn.clone();
+    let data_tx = tx.clone();
+    tokio::spawn(async move {
+        while let Ok(recv) = data_conn.accept_uni().await {
+            let ev = data_tx.clone();
+            tokio::spawn(async move {
+                let mut r = DataStreamReader::new(recv);
+                let version = match r.message().await {
+                    Ok(Message::Announce { version, .. }) => version,
+                    Ok(other) => return eprintln!("data stream began with {other:?}"),
+                    Err(e) => return eprintln!("data stream: {e}"),
+                };
+                let mut frames = Vec::new();
+                loop {
+                    match r.frame().await {
+                        Ok(Some(f)) => frames.push(f),
+                        Ok(None) => break,
+                        Err(e) => {
+                            eprintln!("version {version}: {e}");
+                            break;
+                        }
+                    }
+                }
+                let _ = ev.send(UpstreamEvent::Delta { version, frames }).await;
+            });
+        }
+    });
+    tokio::spawn(async move {
+        loop {
+            let ev = match reader.next().await {
+                Ok(Some(Message::Commit { version })) => UpstreamEvent::Commit(version),
+                Ok(Some(Message::Refuse { reason, detail })) => {
+                    UpstreamEvent::Refused(format!("{reason:?}: {detail}"))
+                }
+                Ok(Some(other)) => {
+                    eprintln!("upstream: ignored {other:?}");
+                    continue;
+                }
+                Ok(None) => UpstreamEvent::Closed("upstream closed the control stream".into()),
+                Err(e) => UpstreamEvent::Closed(e.to_string()),
+            };
+            let closed = matches!(ev, UpstreamEvent::Closed(_));
+            if tx.send(ev).await.is_err() || closed {
+                return;
+            }
+        }
+    });
+    Ok(Upstream {
+        endpoint,
+        conn,
+        control,
+        events,
+        latest,
+    })
+}
