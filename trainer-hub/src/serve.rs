@@ -171,7 +171,8 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection) -> Result<()> {
 }
 
 async fn serve_trainer(hub: Arc<Hub>, mut tx: SendStream, mut reader: MessageReader) -> Result<()> {
-    while let Some(m) = reader.next().await? {
+    // The trainer closes the connection when it is done: any end of the stream is normal.
+    while let Ok(Some(m)) = reader.next().await {
         let Message::Publish { path } = m else {
             send(
                 &mut tx,
