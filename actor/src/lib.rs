@@ -28,7 +28,7 @@ use starling_proto::apply::{VersionedWeights, full_digest};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_transport::framed::{StreamFrame, send};
-use starling_transport::identity::{Credentials, Role};
+use starling_transport::identity::{Credentials, Role, manifest_key};
 use starling_transport::link::LinkProfile;
 use starling_transport::upstream::{UpstreamEvent, subscribe};
 
@@ -106,9 +106,9 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
     if cfg.sources.is_empty() {
         bail!("no hub or relay to subscribe to");
     }
-    let trusted =
-        std::fs::read_to_string(cfg.credentials.join("signing.pub")).context("read signing.pub")?;
-    let trust = TrustPolicy::Keys(vec![parse_key(&trusted)?]);
+    let key = VerifyingKey::from_bytes(&manifest_key(&cfg.credentials)?)
+        .context("signing.pub is not an ed25519 key")?;
+    let trust = TrustPolicy::Keys(vec![key]);
     let (weights, layout, version) = load(&cfg)?;
     let names: Vec<String> = weights.keys().cloned().collect();
     let digest = full_digest(&cfg.model_id, &weights, &names);
@@ -243,16 +243,4 @@ fn stage_and_commit(
     let sealed = stager.seal(trust)?;
     state.commit(sealed)?;
     Ok(())
-}
-
-fn parse_key(text: &str) -> Result<VerifyingKey> {
-    let t = text.trim();
-    if t.len() != 64 {
-        bail!("signing.pub must hold 64 hex characters");
-    }
-    let mut b = [0u8; 32];
-    for (i, o) in b.iter_mut().enumerate() {
-        *o = u8::from_str_radix(&t[2 * i..2 * i + 2], 16).context("signing.pub is not hex")?;
-    }
-    VerifyingKey::from_bytes(&b).context("signing.pub is not an ed25519 key")
 }

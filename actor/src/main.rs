@@ -4,7 +4,6 @@
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
-use anyhow::Context;
 use clap::Parser;
 
 /// Starling actor: keeps a local copy of the policy's weights in step with the hub, applying
@@ -64,23 +63,5 @@ fn main() -> std::process::ExitCode {
         model_id: a.model_id,
         link: starling_transport::link::LinkProfile::LAN,
     };
-    let result = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("start the async runtime")
-        .and_then(|rt| {
-            rt.block_on(async {
-                tokio::select! {
-                    r = starling_actor::run(cfg) => r,
-                    _ = tokio::signal::ctrl_c() => Ok(()),
-                }
-            })
-        });
-    match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    starling_transport::service::run_service(starling_actor::run(cfg))
 }

@@ -374,28 +374,10 @@ pub fn apply_in_memory(
     trust: &TrustPolicy,
     base_version: Option<u64>,
 ) -> Result<(VersionedWeights<Model>, ApplySummary), DeltaFileError> {
-    let decode_err = |source| DeltaFileError::Decode {
-        path: delta.to_owned(),
-        source,
-    };
-    let file = File::open(delta).map_err(|source| DeltaFileError::Io {
-        op: "open",
-        path: delta.to_owned(),
-        source,
-    })?;
-    let mut frames =
-        FrameReader::new(BufReader::with_capacity(1 << 20, file)).map_err(decode_err)?;
     // The manifest is the last frame but one; staging needs to know the model and base
-    // first, so read the frames, then stage them (segments are small next to the model).
-    let mut all = Vec::new();
-    while let Some(f) = frames.next_frame().map_err(decode_err)? {
-        all.push(f);
-    }
-    let manifest = all
-        .iter()
-        .find(|f| f.kind == FrameKind::Manifest)
-        .ok_or(StageError::NoManifest)
-        .and_then(|f| SignedManifest::decode_body(&f.body).map_err(StageError::from))?;
+    // first, so read every frame (each verified), then stage (segments are small next to
+    // the model).
+    let (manifest, segments) = read_manifest(delta)?;
     let model_id = manifest.manifest.model_id.clone();
     let weights = base.read_all()?;
     let names: Vec<String> = weights.keys().cloned().collect();
@@ -405,7 +387,8 @@ pub fn apply_in_memory(
         .unwrap_or(manifest.manifest.base_version);
     let mut state = VersionedWeights::new(&model_id, weights, version, digest);
     let mut stager = state.stager();
-    for f in &all {
+    stager.stage_manifest(manifest)?;
+    for f in &segments {
         stager.stage_frame(f.as_frame(), state.weights())?;
     }
     let sealed = stager.seal(trust)?;
@@ -463,7 +446,7 @@ pub fn apply_to_file(
     Ok(summary)
 }
 
-/// Reads only the manifest of a `.sdc` (verifying every frame on the way).
+/// Reads a `.sdc`: its manifest and its segment frames, every frame verified on the way.
 pub fn read_manifest(delta: &Path) -> Result<(SignedManifest, Vec<OwnedFrame>), DeltaFileError> {
     let decode_err = |source| DeltaFileError::Decode {
         path: delta.to_owned(),

@@ -18,11 +18,12 @@ use ed25519_dalek::VerifyingKey;
 use quinn::Connection;
 use starling_proto::container::{DeltaAssembler, FrameKind, encode_frame};
 use starling_proto::manifest::TrustPolicy;
-use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
-use starling_transport::endpoint::{server_endpoint, verify_peer};
+use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_transport::admit::admit;
+use starling_transport::endpoint::server_endpoint;
 use starling_transport::fanout::{Retained, VersionBook, serve_subscriber};
-use starling_transport::framed::{MessageReader, StreamFrame, send};
-use starling_transport::identity::{Credentials, Role};
+use starling_transport::framed::{StreamFrame, send};
+use starling_transport::identity::{Credentials, Role, manifest_key};
 use starling_transport::link::LinkProfile;
 use starling_transport::upstream::{UpstreamEvent, subscribe};
 
@@ -57,9 +58,9 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
             creds.role.as_str()
         );
     }
-    let trusted =
-        std::fs::read_to_string(cfg.credentials.join("signing.pub")).context("read signing.pub")?;
-    let trust = TrustPolicy::Keys(vec![parse_key(&trusted)?]);
+    let key = VerifyingKey::from_bytes(&manifest_key(&cfg.credentials)?)
+        .context("signing.pub is not an ed25519 key")?;
+    let trust = TrustPolicy::Keys(vec![key]);
     let book = Arc::new(VersionBook::new(cfg.from_version, RETAIN));
     let endpoint = server_endpoint(&creds, cfg.listen, &cfg.lan).context("listen")?;
     println!(
@@ -92,50 +93,10 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
 }
 
 async fn serve_actor(book: Arc<VersionBook>, conn: Connection, model_id: &str) -> Result<()> {
-    let (mut tx, rx) = conn.accept_bi().await.context("accept control stream")?;
-    let mut reader = MessageReader::new(rx);
-    let Some(Message::Hello {
-        protocol,
-        role,
-        name,
-        model_id: theirs,
-        ..
-    }) = reader.next().await?
-    else {
-        bail!("first message was not Hello");
-    };
-    let refusal = if protocol != PROTOCOL_VERSION {
-        Some((
-            RefuseReason::ProtocolVersion,
-            format!("relay speaks {PROTOCOL_VERSION}, peer {protocol}"),
-        ))
-    } else if role != MsgRole::Actor {
-        Some((
-            RefuseReason::NotAuthorized,
-            "a relay serves actors only".to_owned(),
-        ))
-    } else if let Err(e) = verify_peer(&conn, Role::Actor, &name) {
-        Some((RefuseReason::NotAuthorized, e.to_string()))
-    } else if theirs != model_id {
-        Some((
-            RefuseReason::Protocol,
-            format!("relay serves model {model_id}, actor holds {theirs}"),
-        ))
-    } else {
-        None
-    };
-    if let Some((reason, detail)) = refusal {
-        send(&mut tx, &Message::Refuse { reason, detail }).await?;
+    let Some(a) = admit(&conn, "relay", model_id, &[MsgRole::Actor], book.latest()).await? else {
         return Ok(());
-    }
-    send(
-        &mut tx,
-        &Message::Welcome {
-            latest_version: book.latest(),
-        },
-    )
-    .await?;
-    serve_subscriber(book, conn, tx, reader, name).await?;
+    };
+    serve_subscriber(book, conn, a.control, a.reader, a.name).await?;
     Ok(())
 }
 
@@ -236,16 +197,4 @@ async fn follow_hub(
         }
     }
     Ok(())
-}
-
-fn parse_key(text: &str) -> Result<VerifyingKey> {
-    let t = text.trim();
-    if t.len() != 64 {
-        bail!("signing.pub must hold 64 hex characters");
-    }
-    let mut b = [0u8; 32];
-    for (i, o) in b.iter_mut().enumerate() {
-        *o = u8::from_str_radix(&t[2 * i..2 * i + 2], 16).context("signing.pub is not hex")?;
-    }
-    VerifyingKey::from_bytes(&b).context("signing.pub is not an ed25519 key")
 }

@@ -4,7 +4,6 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::Context;
 use clap::Parser;
 use starling_transport::link::LinkProfile;
 
@@ -51,23 +50,5 @@ fn main() -> std::process::ExitCode {
         },
         lan: LinkProfile::LAN,
     };
-    let result = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("start the async runtime")
-        .and_then(|rt| {
-            rt.block_on(async {
-                tokio::select! {
-                    r = starling_relay::run(cfg) => r,
-                    _ = tokio::signal::ctrl_c() => Ok(()),
-                }
-            })
-        });
-    match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    starling_transport::service::run_service(starling_relay::run(cfg))
 }

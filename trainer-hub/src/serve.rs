@@ -26,7 +26,8 @@ use starling_checkpoint::deltafile::{DiffOptions, diff_to_file};
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_proto::container::FILE_HEADER_LEN;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
-use starling_transport::endpoint::{client_endpoint, connect, server_endpoint, verify_peer};
+use starling_transport::admit::admit;
+use starling_transport::endpoint::{client_endpoint, connect, server_endpoint};
 use starling_transport::fanout::{Retained, VersionBook, serve_subscriber};
 use starling_transport::framed::{MessageReader, send};
 use starling_transport::identity::{Credentials, Role};
@@ -107,66 +108,16 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
 }
 
 async fn serve_connection(hub: Arc<Hub>, conn: Connection) -> Result<()> {
-    let (mut tx, rx) = conn.accept_bi().await.context("accept control stream")?;
-    let mut reader = MessageReader::new(rx);
-    let Some(Message::Hello {
-        protocol,
-        role,
-        name,
-        model_id,
-        ..
-    }) = reader.next().await?
-    else {
-        bail!("first message was not Hello");
-    };
-    let refuse = |reason, detail: String| Message::Refuse { reason, detail };
-    if protocol != PROTOCOL_VERSION {
-        send(
-            &mut tx,
-            &refuse(
-                RefuseReason::ProtocolVersion,
-                format!("hub speaks {PROTOCOL_VERSION}, peer {protocol}"),
-            ),
-        )
-        .await?;
-        return Ok(());
-    }
-    let (cert_role, cert_name) = match role {
-        MsgRole::Relay => (Role::Relay, name.as_str()),
-        MsgRole::Actor => (Role::Actor, name.as_str()),
-        MsgRole::Trainer => (Role::Hub, "hub"),
-    };
-    if let Err(e) = verify_peer(&conn, cert_role, cert_name) {
-        send(&mut tx, &refuse(RefuseReason::NotAuthorized, e.to_string())).await?;
-        return Ok(());
-    }
-    if model_id != hub.cfg.model_id {
-        send(
-            &mut tx,
-            &refuse(
-                RefuseReason::Protocol,
-                format!(
-                    "hub serves model {}, peer holds {model_id}",
-                    hub.cfg.model_id
-                ),
-            ),
-        )
-        .await?;
-        return Ok(());
-    }
     let latest = hub.state.lock().await.version;
-    send(
-        &mut tx,
-        &Message::Welcome {
-            latest_version: latest,
-        },
-    )
-    .await?;
-    if role == MsgRole::Trainer {
-        return serve_trainer(hub, tx, reader).await;
+    let serves = [MsgRole::Relay, MsgRole::Actor, MsgRole::Trainer];
+    let Some(a) = admit(&conn, "hub", &hub.cfg.model_id, &serves, latest).await? else {
+        return Ok(());
+    };
+    if a.role == MsgRole::Trainer {
+        return serve_trainer(hub, a.control, a.reader).await;
     }
-    eprintln!("{name} connected");
-    serve_subscriber(hub.book.clone(), conn, tx, reader, name).await?;
+    eprintln!("{} connected", a.name);
+    serve_subscriber(hub.book.clone(), conn, a.control, a.reader, a.name).await?;
     Ok(())
 }
 

@@ -262,6 +262,26 @@ pub fn issue(cluster_dir: &Path, role: Role, name: &str, out: &Path) -> Result<(
     Ok(())
 }
 
+/// The hub's manifest-verification key from a credentials or cluster directory
+/// (`signing.pub`): the only key whose signatures a relay or actor accepts.
+pub fn manifest_key(dir: &Path) -> Result<[u8; 32], IdentityError> {
+    let path = dir.join("signing.pub");
+    let text = read(&path)?;
+    let t = text.trim();
+    let bad = || IdentityError::NotACluster {
+        path: path.clone(),
+        detail: "signing.pub must hold 64 hex characters".into(),
+    };
+    if t.len() != 64 || !t.is_ascii() {
+        return Err(bad());
+    }
+    let mut key = [0u8; 32];
+    for (i, k) in key.iter_mut().enumerate() {
+        *k = u8::from_str_radix(&t[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+    }
+    Ok(key)
+}
+
 /// Credentials loaded from disk: the CA to verify peers against, and our own chain and key.
 #[derive(Debug, Clone)]
 pub struct Credentials {

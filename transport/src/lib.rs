@@ -8,13 +8,18 @@
 //! - [`link`]: transport parameters derived from a link profile (rate, RTT): BBR, and
 //!   receive windows sized to the bandwidth-delay product so several streams do not overfill
 //!   a long bottleneck and starve control traffic;
-//! - [`framed`]: control messages over QUIC streams.
+//! - [`framed`]: control messages over QUIC streams;
+//! - [`admit`]: the Hello/Welcome/Refuse admission every server runs;
+//! - [`fanout`] and [`upstream`]: sending and receiving versions;
+//! - [`service`]: running a service binary until it is stopped.
 
+pub mod admit;
 pub mod endpoint;
 pub mod fanout;
 pub mod framed;
 pub mod identity;
 pub mod link;
+pub mod service;
 pub mod upstream;
 
 /// The ALPN protocol id of Starling's QUIC connections.

@@ -1,0 +1,101 @@
+//! Admission: the first exchange on every connection a hub or relay accepts.
+//!
+//! The peer opens the control stream and says `Hello`. It is admitted only if it speaks our
+//! protocol version, its role is one this server serves, its certificate proves the role and
+//! name it claims, and it holds the same model; otherwise it gets a `Refuse` whose reason
+//! says what to fix. An admitted peer gets `Welcome` with the newest version here.
+
+use quinn::{Connection, SendStream};
+use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
+use thiserror::Error;
+
+use crate::endpoint::verify_peer;
+use crate::framed::{FramedError, MessageReader, send};
+use crate::identity::Role;
+
+/// An admitted peer: its control stream, and who it is.
+#[derive(Debug)]
+pub struct Admitted {
+    pub control: SendStream,
+    pub reader: MessageReader,
+    pub role: MsgRole,
+    pub name: String,
+}
+
+/// Why admission could not even be attempted.
+#[derive(Debug, Error)]
+pub enum AdmitError {
+    #[error("accept control stream: {0}")]
+    Accept(#[from] quinn::ConnectionError),
+    #[error(transparent)]
+    Framed(#[from] FramedError),
+    #[error("the first message was not Hello")]
+    NoHello,
+}
+
+/// Runs admission on a freshly accepted connection. `Ok(None)` means the peer was refused
+/// (and told why).
+pub async fn admit(
+    conn: &Connection,
+    server: &str,
+    model_id: &str,
+    serves: &[MsgRole],
+    latest: u64,
+) -> Result<Option<Admitted>, AdmitError> {
+    let (mut control, rx) = conn.accept_bi().await?;
+    let mut reader = MessageReader::new(rx);
+    let Some(Message::Hello {
+        protocol,
+        role,
+        name,
+        model_id: theirs,
+        ..
+    }) = reader.next().await?
+    else {
+        return Err(AdmitError::NoHello);
+    };
+    // The trainer publishes with the hub's own credentials.
+    let (cert_role, cert_name) = match role {
+        MsgRole::Relay => (Role::Relay, name.as_str()),
+        MsgRole::Actor => (Role::Actor, name.as_str()),
+        MsgRole::Trainer => (Role::Hub, "hub"),
+    };
+    let refusal = if protocol != PROTOCOL_VERSION {
+        Some((
+            RefuseReason::ProtocolVersion,
+            format!("{server} speaks protocol {PROTOCOL_VERSION}, peer {protocol}"),
+        ))
+    } else if !serves.contains(&role) {
+        Some((
+            RefuseReason::NotAuthorized,
+            format!("{server} does not serve {role:?}s"),
+        ))
+    } else if let Err(e) = verify_peer(conn, cert_role, cert_name) {
+        Some((RefuseReason::NotAuthorized, e.to_string()))
+    } else if theirs != model_id {
+        Some((
+            RefuseReason::Protocol,
+            format!("{server} serves model {model_id}, peer holds {theirs}"),
+        ))
+    } else {
+        None
+    };
+    if let Some((reason, detail)) = refusal {
+        send(&mut control, &Message::Refuse { reason, detail }).await?;
+        let _ = control.finish();
+        return Ok(None);
+    }
+    send(
+        &mut control,
+        &Message::Welcome {
+            latest_version: latest,
+        },
+    )
+    .await?;
+    Ok(Some(Admitted {
+        control,
+        reader,
+        role,
+        name,
+    }))
+}
