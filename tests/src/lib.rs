@@ -1,1 +1,355 @@
-//! End-to-end tests live in `tests/tests/`; they run the real `starling-hub` binary.
+//! Support for tests and benchmarks that drive Starling's real binaries as separate
+//! processes on loopback: a [`Testbed`] with a hub, relays (optionally behind an emulated WAN
+//! link from `starling-netem`) and actors, whose output lines are read with deadlines.
+//! Every process is killed and reaped when the test bed is dropped.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use starling_checkpoint::safetensors::Checkpoint;
+use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir};
+use starling_proto::apply::full_digest;
+
+/// A workspace binary next to this test's executable (built by `cargo test --workspace`).
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable");
+    // Test executables live in target/PROFILE/deps, binaries in target/PROFILE.
+    let dir = exe.parent().expect("executable dir");
+    let p = if dir.ends_with("deps") {
+        dir.parent().unwrap_or(dir).join(name)
+    } else {
+        dir.join(name)
+    };
+    assert!(
+        p.exists(),
+        "{} not built: run the workspace tests (scripts/test.sh) or `cargo build --release --workspace`",
+        p.display()
+    );
+    p
+}
+
+/// Kills and reaps its children on drop, so a failing test leaves no process behind.
+#[derive(Debug)]
+pub struct Procs(pub Vec<Child>);
+
+impl Drop for Procs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn lines_of(r: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(r).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+/// Spawns a process whose stdout lines arrive on the returned channel.
+pub fn spawn(procs: &mut Procs, cmd: &mut Command) -> mpsc::Receiver<String> {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn");
+    let rx = lines_of(child.stdout.take().expect("stdout"));
+    procs.0.push(child);
+    rx
+}
+
+/// Like [`spawn`], and the process's stderr lines too.
+pub fn spawn_with_log(
+    procs: &mut Procs,
+    cmd: &mut Command,
+) -> (mpsc::Receiver<String>, mpsc::Receiver<String>) {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let out = lines_of(child.stdout.take().expect("stdout"));
+    let err = lines_of(child.stderr.take().expect("stderr"));
+    procs.0.push(child);
+    (out, err)
+}
+
+pub fn wait_for(rx: &mpsc::Receiver<String>, what: &str, deadline: Instant) -> String {
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(line) if line.starts_with(what) => return line,
+            Ok(_) => {}
+            Err(e) => panic!("waiting for {what:?}: {e}"),
+        }
+    }
+}
+
+/// The next line that is not an `upstream …` notice.
+pub fn next_event(rx: &mpsc::Receiver<String>, deadline: Instant) -> String {
+    loop {
+        let line = wait_for(rx, "", deadline);
+        if !line.starts_with("upstream ") {
+            return line;
+        }
+    }
+}
+
+pub fn run_ok(cmd: &mut Command) {
+    let o = cmd.output().expect("run");
+    assert!(
+        o.status.success(),
+        "{:?} failed: {}",
+        cmd,
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// A cluster on loopback: generated checkpoints, credentials, a running hub.
+#[derive(Debug)]
+pub struct Testbed {
+    _dir: tempfile::TempDir,
+    pub root: PathBuf,
+    pub steps: Vec<PathBuf>,
+    pub cluster: PathBuf,
+    pub hub_addr: String,
+    pub hub_log: mpsc::Receiver<String>,
+    pub procs: Procs,
+    pub deadline: Instant,
+}
+
+impl Testbed {
+    /// `versions` checkpoints after the initial one; credentials for `peers` (role, name);
+    /// extra environment for the hub (fault hooks).
+    pub fn new(versions: u32, seed: u64, peers: &[(&str, &str)], hub_env: &[(&str, &str)]) -> Self {
+        Self::with_model("tiny", 1e-5, versions, seed, peers, hub_env)
+    }
+
+    /// As [`Testbed::new`] with a model preset and learning rate of the workload generator.
+    pub fn with_model(
+        preset: &str,
+        lr: f32,
+        versions: u32,
+        seed: u64,
+        peers: &[(&str, &str)],
+        hub_env: &[(&str, &str)],
+    ) -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let spec = ModelSpec::preset(preset).expect("preset");
+        let cfg = TrainConfig {
+            seed,
+            lr,
+            ..TrainConfig::default()
+        };
+        let steps = generate_to_dir(&spec, versions, &cfg, &dir.path().join("ckpt"), &|_| {})
+            .expect("generate");
+        Self::with_checkpoints(dir, steps, peers, hub_env)
+    }
+
+    /// A test bed over existing checkpoints (`steps[0]` is the hub's initial version).
+    pub fn with_checkpoints(
+        dir: tempfile::TempDir,
+        steps: Vec<PathBuf>,
+        peers: &[(&str, &str)],
+        hub_env: &[(&str, &str)],
+    ) -> Self {
+        let root = dir.path().to_owned();
+        let cluster = root.join("cluster");
+        run_ok(
+            Command::new(bin("starling-hub"))
+                .args(["init", "--name", "test", "--dir"])
+                .arg(&cluster),
+        );
+        for (role, name) in peers {
+            run_ok(
+                Command::new(bin("starling-hub"))
+                    .args(["issue", "--role", role, "--name", name, "--dir"])
+                    .arg(&cluster)
+                    .arg("-o")
+                    .arg(root.join(name)),
+            );
+        }
+        let deadline = Instant::now() + Duration::from_secs(300);
+        let mut procs = Procs(Vec::new());
+        let mut hub = Command::new(bin("starling-hub"));
+        hub.args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--model-id",
+            "tiny",
+            "--cluster",
+        ])
+        .arg(&cluster)
+        .arg("--store")
+        .arg(root.join("hub-store"))
+        .arg("--init")
+        .arg(&steps[0]);
+        for (k, v) in hub_env {
+            hub.env(k, v);
+        }
+        let (hub_out, hub_log) = spawn_with_log(&mut procs, &mut hub);
+        let hub_addr = wait_for(&hub_out, "listening on ", deadline)
+            .trim_start_matches("listening on ")
+            .to_owned();
+        Self {
+            _dir: dir,
+            root,
+            steps,
+            cluster,
+            hub_addr,
+            hub_log,
+            procs,
+            deadline,
+        }
+    }
+
+    /// A relay connected straight to the hub; returns its address and stdout lines.
+    pub fn relay(&mut self, name: &str) -> (String, mpsc::Receiver<String>) {
+        let hub = self.hub_addr.clone();
+        self.relay_at(name, &hub, &[])
+    }
+
+    /// A relay whose link to the hub goes through `starling-netem` with `netem_args`
+    /// (e.g. `--rate 100mbit --delay 25ms --loss 0.1%`); `relay_args` tell the relay the
+    /// link it is on (`--wan-mbit`, `--wan-rtt-ms`).
+    pub fn relay_behind_link(
+        &mut self,
+        name: &str,
+        netem_args: &[&str],
+        relay_args: &[&str],
+    ) -> (String, mpsc::Receiver<String>) {
+        let out = spawn(
+            &mut self.procs,
+            Command::new(bin("starling-netem"))
+                .args(["--listen", "127.0.0.1:0", "--upstream", &self.hub_addr])
+                .args(netem_args),
+        );
+        let link = wait_for(&out, "listening on ", self.deadline)
+            .trim_start_matches("listening on ")
+            .to_owned();
+        self.relay_at(name, &link, relay_args)
+    }
+
+    fn relay_at(
+        &mut self,
+        name: &str,
+        hub: &str,
+        extra: &[&str],
+    ) -> (String, mpsc::Receiver<String>) {
+        let out = spawn(
+            &mut self.procs,
+            Command::new(bin("starling-relay"))
+                .args([
+                    "--model-id",
+                    "tiny",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--hub",
+                    hub,
+                    "--region",
+                    name,
+                    "--credentials",
+                ])
+                .arg(self.root.join(name))
+                .args(extra),
+        );
+        let addr = wait_for(&out, "listening on ", self.deadline)
+            .trim_start_matches("listening on ")
+            .to_owned();
+        (addr, out)
+    }
+
+    /// Starts an actor that tries `relays` (NAME@ADDR) before the hub.
+    pub fn actor(&mut self, name: &str, relays: &[String]) -> mpsc::Receiver<String> {
+        let mut cmd = Command::new(bin("starling-actor"));
+        cmd.args([
+            "--model-id",
+            "tiny",
+            "--hub",
+            &self.hub_addr,
+            "--credentials",
+        ])
+        .arg(self.root.join(name))
+        .arg("--init")
+        .arg(&self.steps[0])
+        .arg("--store")
+        .arg(self.store(name));
+        for r in relays {
+            cmd.args(["--relay", r]);
+        }
+        spawn(&mut self.procs, &mut cmd)
+    }
+
+    pub fn store(&self, actor: &str) -> PathBuf {
+        self.root.join(format!("{actor}-store"))
+    }
+
+    pub fn publish(&self, k: usize) {
+        run_ok(
+            Command::new(bin("starling-hub"))
+                .args([
+                    "publish",
+                    "--model-id",
+                    "tiny",
+                    "--hub",
+                    &self.hub_addr,
+                    "--cluster",
+                ])
+                .arg(&self.cluster)
+                .arg(&self.steps[k]),
+        );
+    }
+
+    /// The trainer's weights of version `k`.
+    pub fn weights(&self, k: usize) -> std::collections::BTreeMap<String, Vec<u16>> {
+        Checkpoint::open(&self.steps[k])
+            .expect("open")
+            .read_all()
+            .expect("read")
+    }
+
+    /// The line an actor prints once it runs version `k`, computed from the trainer's bits.
+    pub fn active_line(&self, k: usize) -> String {
+        let w = self.weights(k);
+        let names: Vec<String> = w.keys().cloned().collect();
+        format!("active {k} {}", full_digest("tiny", &w, &names))
+    }
+
+    /// Asserts that `actor`'s stored weights are bit-identical to version `k`.
+    pub fn assert_store_is(&self, actor: &str, k: usize) {
+        let got =
+            Checkpoint::open(&self.store(actor).join("current.safetensors")).expect("open store");
+        assert_eq!(got.version(), Some(k as u64), "{actor}");
+        let got = got.read_all().expect("read store");
+        for (name, w) in &self.weights(k) {
+            assert_eq!(
+                blake3::hash(&le_bytes(&got[name])),
+                blake3::hash(&le_bytes(w)),
+                "{actor}: tensor {name}"
+            );
+        }
+    }
+
+    /// SIGKILLs the process started `index`-th (0 is the hub) and reaps it.
+    pub fn kill(&mut self, index: usize) {
+        let mut p = self.procs.0.remove(index);
+        p.kill().expect("SIGKILL");
+        p.wait().expect("reap");
+    }
+}
+
+/// Little-endian bytes of BF16 bits (for hashing tensors).
+pub fn le_bytes(v: &[u16]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
