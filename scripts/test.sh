@@ -44,4 +44,8 @@ if [[ -z "${STARLING_TEST_POSTGRES_URL:-}" && -z "${STARLING_SKIP_POSTGRES:-}" ]
     echo "== PostgreSQL $("$pg_bin/postgres" --version | awk '{print $3}') on 127.0.0.1:$port"
 fi
 
+# The end-to-end tests run the real binaries of every package; cargo builds a package's
+# binaries for tests only when that package has integration tests of its own, so build
+# them all first.
+cargo build --workspace --bins --release
 cargo test --workspace --all-targets --release "$@"
