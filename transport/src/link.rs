@@ -5,9 +5,13 @@
 //! 0.1%-loss link) while BBR reaches 84–94%; but BBR with an unlimited connection receive
 //! window and several streams overfilled the bottleneck (~50% of packets dropped), which
 //! would starve control traffic sharing the link. Capping the receiver's connection window
-//! near 1.5× the bandwidth-delay product and each stream's near 1× fixed it. These windows
-//! are receiver-side settings, so every endpoint derives them from the profile of the link
-//! it receives over.
+//! near 1.5× the bandwidth-delay product and each stream's near 1× fixed it — for four
+//! streams. Starling sends a version on one stream today, and at 1× BDP that stream was
+//! window-limited (`wan-bench`: 57% of a 100 Mbit/s, 50 ms, 0.1%-loss link); 2× per stream
+//! and 3× per connection gave 74–76% without overfilling the bottleneck. When versions are
+//! striped over several streams, the per-stream window should shrink accordingly. These
+//! windows are receiver-side settings, so every endpoint derives them from the profile of the
+//! link it receives over.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,10 +46,10 @@ impl LinkProfile {
         (self.rate_bps as u128 * self.rtt.as_nanos() / 8 / 1_000_000_000) as u64
     }
 
-    /// (stream receive window, connection receive window) in bytes.
+    /// (stream receive window, connection receive window) in bytes: 2× and 3× the BDP.
     pub fn windows(&self) -> (u64, u64) {
         let bdp = self.bdp_bytes().max(MIN_WINDOW);
-        (bdp, bdp + bdp / 2)
+        (2 * bdp, 3 * bdp)
     }
 
     /// QUIC transport parameters for receiving over this link: BBR, windows from the BDP,
@@ -80,16 +84,14 @@ mod tests {
             rtt: Duration::from_millis(100),
         };
         assert_eq!(l.bdp_bytes(), 3_200_000);
-        assert_eq!(l.windows(), (3_200_000, 4_800_000));
-        // A LAN's BDP is tiny: the floor applies.
-        assert_eq!(LinkProfile::LAN.windows(), (625_000, 937_500));
+        assert_eq!(l.windows(), (6_400_000, 9_600_000));
+        // 10 Gbit/s × 0.5 ms = 625 kB.
+        assert_eq!(LinkProfile::LAN.windows(), (1_250_000, 1_875_000));
+        // A short slow link's BDP is tiny: the floor applies.
         let fast_short = LinkProfile {
             rate_bps: 1_000_000,
             rtt: Duration::from_millis(1),
         };
-        assert_eq!(
-            fast_short.windows(),
-            (MIN_WINDOW, MIN_WINDOW + MIN_WINDOW / 2)
-        );
+        assert_eq!(fast_short.windows(), (2 * MIN_WINDOW, 3 * MIN_WINDOW));
     }
 }
