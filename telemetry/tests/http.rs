@@ -1,0 +1,237 @@
+//! The metrics server over real sockets: a hand-written HTTP/1.1 client against `serve`.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::Router;
+use axum::routing::post;
+use starling_telemetry::Metrics;
+use starling_telemetry::http::{self, METRICS_CONTENT_TYPE};
+use starling_telemetry::metrics::MAX_PEERS;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// Bound on any one exchange with the server, so that a hang fails the test.
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A server on 127.0.0.1 with an ephemeral port, stopped (aborted) when dropped.
+struct Server {
+    addr: SocketAddr,
+    task: JoinHandle<std::io::Result<()>>,
+}
+
+impl Server {
+    async fn start(metrics: Metrics, extra: Router) -> Self {
+        let (listener, addr) = http::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+            .await
+            .expect("bind the metrics listener");
+        let task = tokio::spawn(http::serve(listener, metrics, extra));
+        Self { addr, task }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+#[derive(Debug)]
+struct Response {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: String,
+}
+
+impl Response {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Whether the body has `line` as a whole line.
+    fn has_line(&self, line: &str) -> bool {
+        self.body.lines().any(|l| l == line)
+    }
+}
+
+/// Sends one request on a fresh connection (`Connection: close`) and reads the whole response.
+async fn request(addr: SocketAddr, method: &str, path: &str, body: &str) -> Response {
+    tokio::time::timeout(TIMEOUT, async {
+        let mut stream = TcpStream::connect(addr).await.expect("connect");
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\
+             Connection: close\r\n\r\n",
+            body.len()
+        );
+        stream.write_all(head.as_bytes()).await.expect("write head");
+        stream.write_all(body.as_bytes()).await.expect("write body");
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).await.expect("read response");
+        parse(&String::from_utf8(raw).expect("response is UTF-8"))
+    })
+    .await
+    .expect("response within the timeout")
+}
+
+/// Parses a response with a `Content-Length` body (what axum sends for a complete body).
+fn parse(raw: &str) -> Response {
+    let (head, body) = raw.split_once("\r\n\r\n").expect("end of headers");
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().expect("status line");
+    let mut parts = status_line.splitn(3, ' ');
+    assert_eq!(parts.next(), Some("HTTP/1.1"), "{status_line}");
+    let status = parts
+        .next()
+        .and_then(|s| s.parse().ok())
+        .expect("status code");
+    let headers: Vec<(String, String)> = lines
+        .map(|l| {
+            let (n, v) = l.split_once(':').expect("header line");
+            (n.trim().to_owned(), v.trim().to_owned())
+        })
+        .collect();
+    let response = Response {
+        status,
+        headers,
+        body: body.to_owned(),
+    };
+    let len: usize = response
+        .header("content-length")
+        .and_then(|v| v.parse().ok())
+        .expect("content-length");
+    assert_eq!(len, response.body.len(), "body length");
+    response
+}
+
+#[tokio::test]
+async fn metrics_are_scraped_with_exact_values() {
+    let metrics = Metrics::new();
+    let server = Server::start(metrics.clone(), Router::new()).await;
+
+    metrics.sent("relay-eu", 1_048_576, 4);
+    metrics.sent("relay-eu", 1_048_576, 4);
+    metrics.received("hub", 123, 1);
+    metrics.refetch("hub");
+    metrics.staged();
+    metrics.staged();
+    metrics.set_active(17);
+    metrics.observe_transfer(Duration::from_millis(1500));
+    metrics.observe_transfer(Duration::from_millis(250));
+    metrics.observe_apply(Duration::from_micros(250));
+    metrics.observe_control_rtt(Duration::from_micros(500));
+    metrics.observe_control_rtt(Duration::from_millis(2));
+
+    let r = request(server.addr, "GET", "/metrics", "").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("content-type"), Some(METRICS_CONTENT_TYPE));
+    for line in [
+        r#"starling_bytes_sent_total{peer="relay-eu"} 2097152"#,
+        r#"starling_segments_sent_total{peer="relay-eu"} 8"#,
+        r#"starling_bytes_received_total{peer="hub"} 123"#,
+        r#"starling_segments_received_total{peer="hub"} 1"#,
+        r#"starling_refetches_total{peer="hub"} 1"#,
+        "starling_versions_staged_total 2",
+        "starling_versions_active 17",
+        "starling_transfer_seconds_count 2",
+        "starling_transfer_seconds_sum 1.75",
+        r#"starling_transfer_seconds_bucket{le="0.32"} 1"#,
+        r#"starling_transfer_seconds_bucket{le="2.56"} 2"#,
+        "starling_apply_seconds_count 1",
+        "starling_apply_seconds_sum 0.00025",
+        "starling_control_rtt_seconds_count 2",
+        "starling_control_rtt_seconds_sum 0.0025",
+    ] {
+        assert!(r.has_line(line), "missing {line:?} in\n{}", r.body);
+    }
+    assert!(r.body.ends_with("# EOF\n"));
+
+    // A second scrape sees later values: nothing is cached.
+    metrics.set_active(18);
+    let r = request(server.addr, "GET", "/metrics", "").await;
+    assert!(r.has_line("starling_versions_active 18"), "{}", r.body);
+}
+
+#[tokio::test]
+async fn healthz_unknown_paths_and_extra_routes() {
+    let extra = Router::new().route(
+        "/v1/versions",
+        post(|body: String| async move { format!("published {body}") }),
+    );
+    let server = Server::start(Metrics::new(), extra).await;
+
+    let r = request(server.addr, "GET", "/healthz", "").await;
+    assert_eq!((r.status, r.body.as_str()), (200, "ok"));
+
+    let r = request(server.addr, "POST", "/v1/versions", "v42").await;
+    assert_eq!((r.status, r.body.as_str()), (200, "published v42"));
+
+    assert_eq!(request(server.addr, "GET", "/nope", "").await.status, 404);
+    assert_eq!(
+        request(server.addr, "GET", "/metrics/x", "").await.status,
+        404
+    );
+    // Known paths, wrong methods.
+    assert_eq!(
+        request(server.addr, "POST", "/metrics", "").await.status,
+        405
+    );
+    assert_eq!(
+        request(server.addr, "GET", "/v1/versions", "").await.status,
+        405
+    );
+}
+
+#[tokio::test]
+async fn scrape_holds_at_most_max_peers_plus_other() {
+    let metrics = Metrics::new();
+    let server = Server::start(metrics.clone(), Router::new()).await;
+    for i in 0..MAX_PEERS + 100 {
+        metrics.received(&format!("actor-{i}"), 10, 1);
+    }
+
+    let r = request(server.addr, "GET", "/metrics", "").await;
+    assert_eq!(r.status, 200);
+    let series = r
+        .body
+        .lines()
+        .filter(|l| l.starts_with("starling_bytes_received_total{"))
+        .count();
+    assert_eq!(series, MAX_PEERS + 1);
+    assert!(r.has_line(r#"starling_bytes_received_total{peer="actor-0"} 10"#));
+    assert!(r.has_line(r#"starling_bytes_received_total{peer="other"} 1000"#));
+    assert!(r.has_line(r#"starling_segments_received_total{peer="other"} 100"#));
+}
+
+#[tokio::test]
+async fn serve_until_returns_after_shutdown() {
+    let (listener, addr) = http::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .await
+        .expect("bind");
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(http::serve_until(
+        listener,
+        Metrics::new(),
+        Router::new(),
+        async move {
+            // A dropped sender is a shutdown too.
+            let _ = stopped.await;
+        },
+    ));
+    assert_eq!(request(addr, "GET", "/healthz", "").await.status, 200);
+
+    stop.send(()).expect("server is running");
+    let result = tokio::time::timeout(TIMEOUT, task)
+        .await
+        .expect("server stops within the timeout")
+        .expect("server task does not panic");
+    assert!(result.is_ok(), "{result:?}");
+    assert!(
+        TcpStream::connect(addr).await.is_err(),
+        "listener is closed after shutdown"
+    );
+}
