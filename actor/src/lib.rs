@@ -21,15 +21,19 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 use ed25519_dalek::VerifyingKey;
+use quinn::SendStream;
 use starling_checkpoint::deltafile::Model;
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::writer::SafetensorsWriter;
+use starling_proto::apply::Stager;
 use starling_proto::apply::{VersionedWeights, full_digest};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_telemetry::Metrics;
 use starling_transport::framed::{StreamFrame, send};
 use starling_transport::identity::{Credentials, Role, manifest_key};
 use starling_transport::link::LinkProfile;
+use starling_transport::reception::{Added, Reception};
 use starling_transport::upstream::{UpstreamEvent, subscribe};
 
 /// Where to subscribe: relays of the actor's region first, then the hub.
@@ -54,10 +58,15 @@ pub struct ActorConfig {
     pub region: String,
     pub model_id: String,
     pub link: LinkProfile,
+    /// Where to serve `/metrics` (none: not served).
+    pub http: Option<SocketAddr>,
 }
 
 /// How many times in a row the actor may fail to reach any source before it gives up.
 const MAX_FAILOVERS: u32 = 50;
+
+/// How many times one version may be fetched again before the actor gives up.
+const MAX_REFETCHES: u32 = 5;
 
 const CURRENT: &str = "current.safetensors";
 
@@ -91,9 +100,32 @@ fn persist(store: &Path, layout: &[(String, Vec<u64>)], w: &Model, version: u64)
     out.finish().context("write weights")
 }
 
+/// One version on its way in. The next version (active + 1) is staged frame by frame as it
+/// arrives; later ones are buffered until their base is active.
+#[derive(Debug)]
+struct Pending {
+    reception: Reception,
+    stager: Option<Stager>,
+    buffered: Vec<StreamFrame>,
+}
+
+/// The actor's weight pipeline: the active weights and what is on its way.
+struct Pipeline<'a> {
+    cfg: &'a ActorConfig,
+    trust: &'a TrustPolicy,
+    layout: &'a Layout,
+    metrics: &'a Metrics,
+    state: VersionedWeights<Model>,
+    pending: BTreeMap<u64, Pending>,
+    commits: BTreeSet<u64>,
+    retries: BTreeMap<u64, u32>,
+    /// The upstream we are subscribed to now (metrics label).
+    peer: String,
+}
+
 /// Runs until every source failed too often or the process is stopped. Prints `active
-/// VERSION DIGEST` after each activation, `refetch VERSION` when a delta failed verification
-/// and is requested again, and `upstream ROLE NAME` when it (re)subscribes.
+/// VERSION DIGEST` after each activation, `refetch VERSION` when (part of) a delta is
+/// requested again, and `upstream ROLE NAME` when it (re)subscribes.
 pub async fn run(cfg: ActorConfig) -> Result<()> {
     let creds = Credentials::load_peer(&cfg.credentials).context("load credentials")?;
     if creds.role != Role::Actor {
@@ -109,32 +141,65 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
     let key = VerifyingKey::from_bytes(&manifest_key(&cfg.credentials)?)
         .context("signing.pub is not an ed25519 key")?;
     let trust = TrustPolicy::Keys(vec![key]);
+    let metrics = Metrics::new();
+    if let Some(http) = cfg.http {
+        let (listener, at) = starling_telemetry::http::bind(http)
+            .await
+            .with_context(|| format!("bind HTTP on {http}"))?;
+        let m = metrics.clone();
+        tokio::spawn(async move {
+            if let Err(e) = starling_telemetry::http::serve(listener, m, Default::default()).await {
+                eprintln!("HTTP server: {e}");
+            }
+        });
+        println!("http on {at}");
+    }
     let (weights, layout, version) = load(&cfg)?;
     let names: Vec<String> = weights.keys().cloned().collect();
     let digest = full_digest(&cfg.model_id, &weights, &names);
-    let mut state = VersionedWeights::new(&cfg.model_id, weights, version, digest);
-    println!("active {} {}", state.version(), state.digest());
+    let mut p = Pipeline {
+        cfg: &cfg,
+        trust: &trust,
+        layout: &layout,
+        metrics: &metrics,
+        state: VersionedWeights::new(&cfg.model_id, weights, version, digest),
+        pending: BTreeMap::new(),
+        commits: BTreeSet::new(),
+        retries: BTreeMap::new(),
+        peer: String::new(),
+    };
+    metrics.set_active(p.state.version());
+    println!("active {} {}", p.state.version(), p.state.digest());
 
-    let mut pending: BTreeMap<u64, Vec<StreamFrame>> = BTreeMap::new();
-    let mut commits: BTreeSet<u64> = BTreeSet::new();
-    let mut retries: BTreeMap<u64, u32> = BTreeMap::new();
     let mut failures = 0u32;
     for source in cfg.sources.iter().cycle() {
+        let active = p.state.version();
         let hello = Message::Hello {
             protocol: PROTOCOL_VERSION,
             role: MsgRole::Actor,
             name: creds.name.clone(),
             region: cfg.region.clone(),
             model_id: cfg.model_id.clone(),
-            active: Some((state.version(), state.digest().to_bytes())),
+            active: Some((active, p.state.digest().to_bytes())),
         };
+        // Versions already active will not be needed again.
+        p.pending.retain(|&v, _| v > active);
+        p.commits.retain(|&v| v > active);
+        // Continue a half-received next version from the segments already staged: ask the
+        // new source only for what is missing, and subscribe after it.
+        let resume = p.pending.get_mut(&(active + 1)).and_then(|n| {
+            n.reception.reset_requests();
+            let missing = n.reception.missing();
+            (!missing.is_empty()).then_some(missing)
+        });
+        let after = if resume.is_some() { active + 1 } else { active };
         let mut up = match subscribe(
             &creds,
             source.addr,
             source.role,
             &source.name,
             &hello,
-            state.version(),
+            after,
             &cfg.link,
         )
         .await
@@ -156,68 +221,31 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
             }
         };
         println!("upstream {} {}", source.role.as_str(), source.name);
-        // Versions already active will not be needed again; later ones are resent anyway.
-        pending.retain(|&v, _| v > state.version());
-        commits.retain(|&v| v > state.version());
+        p.peer = source.name.clone();
+        if let Some(seqs) = resume {
+            eprintln!(
+                "resuming version {} from {}: {} segments missing",
+                active + 1,
+                source.name,
+                seqs.len()
+            );
+            let _ = send(
+                &mut up.control,
+                &Message::Fetch {
+                    version: active + 1,
+                    seqs,
+                },
+            )
+            .await;
+        }
         while let Some(ev) = up.events.recv().await {
-            match ev {
-                UpstreamEvent::Delta { version, frames } => {
-                    pending.insert(version, frames);
-                }
-                UpstreamEvent::Commit(v) => {
-                    commits.insert(v);
-                }
-                UpstreamEvent::Refused(why) => eprintln!("upstream refused: {why}"),
-                UpstreamEvent::Closed(why) => {
-                    eprintln!("upstream {} {}: {why}", source.role.as_str(), source.name);
-                    break;
-                }
+            if let UpstreamEvent::Closed(why) = &ev {
+                eprintln!("upstream {} {}: {why}", source.role.as_str(), source.name);
+                break;
             }
-            // Activate every next version that is both fully received and committed.
-            loop {
-                let next = state.version() + 1;
-                if !commits.contains(&next) {
-                    break;
-                }
-                let Some(frames) = pending.remove(&next) else {
-                    break;
-                };
-                match stage_and_commit(&mut state, &frames, &trust) {
-                    Ok(()) => {
-                        failures = 0;
-                        commits.remove(&next);
-                        persist(&cfg.store, &layout, state.weights(), state.version())?;
-                        println!("active {} {}", state.version(), state.digest());
-                        let _ = send(
-                            &mut up.control,
-                            &Message::Active {
-                                version: state.version(),
-                                digest: state.digest().to_bytes(),
-                            },
-                        )
-                        .await;
-                    }
-                    Err(e) => {
-                        let n = retries.entry(next).or_default();
-                        *n += 1;
-                        eprintln!(
-                            "version {next} refused ({e:#}); fetching it again (attempt {n})"
-                        );
-                        println!("refetch {next}");
-                        if *n > 5 {
-                            bail!("version {next} failed verification {n} times: {e:#}");
-                        }
-                        let _ = send(
-                            &mut up.control,
-                            &Message::Fetch {
-                                version: next,
-                                seqs: Vec::new(),
-                            },
-                        )
-                        .await;
-                        break;
-                    }
-                }
+            let activated = p.handle(ev, &mut up.control).await?;
+            if activated {
+                failures = 0;
             }
         }
         up.close().await;
@@ -229,18 +257,227 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
     Ok(())
 }
 
-/// Stages all frames against the active weights, seals and commits. The weights are
-/// untouched unless every check passed.
-fn stage_and_commit(
-    state: &mut VersionedWeights<Model>,
-    frames: &[StreamFrame],
-    trust: &TrustPolicy,
-) -> Result<()> {
-    let mut stager = state.stager();
-    for f in frames {
-        stager.stage_frame(f.as_frame(), state.weights())?;
+impl Pipeline<'_> {
+    /// Handles one event; `true` when a version was activated.
+    async fn handle(&mut self, ev: UpstreamEvent, control: &mut SendStream) -> Result<bool> {
+        match ev {
+            UpstreamEvent::StreamStarted {
+                version,
+                base,
+                delta_id,
+                transmission,
+                stripes,
+            } => {
+                if let Some(p) = self.entry(version, base, delta_id) {
+                    p.reception.stream_started(transmission, stripes);
+                }
+            }
+            UpstreamEvent::Frame {
+                version,
+                delta_id,
+                frame,
+            } => self.frame(version, delta_id, frame, control).await,
+            UpstreamEvent::StreamEnded {
+                version,
+                delta_id,
+                transmission,
+                stripes,
+                error,
+            } => {
+                if let Some(p) = self.pending.get_mut(&version)
+                    && p.reception.delta_id == delta_id
+                {
+                    if let Some(e) = &error {
+                        eprintln!("version {version}: a stream broke: {e}");
+                    }
+                    p.reception.stream_ended(transmission, stripes);
+                    if let Some(seqs) = p.reception.refetch_due() {
+                        self.refetch(control, version, seqs).await?;
+                    }
+                }
+            }
+            UpstreamEvent::Commit(v) => {
+                if v > self.state.version() {
+                    self.commits.insert(v);
+                }
+            }
+            UpstreamEvent::Pong(_) | UpstreamEvent::Closed(_) => {}
+            UpstreamEvent::Refused(why) => eprintln!("upstream refused: {why}"),
+        }
+        self.activate_ready(control).await
     }
-    let sealed = stager.seal(trust)?;
-    state.commit(sealed)?;
-    Ok(())
+
+    fn entry(&mut self, version: u64, base: u64, delta_id: [u8; 32]) -> Option<&mut Pending> {
+        if version <= self.state.version() {
+            return None;
+        }
+        let fresh = self
+            .pending
+            .get(&version)
+            .is_none_or(|p| p.reception.delta_id != delta_id);
+        if fresh {
+            let stager = (version == self.state.version() + 1).then(|| self.state.stager());
+            self.pending.insert(
+                version,
+                Pending {
+                    reception: Reception::new(version, base, delta_id),
+                    stager,
+                    buffered: Vec::new(),
+                },
+            );
+        }
+        self.pending.get_mut(&version)
+    }
+
+    /// Stages a frame of the next version at once (against the untouched active weights),
+    /// or buffers a frame of a later one.
+    async fn frame(
+        &mut self,
+        version: u64,
+        delta_id: [u8; 32],
+        frame: StreamFrame,
+        control: &mut SendStream,
+    ) {
+        let weights = self.state.weights();
+        let Some(p) = self.pending.get_mut(&version) else {
+            return;
+        };
+        if p.reception.delta_id != delta_id {
+            return;
+        }
+        self.metrics
+            .received(&self.peer, frame.bytes.len() as u64, 1);
+        match p.reception.frame(frame.kind, frame.body()) {
+            Ok(Added::New) => {}
+            Ok(Added::Duplicate) => return,
+            Err(e) => return eprintln!("version {version}: dropped a frame: {e}"),
+        }
+        let staged = match &mut p.stager {
+            Some(stager) => stager.stage_frame(frame.as_frame(), weights),
+            None => {
+                p.buffered.push(frame);
+                Ok(())
+            }
+        };
+        if let Err(e) = staged {
+            eprintln!("version {version}: staging failed ({e}); fetching it again");
+            self.pending.remove(&version);
+            let _ = self.refetch(control, version, Vec::new()).await;
+        }
+    }
+
+    async fn refetch(
+        &mut self,
+        control: &mut SendStream,
+        version: u64,
+        seqs: Vec<u32>,
+    ) -> Result<()> {
+        let n = self.retries.entry(version).or_default();
+        *n += 1;
+        println!("refetch {version}");
+        self.metrics.refetch(&self.peer);
+        if *n > MAX_REFETCHES {
+            bail!("version {version} failed {n} times");
+        }
+        eprintln!(
+            "version {version}: fetching {} again (attempt {n})",
+            if seqs.is_empty() {
+                "everything".to_owned()
+            } else {
+                format!("{} segments", seqs.len())
+            }
+        );
+        let _ = send(control, &Message::Fetch { version, seqs }).await;
+        Ok(())
+    }
+
+    /// Activates every next version that is complete and committed; `true` if any was.
+    async fn activate_ready(&mut self, control: &mut SendStream) -> Result<bool> {
+        let mut any = false;
+        loop {
+            let next = self.state.version() + 1;
+            let ready = self.commits.contains(&next)
+                && self
+                    .pending
+                    .get(&next)
+                    .is_some_and(|p| p.reception.complete());
+            if !ready {
+                return Ok(any);
+            }
+            let Some(p) = self.pending.remove(&next) else {
+                return Ok(any);
+            };
+            let transfer = p.reception.started.elapsed();
+            match self.seal_and_commit(p) {
+                Ok(apply) => {
+                    any = true;
+                    self.commits.remove(&next);
+                    self.metrics.staged();
+                    self.metrics.observe_transfer(transfer);
+                    self.metrics.observe_apply(apply);
+                    self.metrics.set_active(next);
+                    persist(
+                        &self.cfg.store,
+                        self.layout,
+                        self.state.weights(),
+                        self.state.version(),
+                    )?;
+                    println!("active {} {}", self.state.version(), self.state.digest());
+                    let _ = send(
+                        control,
+                        &Message::Active {
+                            version: self.state.version(),
+                            digest: self.state.digest().to_bytes(),
+                        },
+                    )
+                    .await;
+                    self.start_staging(next + 1);
+                }
+                Err(e) => {
+                    eprintln!("version {next} refused: {e:#}");
+                    self.refetch(control, next, Vec::new()).await?;
+                    return Ok(any);
+                }
+            }
+        }
+    }
+
+    /// Seals a fully received version and commits it; returns the commit time. The weights
+    /// are untouched unless every check passed.
+    fn seal_and_commit(&mut self, p: Pending) -> Result<std::time::Duration> {
+        let mut stager = match p.stager {
+            Some(s) => s,
+            None => self.state.stager(),
+        };
+        for f in &p.buffered {
+            stager.stage_frame(f.as_frame(), self.state.weights())?;
+        }
+        let sealed = stager.seal(self.trust)?;
+        let t = std::time::Instant::now();
+        self.state.commit(sealed)?;
+        Ok(t.elapsed())
+    }
+
+    /// The version after the one just activated becomes the one staged on arrival.
+    fn start_staging(&mut self, version: u64) {
+        let weights = self.state.weights();
+        let Some(p) = self.pending.get_mut(&version) else {
+            return;
+        };
+        let mut stager = self.state.stager();
+        let mut failed = None;
+        for f in p.buffered.drain(..) {
+            if let Err(e) = stager.stage_frame(f.as_frame(), weights) {
+                failed = Some(e);
+                break;
+            }
+        }
+        match failed {
+            None => p.stager = Some(stager),
+            Some(e) => {
+                eprintln!("version {version}: staging failed ({e}); it will be fetched again");
+                self.pending.remove(&version);
+            }
+        }
+    }
 }

@@ -30,6 +30,9 @@ struct Args {
     region: String,
     #[arg(long, default_value = "model", env = "STARLING_ACTOR_MODEL_ID")]
     model_id: String,
+    /// Serve `/metrics` here.
+    #[arg(long, env = "STARLING_ACTOR_HTTP")]
+    http: Option<SocketAddr>,
 }
 
 fn main() -> std::process::ExitCode {
@@ -62,6 +65,7 @@ fn main() -> std::process::ExitCode {
         region: a.region,
         model_id: a.model_id,
         link: starling_transport::link::LinkProfile::LAN,
+        http: a.http,
     };
     starling_transport::service::run_service(starling_actor::run(cfg))
 }

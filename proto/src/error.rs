@@ -32,7 +32,8 @@ pub enum DecodeError {
 }
 
 impl DecodeError {
-    pub(crate) fn malformed(what: &'static str, detail: impl Into<String>) -> Self {
+    /// A structural error in `what`, described by `detail`.
+    pub fn malformed(what: &'static str, detail: impl Into<String>) -> Self {
         Self::Malformed {
             what,
             detail: detail.into(),

@@ -15,6 +15,9 @@ use crate::wire::{Reader, put_bytes, put_varint, varint_len};
 pub const PROTOCOL_VERSION: u16 = 1;
 /// The largest control message body accepted.
 pub const MAX_MESSAGE_BODY: usize = 1 << 20;
+/// The most streams one transmission of a version may be striped over.
+pub const MAX_STRIPES: u16 = 64;
+
 /// The most segment numbers one `Fetch` or `Staged` may list.
 pub const MAX_SEQS: usize = 1 << 16;
 
@@ -67,11 +70,16 @@ pub enum Message {
     Subscribe {
         after_version: u64,
     },
-    /// A delta is starting to stream: its frames carry `delta_id`.
+    /// The first message of a data stream: the frames that follow belong to `delta_id`.
+    /// One transmission of a version (the first, or the answer to a `Fetch`) is striped
+    /// over `stripes` streams that all carry the same `transmission` number, so a receiver
+    /// knows when a transmission has ended on every stream.
     Announce {
         version: u64,
         base_version: u64,
         delta_id: [u8; 32],
+        transmission: u32,
+        stripes: u16,
     },
     /// Send these segments of `version` again (all of them when `seqs` is empty, and the
     /// manifest too).
@@ -167,10 +175,14 @@ impl Message {
                 version,
                 base_version,
                 delta_id,
+                transmission,
+                stripes,
             } => {
                 put_varint(out, *version);
                 put_varint(out, *base_version);
                 out.extend_from_slice(delta_id);
+                put_varint(out, u64::from(*transmission));
+                put_varint(out, u64::from(*stripes));
             }
             Self::Fetch { version, seqs }
             | Self::Staged {
@@ -267,6 +279,11 @@ impl Message {
                 version: r.varint("version")?,
                 base_version: r.varint("base version")?,
                 delta_id: r.array("delta id")?,
+                transmission: r.varint_at_most("transmission", u64::from(u32::MAX))? as u32,
+                stripes: match r.varint_at_most("stripes", u64::from(MAX_STRIPES))? {
+                    0 => return Err(DecodeError::malformed("announce", "zero stripes")),
+                    n => n as u16,
+                },
             },
             5 => Self::Fetch {
                 version: r.varint("version")?,
@@ -417,6 +434,8 @@ mod tests {
                 version: 4,
                 base_version: 3,
                 delta_id: [5; 32],
+                transmission: 7,
+                stripes: 4,
             },
             Message::Fetch {
                 version: 4,

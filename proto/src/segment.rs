@@ -455,6 +455,15 @@ impl Segment {
     pub fn changes(&self) -> u64 {
         self.parts.iter().map(|p| p.changes).sum()
     }
+
+    /// The delta id and sequence number at the start of a segment body, without parsing
+    /// the parts: what a forwarder needs to index a segment it passes on.
+    pub fn peek_id(body: &[u8]) -> Result<([u8; 32], u32), DecodeError> {
+        let mut r = Reader::new(body);
+        let delta_id = r.array::<32>("segment delta id")?;
+        let seq = r.varint_at_most("segment sequence number", u64::from(u32::MAX))? as u32;
+        Ok((delta_id, seq))
+    }
 }
 
 #[cfg(test)]

@@ -1,30 +1,43 @@
-//! The regional relay, first slice: one upstream subscription to the hub, so each version
-//! crosses the WAN once per region; every version verified as a whole (every frame's BLAKE3,
-//! every segment the manifest names, the manifest's signature by the trusted hub key) before
-//! it is cached and offered downstream; actors of the region served with the same protocol
-//! as the hub (`starling_transport::fanout`), including `Fetch` for retransmissions.
+//! The regional relay: one upstream subscription to the hub, so each version crosses the WAN
+//! once per region, forwarded to the region's actors **segment by segment as it arrives**
+//! (cut-through).
 //!
-//! Not yet here: cut-through forwarding of segments while a version is still arriving
-//! (today a version is forwarded once complete and verified), a disk cache for restarts,
-//! striping over several streams, metrics.
+//! - Every frame is checked against its BLAKE3 on arrival ([`starling_transport::upstream`]);
+//!   a segment of another delta than announced is dropped. Checked frames go straight into
+//!   the relay's [`VersionBook`], from which every actor's sender streams (striped, bounded by
+//!   QUIC flow control per actor: a slow actor never holds up the others or the relay).
+//! - The version as a whole (every segment the manifest names, the manifest's signature by
+//!   the trusted hub key) is verified before the relay completes it, so `Commit` reaches
+//!   actors only for a version the relay vouches for; one that fails is aborted downstream
+//!   and fetched again.
+//! - A stripe that broke (hash mismatch, reset) costs only its missing segments: once every
+//!   stripe ended, the relay fetches exactly those (`Reception::refetch_due`).
+//! - Complete versions are also written to a disk cache (`.sdc` files), so a restarted relay
+//!   serves its region's laggards without refetching over the WAN.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use ed25519_dalek::VerifyingKey;
-use quinn::Connection;
-use starling_proto::container::{DeltaAssembler, FrameKind, encode_frame};
+use quinn::{Connection, SendStream};
+use starling_checkpoint::writer::AtomicFile;
+use starling_proto::container::{
+    DeltaAssembler, FILE_HEADER_LEN, FrameKind, Trailer, file_header, parse_frame,
+};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_telemetry::Metrics;
 use starling_transport::admit::admit;
+use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
 use starling_transport::endpoint::server_endpoint;
-use starling_transport::fanout::{Retained, VersionBook, serve_subscriber};
+use starling_transport::fanout::{FanoutConfig, serve_subscriber};
 use starling_transport::framed::{StreamFrame, send};
 use starling_transport::identity::{Credentials, Role, manifest_key};
 use starling_transport::link::LinkProfile;
+use starling_transport::reception::{Added, Reception};
 use starling_transport::upstream::{UpstreamEvent, subscribe};
 
 /// What the relay needs.
@@ -42,13 +55,20 @@ pub struct RelayConfig {
     pub wan: LinkProfile,
     /// The LAN to the actors.
     pub lan: LinkProfile,
+    /// Streams per version per actor.
+    pub stripes: u16,
+    /// Where complete versions are kept on disk (none: memory only).
+    pub cache: Option<PathBuf>,
+    /// Where to serve `/metrics`.
+    pub http: Option<SocketAddr>,
 }
 
-/// Versions kept for laggards and late joiners.
+/// Versions kept in memory for laggards and late joiners.
 const RETAIN: usize = 256;
 
 /// Runs the relay until the hub goes away or the process is stopped. Prints `listening on
-/// ADDR` once actors can connect and `cached VERSION` for each verified version.
+/// ADDR` once actors can connect, `cached VERSION` for each verified version and `refetch
+/// VERSION` when part of one is requested again.
 pub async fn run(cfg: RelayConfig) -> Result<()> {
     let creds = Credentials::load_peer(&cfg.credentials).context("load credentials")?;
     if creds.role != Role::Relay {
@@ -62,6 +82,26 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
         .context("signing.pub is not an ed25519 key")?;
     let trust = TrustPolicy::Keys(vec![key]);
     let book = Arc::new(VersionBook::new(cfg.from_version, RETAIN));
+    if let Some(dir) = &cfg.cache {
+        let n = load_cache(dir, &book, &trust)?;
+        if n > 0 {
+            eprintln!("restored {n} versions from {}", dir.display());
+        }
+    }
+    let metrics = Metrics::new();
+    metrics.set_active(book.latest());
+    if let Some(http) = cfg.http {
+        let (listener, at) = starling_telemetry::http::bind(http)
+            .await
+            .with_context(|| format!("bind HTTP on {http}"))?;
+        let m = metrics.clone();
+        tokio::spawn(async move {
+            if let Err(e) = starling_telemetry::http::serve(listener, m, Default::default()).await {
+                eprintln!("HTTP server: {e}");
+            }
+        });
+        println!("http on {at}");
+    }
     let endpoint = server_endpoint(&creds, cfg.listen, &cfg.lan).context("listen")?;
     println!(
         "listening on {}",
@@ -70,14 +110,23 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
     let downstream = {
         let book = book.clone();
         let model_id = cfg.model_id.clone();
+        let fanout = FanoutConfig {
+            stripes: cfg.stripes,
+        };
+        let metrics = metrics.clone();
         tokio::spawn(async move {
             while let Some(incoming) = endpoint.accept().await {
-                let book = book.clone();
-                let model_id = model_id.clone();
+                let (book, model_id, fanout, metrics) = (
+                    book.clone(),
+                    model_id.clone(),
+                    fanout.clone(),
+                    metrics.clone(),
+                );
                 tokio::spawn(async move {
                     match incoming.await {
                         Ok(conn) => {
-                            if let Err(e) = serve_actor(book, conn.clone(), &model_id).await {
+                            let r = serve_actor(book, conn.clone(), &model_id, fanout, metrics);
+                            if let Err(e) = r.await {
                                 eprintln!("actor {}: {e:#}", conn.remote_address());
                             }
                         }
@@ -87,40 +136,41 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
             }
         })
     };
-    let result = follow_hub(&cfg, &creds, &trust, &book).await;
+    let result = follow_hub(&cfg, &creds, &trust, &book, &metrics).await;
     downstream.abort();
     result
 }
 
-async fn serve_actor(book: Arc<VersionBook>, conn: Connection, model_id: &str) -> Result<()> {
+async fn serve_actor(
+    book: Arc<VersionBook>,
+    conn: Connection,
+    model_id: &str,
+    fanout: FanoutConfig,
+    metrics: Metrics,
+) -> Result<()> {
     let Some(a) = admit(&conn, "relay", model_id, &[MsgRole::Actor], book.latest()).await? else {
         return Ok(());
     };
-    serve_subscriber(book, conn, a.control, a.reader, a.name).await?;
+    serve_subscriber(book, conn, a.control, a.reader, a.name, fanout, metrics).await?;
     Ok(())
 }
 
-/// Checks a received version as a whole and re-frames it for forwarding.
-fn verify(frames: &[StreamFrame], trust: &TrustPolicy) -> Result<Retained> {
-    let mut asm = DeltaAssembler::new();
-    for f in frames {
-        asm.add(f.as_frame())?;
-    }
-    let delta = asm.finish(trust)?;
-    let m = &delta.manifest.manifest;
-    let mut bytes = Vec::with_capacity(frames.iter().map(|f| f.body.len() + 40).sum());
-    for f in frames {
-        bytes.extend_from_slice(&encode_frame(f.kind, &f.body));
-    }
-    if !frames.iter().any(|f| f.kind == FrameKind::Trailer) {
-        bail!("version {} arrived without its trailer", m.version);
-    }
-    Ok(Retained {
-        version: m.version,
-        base: m.base_version,
-        delta_id: m.delta_id(),
-        frames: Arc::new(bytes),
-    })
+/// One version on its way in: what arrived, the assembler that verifies the whole, and the
+/// live version actors are already being sent.
+#[derive(Debug)]
+struct Incoming {
+    reception: Reception,
+    assembler: DeltaAssembler,
+    live: Arc<LiveVersion>,
+    committed: bool,
+}
+
+struct Follower<'a> {
+    cfg: &'a RelayConfig,
+    trust: &'a TrustPolicy,
+    book: &'a VersionBook,
+    metrics: &'a Metrics,
+    incoming: BTreeMap<u64, Incoming>,
 }
 
 async fn follow_hub(
@@ -128,6 +178,7 @@ async fn follow_hub(
     creds: &Credentials,
     trust: &TrustPolicy,
     book: &VersionBook,
+    metrics: &Metrics,
 ) -> Result<()> {
     let hello = Message::Hello {
         protocol: PROTOCOL_VERSION,
@@ -148,53 +199,256 @@ async fn follow_hub(
     )
     .await
     .context("subscribe to the hub")?;
-    let mut verified: BTreeMap<u64, Retained> = BTreeMap::new();
-    let mut commits: BTreeSet<u64> = BTreeSet::new();
+    let mut f = Follower {
+        cfg,
+        trust,
+        book,
+        metrics,
+        incoming: BTreeMap::new(),
+    };
     while let Some(ev) = up.events.recv().await {
-        match ev {
-            UpstreamEvent::Delta { version, frames } => match verify(&frames, trust) {
-                Ok(r) if r.version == version => {
-                    verified.insert(version, r);
-                }
-                Ok(r) => eprintln!(
-                    "stream announced version {version} but carried {}",
-                    r.version
-                ),
-                Err(e) => {
-                    eprintln!("version {version} refused ({e:#}); fetching it again");
-                    println!("refetch {version}");
-                    send(
-                        &mut up.control,
-                        &Message::Fetch {
-                            version,
-                            seqs: Vec::new(),
-                        },
-                    )
-                    .await?;
-                }
-            },
-            UpstreamEvent::Commit(v) => {
-                commits.insert(v);
-            }
-            UpstreamEvent::Refused(why) => eprintln!("hub refused: {why}"),
-            UpstreamEvent::Closed(why) => {
-                up.close().await;
-                bail!("hub connection ended: {why}");
-            }
+        if let UpstreamEvent::Closed(why) = ev {
+            up.close().await;
+            bail!("hub connection ended: {why}");
         }
-        // Offer every next version that is verified and committed upstream.
-        loop {
-            let next = book.latest() + 1;
-            if !commits.remove(&next) {
-                break;
-            }
-            let Some(r) = verified.remove(&next) else {
-                commits.insert(next);
-                break;
-            };
-            book.insert(r)?;
-            println!("cached {next}");
-        }
+        f.handle(ev, &mut up.control).await?;
     }
     Ok(())
+}
+
+impl Follower<'_> {
+    async fn handle(&mut self, ev: UpstreamEvent, control: &mut SendStream) -> Result<()> {
+        match ev {
+            UpstreamEvent::StreamStarted {
+                version,
+                base,
+                delta_id,
+                transmission,
+                stripes,
+            } => {
+                if let Some(inc) = self.entry(version, base, delta_id)? {
+                    inc.reception.stream_started(transmission, stripes);
+                }
+            }
+            UpstreamEvent::Frame {
+                version,
+                delta_id,
+                frame,
+            } => self.frame(version, delta_id, frame),
+            UpstreamEvent::StreamEnded {
+                version,
+                delta_id,
+                transmission,
+                stripes,
+                error,
+            } => {
+                let Some(inc) = self.incoming.get_mut(&version) else {
+                    return Ok(());
+                };
+                if inc.live.delta_id != delta_id {
+                    return Ok(());
+                }
+                if let Some(e) = &error {
+                    eprintln!("version {version}: a stream broke: {e}");
+                }
+                inc.reception.stream_ended(transmission, stripes);
+                if let Some(seqs) = inc.reception.refetch_due() {
+                    self.refetch(control, version, seqs).await?;
+                }
+            }
+            UpstreamEvent::Commit(v) => {
+                if let Some(inc) = self.incoming.get_mut(&v) {
+                    inc.committed = true;
+                }
+            }
+            UpstreamEvent::Pong(_) => {}
+            UpstreamEvent::Refused(why) => eprintln!("hub refused: {why}"),
+            UpstreamEvent::Closed(_) => {}
+        }
+        self.complete_ready(control).await
+    }
+
+    /// The incoming state of `version`, started (and offered downstream) on first sight;
+    /// a different delta under the same number replaces an unfinished one.
+    fn entry(
+        &mut self,
+        version: u64,
+        base: u64,
+        delta_id: [u8; 32],
+    ) -> Result<Option<&mut Incoming>> {
+        if version <= self.book.latest() {
+            return Ok(None);
+        }
+        let fresh = self
+            .incoming
+            .get(&version)
+            .is_none_or(|i| i.live.delta_id != delta_id);
+        if fresh {
+            let live = self.book.begin(version, base, delta_id)?;
+            self.incoming.insert(
+                version,
+                Incoming {
+                    reception: Reception::new(version, base, delta_id),
+                    assembler: DeltaAssembler::new(),
+                    live,
+                    committed: false,
+                },
+            );
+        }
+        Ok(self.incoming.get_mut(&version))
+    }
+
+    fn frame(&mut self, version: u64, delta_id: [u8; 32], frame: StreamFrame) {
+        let Some(inc) = self.incoming.get_mut(&version) else {
+            return;
+        };
+        if inc.live.delta_id != delta_id {
+            return;
+        }
+        self.metrics.received("hub", frame.bytes.len() as u64, 1);
+        match inc.reception.frame(frame.kind, frame.body()) {
+            Ok(Added::New) => {}
+            Ok(Added::Duplicate) => return,
+            Err(e) => return eprintln!("version {version}: dropped a frame: {e}"),
+        }
+        if let Err(e) = inc.assembler.add(frame.as_frame()) {
+            return eprintln!("version {version}: dropped a frame: {e}");
+        }
+        if frame.kind != FrameKind::Trailer {
+            match WireFrame::parse(frame.bytes) {
+                Ok(w) => inc.live.push(w),
+                Err(e) => eprintln!("version {version}: {e}"),
+            }
+        }
+    }
+
+    async fn refetch(
+        &mut self,
+        control: &mut SendStream,
+        version: u64,
+        seqs: Vec<u32>,
+    ) -> Result<()> {
+        eprintln!(
+            "version {version}: fetching {} again",
+            if seqs.is_empty() {
+                "everything".to_owned()
+            } else {
+                format!("segments {seqs:?}")
+            }
+        );
+        println!("refetch {version}");
+        self.metrics.refetch("hub");
+        send(control, &Message::Fetch { version, seqs }).await?;
+        Ok(())
+    }
+
+    /// Completes every next version that is whole, verified and committed upstream.
+    async fn complete_ready(&mut self, control: &mut SendStream) -> Result<()> {
+        loop {
+            let next = self.book.latest() + 1;
+            let ready = self
+                .incoming
+                .get(&next)
+                .is_some_and(|i| i.committed && i.reception.complete());
+            if !ready {
+                return Ok(());
+            }
+            let Some(inc) = self.incoming.remove(&next) else {
+                return Ok(());
+            };
+            match inc.assembler.finish(self.trust) {
+                Ok(_) => {
+                    if let Some(dir) = &self.cfg.cache
+                        && let Err(e) = write_cache(dir, &inc.live)
+                    {
+                        eprintln!("version {next}: not cached on disk: {e:#}");
+                    }
+                    self.book.complete(next)?;
+                    self.metrics
+                        .observe_transfer(inc.reception.started.elapsed());
+                    self.metrics.set_active(next);
+                    println!("cached {next}");
+                }
+                Err(e) => {
+                    eprintln!("version {next} failed verification ({e}); fetching it again");
+                    self.book.abort(next);
+                    self.refetch(control, next, Vec::new()).await?;
+                }
+            }
+        }
+    }
+}
+
+fn cache_path(dir: &Path, version: u64) -> PathBuf {
+    dir.join(format!("v{version:08}.sdc"))
+}
+
+/// Writes a complete version as a `.sdc` file (segments in order, manifest, trailer).
+fn write_cache(dir: &Path, live: &LiveVersion) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
+    let mut frames = live.snapshot();
+    frames.sort_by_key(|f| (f.kind == FrameKind::Manifest, f.seq));
+    let path = cache_path(dir, live.version);
+    let mut out = AtomicFile::create(&path)?;
+    out.write_all(&file_header())?;
+    let mut at = FILE_HEADER_LEN as u64;
+    let mut manifest = (0, 0);
+    let mut segments = 0u32;
+    for f in &frames {
+        if f.kind == FrameKind::Manifest {
+            manifest = (at, f.bytes.len() as u64);
+        } else {
+            segments += 1;
+        }
+        out.write_all(&f.bytes)?;
+        at += f.bytes.len() as u64;
+    }
+    let trailer = Trailer {
+        manifest_offset: manifest.0,
+        manifest_frame_len: manifest.1,
+        segment_count: segments,
+    };
+    out.write_all(&trailer.encode_frame())?;
+    out.commit()?;
+    Ok(())
+}
+
+/// Loads the cached versions that continue the book's chain, each verified again.
+fn load_cache(dir: &Path, book: &VersionBook, trust: &TrustPolicy) -> Result<usize> {
+    let mut n = 0;
+    loop {
+        let v = book.latest() + 1;
+        let path = cache_path(dir, v);
+        let Ok(bytes) = std::fs::read(&path) else {
+            return Ok(n);
+        };
+        let delta = match starling_proto::container::read_delta(&bytes, trust) {
+            Ok(d) => d,
+            Err(e) => {
+                eprintln!("{}: {e}; ignoring the cache from here", path.display());
+                return Ok(n);
+            }
+        };
+        let m = &delta.manifest.manifest;
+        if m.version != v {
+            eprintln!(
+                "{} holds version {}; ignoring it",
+                path.display(),
+                m.version
+            );
+            return Ok(n);
+        }
+        let live = book.begin(v, m.base_version, m.delta_id())?;
+        let mut at = FILE_HEADER_LEN;
+        while at < bytes.len() {
+            let f = parse_frame(&bytes[at..])?;
+            let len = f.total_len();
+            if f.kind != FrameKind::Trailer {
+                live.push(WireFrame::parse(bytes[at..at + len].to_vec())?);
+            }
+            at += len;
+        }
+        book.complete(v)?;
+        n += 1;
+    }
 }

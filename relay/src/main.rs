@@ -33,6 +33,15 @@ struct Args {
     /// WAN round-trip time to the hub in milliseconds.
     #[arg(long, default_value_t = 50)]
     wan_rtt_ms: u64,
+    /// Streams each version is striped over, per actor.
+    #[arg(long, default_value_t = 4)]
+    stripes: u16,
+    /// Disk cache of complete versions (survives restarts).
+    #[arg(long, env = "STARLING_RELAY_CACHE")]
+    cache: Option<PathBuf>,
+    /// Serve `/metrics` here.
+    #[arg(long, env = "STARLING_RELAY_HTTP")]
+    http: Option<SocketAddr>,
 }
 
 fn main() -> std::process::ExitCode {
@@ -49,6 +58,9 @@ fn main() -> std::process::ExitCode {
             rtt: Duration::from_millis(a.wan_rtt_ms),
         },
         lan: LinkProfile::LAN,
+        stripes: a.stripes,
+        cache: a.cache,
+        http: a.http,
     };
     starling_transport::service::run_service(starling_relay::run(cfg))
 }

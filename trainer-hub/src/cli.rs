@@ -78,6 +78,16 @@ pub enum Command {
         init_version: Option<u64>,
         #[arg(long, default_value = "model", env = "STARLING_HUB_MODEL_ID")]
         model_id: String,
+        /// Streams each version is striped over, per subscriber.
+        #[arg(long, default_value_t = 4)]
+        stripes: u16,
+        /// Offer a version only once its delta file is durable (for comparison; the default
+        /// sends each segment as soon as it is encoded).
+        #[arg(long)]
+        store_and_forward: bool,
+        /// Serve `/metrics` and the HTTP API (`POST /v1/versions`) here.
+        #[arg(long, env = "STARLING_HUB_HTTP")]
+        http: Option<std::net::SocketAddr>,
     },
     /// Ask a running hub to publish a new checkpoint (a path on the hub's machine).
     Publish {
@@ -230,6 +240,9 @@ pub fn run(cli: Cli) -> Result<()> {
             init,
             init_version,
             model_id,
+            stripes,
+            store_and_forward,
+            http,
         } => {
             let version = match init_version {
                 Some(v) => v,
@@ -246,6 +259,9 @@ pub fn run(cli: Cli) -> Result<()> {
                 init_version: version,
                 model_id,
                 link: starling_transport::link::LinkProfile::LAN,
+                stripes,
+                cut_through: !store_and_forward,
+                http,
             };
             runtime()?.block_on(async {
                 tokio::select! {

@@ -1,8 +1,9 @@
-//! `starling-hub`: the trainer hub. This crate currently provides the delta command-line
-//! tools (`delta diff|apply|inspect|verify`), key generation, the workload generator
-//! (`bench gen`) and the small-scale demo; the hub service (ingest, distribution, ledger,
-//! API) builds on them.
+//! `starling-hub`: the trainer hub. The service (`serve`: publish, cut-through distribution,
+//! the HTTP API in `api`), the cluster tools (`init`, `issue`, `keygen`), the delta
+//! command-line tools (`delta diff|apply|inspect|verify`), the workload generator
+//! (`bench gen`) and the small-scale demo.
 
+pub mod api;
 pub mod cli;
 pub mod keys;
 pub mod serve;

@@ -1,18 +1,17 @@
-//! `starling-hub serve`: the hub's distribution service, first slice.
+//! `starling-hub serve`: the hub's distribution service.
 //!
 //! The hub listens for QUIC connections from relays, actors and the trainer (all with
-//! cluster credentials; see `starling_transport`). The trainer sends `Publish { path }`: the
-//! hub diffs that checkpoint against the last published one, writes the signed delta into
-//! its store (atomically: a version is listed only once its bytes are durable), and
-//! announces it. Every subscriber gets each version after the one it holds on its own
-//! unidirectional stream (`Announce`, then the `.sdc` frames), followed by `Commit` on its
-//! control stream; `Fetch` asks for a version again (after a corrupted or lost stream). The
-//! sending side is shared with the relays (`starling_transport::fanout`).
+//! cluster credentials; see `starling_transport`). A publish (`Publish { path }` from the
+//! trainer over QUIC, or `POST /v1/versions` over HTTP) diffs that checkpoint against the
+//! last published one and **offers every segment to subscribers the moment the encoder
+//! emits it** (cut-through), while the same bytes go to the delta file in the store. The
+//! version completes — subscribers get `Commit`, it becomes the listed latest — only once the
+//! file is durable (fsync, rename). A failed diff aborts the version; receivers drop it.
+//! Sending (striping, `Fetch`, `Ping`) is shared with the relays
+//! (`starling_transport::fanout`).
 //!
-//! Not yet here (see docs/ARCHITECTURE.md): cut-through streaming of segments while they are
-//! encoded, relays, anchors for late joiners, striping, metrics. The hub keeps the *path* of
-//! the last published checkpoint as its snapshot, so the trainer must keep that file until
-//! the next publish.
+//! The hub keeps the *path* of the last published checkpoint as its snapshot, so the
+//! trainer must keep that file until the next publish.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -22,13 +21,17 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result, anyhow, bail};
 use ed25519_dalek::SigningKey;
 use quinn::{Connection, SendStream};
-use starling_checkpoint::deltafile::{DiffOptions, diff_to_file};
+use starling_checkpoint::deltafile::{DiffOptions, diff_checkpoints};
 use starling_checkpoint::safetensors::Checkpoint;
-use starling_proto::container::FILE_HEADER_LEN;
+use starling_checkpoint::writer::AtomicFile;
+use starling_proto::container::{FILE_HEADER_LEN, FrameKind, parse_frame};
+use starling_proto::manifest::delta_id;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
+use starling_telemetry::Metrics;
 use starling_transport::admit::admit;
+use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
 use starling_transport::endpoint::{client_endpoint, connect, server_endpoint};
-use starling_transport::fanout::{Retained, VersionBook, serve_subscriber};
+use starling_transport::fanout::{FanoutConfig, serve_subscriber};
 use starling_transport::framed::{MessageReader, send};
 use starling_transport::identity::{Credentials, Role};
 use starling_transport::link::LinkProfile;
@@ -45,6 +48,12 @@ pub struct ServeConfig {
     pub init_version: u64,
     pub model_id: String,
     pub link: LinkProfile,
+    /// Streams per version per subscriber.
+    pub stripes: u16,
+    /// Send segments while they are encoded (else once the delta is durable).
+    pub cut_through: bool,
+    /// Where to serve `/metrics` and the HTTP API (none: not served).
+    pub http: Option<SocketAddr>,
 }
 
 #[derive(Debug)]
@@ -54,11 +63,12 @@ struct State {
 }
 
 #[derive(Debug)]
-struct Hub {
+pub(crate) struct Hub {
     cfg: ServeConfig,
     signing: SigningKey,
     state: Mutex<State>,
     book: Arc<VersionBook>,
+    metrics: Metrics,
 }
 
 /// Deltas kept in memory for subscribers that fall behind (older ones: from the store).
@@ -69,6 +79,12 @@ fn now_ms() -> u64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)
         .unwrap_or(0)
+}
+
+impl Hub {
+    pub(crate) fn book(&self) -> &VersionBook {
+        &self.book
+    }
 }
 
 /// Runs the hub until the process is stopped. Prints `listening on ADDR` once ready.
@@ -86,9 +102,24 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
             snapshot: cfg.init.clone(),
         }),
         book: Arc::new(VersionBook::new(cfg.init_version, RETAIN)),
+        metrics: Metrics::new(),
         cfg,
         signing,
     });
+    hub.metrics.set_active(hub.cfg.init_version);
+    if let Some(http) = hub.cfg.http {
+        let (listener, at) = starling_telemetry::http::bind(http)
+            .await
+            .with_context(|| format!("bind HTTP on {http}"))?;
+        let api = crate::api::router(hub.clone());
+        let metrics = hub.metrics.clone();
+        tokio::spawn(async move {
+            if let Err(e) = starling_telemetry::http::serve(listener, metrics, api).await {
+                eprintln!("HTTP server: {e}");
+            }
+        });
+        println!("http on {at}");
+    }
     println!("listening on {addr}");
     while let Some(incoming) = endpoint.accept().await {
         let hub = hub.clone();
@@ -117,7 +148,19 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection) -> Result<()> {
         return serve_trainer(hub, a.control, a.reader).await;
     }
     eprintln!("{} connected", a.name);
-    serve_subscriber(hub.book.clone(), conn, a.control, a.reader, a.name).await?;
+    let fanout = FanoutConfig {
+        stripes: hub.cfg.stripes,
+    };
+    serve_subscriber(
+        hub.book.clone(),
+        conn,
+        a.control,
+        a.reader,
+        a.name,
+        fanout,
+        hub.metrics.clone(),
+    )
+    .await?;
     Ok(())
 }
 
@@ -147,7 +190,7 @@ async fn serve_trainer(hub: Arc<Hub>, mut tx: SendStream, mut reader: MessageRea
     Ok(())
 }
 
-async fn publish(hub: &Arc<Hub>, path: &Path) -> Result<Message> {
+pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path) -> Result<Message> {
     // One publish at a time: the state lock is held across the diff.
     let mut state = hub.state.lock().await;
     let base = state.version;
@@ -159,42 +202,97 @@ async fn publish(hub: &Arc<Hub>, path: &Path) -> Result<Message> {
         .store
         .join("deltas")
         .join(format!("v{version:08}.sdc"));
-    let mut opts = DiffOptions::new(&hub.cfg.model_id, base, version, now_ms());
+    let created = now_ms();
+    let mut opts = DiffOptions::new(&hub.cfg.model_id, base, version, created);
     opts.signing_key = Some(hub.signing.clone());
+    let id = delta_id(&hub.cfg.model_id, base, version, created);
+    // Cut-through: subscribers get each frame the moment the encoder emits it. Store-and-
+    // forward (for comparison): the version is offered once its file is durable.
+    let live = if hub.cfg.cut_through {
+        Some(hub.book.begin(version, base, id)?)
+    } else {
+        None
+    };
+    let sink_live = live.clone();
     let dest2 = dest.clone();
-    let summary = tokio::task::spawn_blocking(move || -> Result<_> {
+    let diffed = tokio::task::spawn_blocking(move || -> Result<_> {
         let o =
             Checkpoint::open(&old).with_context(|| format!("open snapshot {}", old.display()))?;
         let n = Checkpoint::open(&new).with_context(|| format!("open {}", new.display()))?;
-        Ok(diff_to_file(&o, &n, &dest2, &opts, &|_| {})?)
+        let mut file =
+            AtomicFile::create(&dest2).with_context(|| format!("create {}", dest2.display()))?;
+        let (signed, bytes) = diff_checkpoints(
+            &o,
+            &n,
+            &opts,
+            &mut |b| {
+                file.write_all(b)?;
+                if let Some(live) = &sink_live {
+                    offer(live, b);
+                }
+                Ok(())
+            },
+            &|_| {},
+        )?;
+        // Durable before it is listed: fsync, rename, fsync the directory.
+        file.commit()
+            .with_context(|| format!("write {}", dest2.display()))?;
+        Ok((signed.manifest, bytes))
     })
     .await
-    .context("diff task")??;
-    let bytes = tokio::fs::read(&dest)
-        .await
-        .with_context(|| format!("read {}", dest.display()))?;
-    let frames = bytes
-        .get(FILE_HEADER_LEN..)
-        .ok_or_else(|| anyhow!("{} is shorter than a header", dest.display()))?;
-    hub.book.insert(Retained {
-        version,
-        base,
-        delta_id: summary.manifest.delta_id(),
-        frames: Arc::new(frames.to_vec()),
-    })?;
+    .context("diff task")
+    .and_then(|r| r);
+    let (manifest, bytes) = match diffed {
+        Ok(d) => d,
+        Err(e) => {
+            hub.book.abort(version);
+            return Err(e);
+        }
+    };
+    if live.is_none() {
+        let live = hub.book.begin(version, base, id)?;
+        let file = tokio::fs::read(&dest)
+            .await
+            .with_context(|| format!("read {}", dest.display()))?;
+        let frames = file
+            .get(FILE_HEADER_LEN..)
+            .ok_or_else(|| anyhow!("{} is shorter than a header", dest.display()))?;
+        let mut at = 0;
+        while at < frames.len() {
+            let f = parse_frame(&frames[at..])?;
+            let len = f.total_len();
+            offer(&live, &frames[at..at + len]);
+            at += len;
+        }
+    }
+    hub.book.complete(version)?;
+    hub.metrics.set_active(version);
     state.version = version;
     state.snapshot = path.to_owned();
     drop(state);
     eprintln!(
-        "published version {version}: {} changes, {} bytes",
-        summary.manifest.total_changes(),
-        summary.delta_bytes
+        "published version {version}: {} changes, {bytes} bytes",
+        manifest.total_changes(),
     );
     Ok(Message::Published {
         version,
-        changes: summary.manifest.total_changes(),
-        bytes: summary.delta_bytes,
+        changes: manifest.total_changes(),
+        bytes,
     })
+}
+
+/// Offers one encoded frame to subscribers: segments and the manifest (the file header and
+/// the trailer only matter in a file).
+fn offer(live: &LiveVersion, frame: &[u8]) {
+    if frame
+        .first()
+        .is_some_and(|&k| k == FrameKind::Segment as u8 || k == FrameKind::Manifest as u8)
+    {
+        match WireFrame::parse(frame.to_vec()) {
+            Ok(f) => live.push(f),
+            Err(e) => eprintln!("encoder emitted an unparsable frame: {e}"),
+        }
+    }
 }
 
 /// `starling-hub publish`: asks a running hub to publish a checkpoint.

@@ -70,19 +70,26 @@ impl MessageReader {
     }
 }
 
-/// A verified delta frame read from a stream.
+/// A verified delta frame read from a stream, kept as its wire bytes (so a relay forwards
+/// it without re-encoding or re-hashing).
 #[derive(Debug, Clone)]
 pub struct StreamFrame {
     pub kind: starling_proto::container::FrameKind,
-    pub body: Vec<u8>,
+    /// The whole frame: header, body, hash.
+    pub bytes: Vec<u8>,
     pub hash: [u8; 32],
 }
 
 impl StreamFrame {
+    pub fn body(&self) -> &[u8] {
+        use starling_proto::container::{FRAME_HASH_LEN, FRAME_HEADER_LEN};
+        &self.bytes[FRAME_HEADER_LEN..self.bytes.len() - FRAME_HASH_LEN]
+    }
+
     pub fn as_frame(&self) -> starling_proto::container::Frame<'_> {
         starling_proto::container::Frame {
             kind: self.kind,
-            body: &self.body,
+            body: self.body(),
             hash: self.hash,
         }
     }
@@ -141,16 +148,16 @@ impl DataStreamReader {
                 h.copy_from_slice(&self.buf[..FRAME_HEADER_LEN]);
                 let (kind, total) = parse_frame_header(&h)?;
                 if self.buf.len() >= total {
-                    let body = self.buf[FRAME_HEADER_LEN..total - FRAME_HASH_LEN].to_vec();
+                    let rest = self.buf.split_off(total);
+                    let bytes = std::mem::replace(&mut self.buf, rest);
                     let mut hash = [0u8; 32];
-                    hash.copy_from_slice(&self.buf[total - FRAME_HASH_LEN..total]);
-                    self.buf.drain(..total);
-                    if frame_hash(kind, &body) != hash {
+                    hash.copy_from_slice(&bytes[total - FRAME_HASH_LEN..]);
+                    if frame_hash(kind, &bytes[FRAME_HEADER_LEN..total - FRAME_HASH_LEN]) != hash {
                         return Err(FramedError::Decode(DecodeError::HashMismatch {
                             what: "streamed frame",
                         }));
                     }
-                    return Ok(Some(StreamFrame { kind, body, hash }));
+                    return Ok(Some(StreamFrame { kind, bytes, hash }));
                 }
             }
             if !self.fill().await? {

@@ -10,15 +10,21 @@
 //!   a long bottleneck and starve control traffic;
 //! - [`framed`]: control messages over QUIC streams;
 //! - [`admit`]: the Hello/Welcome/Refuse admission every server runs;
-//! - [`fanout`] and [`upstream`]: sending and receiving versions;
+//! - [`book`]: the versions a server can send, each sendable while it still grows
+//!   (cut-through);
+//! - [`fanout`] and [`upstream`]: sending versions striped over several streams, and
+//!   receiving them frame by frame; [`reception`]: what of a version is missing and when to
+//!   ask for it again;
 //! - [`service`]: running a service binary until it is stopped.
 
 pub mod admit;
+pub mod book;
 pub mod endpoint;
 pub mod fanout;
 pub mod framed;
 pub mod identity;
 pub mod link;
+pub mod reception;
 pub mod service;
 pub mod upstream;
 

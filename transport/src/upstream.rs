@@ -1,7 +1,7 @@
 //! The receiving side of a subscription, shared by actors and relays: connect to the hub or
 //! a relay, say who we are, subscribe after a version, and turn what arrives into events —
-//! each version's frames (read from its own stream, every frame hash checked) and each
-//! `Commit`.
+//! each data stream's start and end and every frame as soon as it arrived and its hash
+//! checked (so a relay can forward it and an actor stage it at once), and each `Commit`.
 
 use std::net::SocketAddr;
 
@@ -18,14 +18,31 @@ use crate::link::LinkProfile;
 /// Something the upstream sent.
 #[derive(Debug)]
 pub enum UpstreamEvent {
-    /// Every frame of `version` that arrived intact, in order. A corrupted or cut stream
-    /// ends early: the frames before the damage are delivered and the receiver finds the
-    /// gap when it checks the delta as a whole.
-    Delta {
+    /// A data stream of `version` began (one stripe of a transmission).
+    StreamStarted {
         version: u64,
-        frames: Vec<StreamFrame>,
+        base: u64,
+        delta_id: [u8; 32],
+        transmission: u32,
+        stripes: u16,
+    },
+    /// One frame of `version`, its BLAKE3 checked, as soon as it arrived.
+    Frame {
+        version: u64,
+        delta_id: [u8; 32],
+        frame: StreamFrame,
+    },
+    /// A data stream ended: cleanly, or with `error` (a frame failed its hash, the stream
+    /// was cut); frames after the damage on that stream are lost, not delivered.
+    StreamEnded {
+        version: u64,
+        delta_id: [u8; 32],
+        transmission: u32,
+        stripes: u16,
+        error: Option<String>,
     },
     Commit(u64),
+    Pong(u64),
     Refused(String),
     Closed(String),
 }
@@ -97,38 +114,19 @@ pub async fn subscribe(
         other => return Err(UpstreamError::Unexpected(format!("{other:?}"))),
     };
     send(&mut control, &Message::Subscribe { after_version }).await?;
-    let (tx, events) = mpsc::channel(64);
+    let (tx, events) = mpsc::channel(256);
     let data_conn = conn.clone();
     let data_tx = tx.clone();
     tokio::spawn(async move {
         while let Ok(recv) = data_conn.accept_uni().await {
-            let ev = data_tx.clone();
-            tokio::spawn(async move {
-                let mut r = DataStreamReader::new(recv);
-                let version = match r.message().await {
-                    Ok(Message::Announce { version, .. }) => version,
-                    Ok(other) => return eprintln!("data stream began with {other:?}"),
-                    Err(e) => return eprintln!("data stream: {e}"),
-                };
-                let mut frames = Vec::new();
-                loop {
-                    match r.frame().await {
-                        Ok(Some(f)) => frames.push(f),
-                        Ok(None) => break,
-                        Err(e) => {
-                            eprintln!("version {version}: {e}");
-                            break;
-                        }
-                    }
-                }
-                let _ = ev.send(UpstreamEvent::Delta { version, frames }).await;
-            });
+            tokio::spawn(read_data_stream(recv, data_tx.clone()));
         }
     });
     tokio::spawn(async move {
         loop {
             let ev = match reader.next().await {
                 Ok(Some(Message::Commit { version })) => UpstreamEvent::Commit(version),
+                Ok(Some(Message::Pong { nonce })) => UpstreamEvent::Pong(nonce),
                 Ok(Some(Message::Refuse { reason, detail })) => {
                     UpstreamEvent::Refused(format!("{reason:?}: {detail}"))
                 }
@@ -152,4 +150,55 @@ pub async fn subscribe(
         events,
         latest,
     })
+}
+
+/// Turns one data stream into events: its start, each verified frame, its end.
+async fn read_data_stream(recv: quinn::RecvStream, ev: mpsc::Sender<UpstreamEvent>) {
+    let mut r = DataStreamReader::new(recv);
+    let (version, base, delta_id, transmission, stripes) = match r.message().await {
+        Ok(Message::Announce {
+            version,
+            base_version,
+            delta_id,
+            transmission,
+            stripes,
+        }) => (version, base_version, delta_id, transmission, stripes),
+        Ok(other) => return eprintln!("data stream began with {other:?}"),
+        Err(e) => return eprintln!("data stream: {e}"),
+    };
+    let started = UpstreamEvent::StreamStarted {
+        version,
+        base,
+        delta_id,
+        transmission,
+        stripes,
+    };
+    if ev.send(started).await.is_err() {
+        return;
+    }
+    let error = loop {
+        match r.frame().await {
+            Ok(Some(frame)) => {
+                let f = UpstreamEvent::Frame {
+                    version,
+                    delta_id,
+                    frame,
+                };
+                if ev.send(f).await.is_err() {
+                    return;
+                }
+            }
+            Ok(None) => break None,
+            Err(e) => break Some(e.to_string()),
+        }
+    };
+    let _ = ev
+        .send(UpstreamEvent::StreamEnded {
+            version,
+            delta_id,
+            transmission,
+            stripes,
+            error,
+        })
+        .await;
 }
