@@ -25,12 +25,14 @@ use quinn::SendStream;
 use starling_checkpoint::deltafile::Model;
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::writer::SafetensorsWriter;
+use starling_proto::anchor::AnchorSeal;
 use starling_proto::apply::Stager;
 use starling_proto::apply::{VersionedWeights, full_digest};
 use starling_proto::manifest::TrustPolicy;
+use starling_proto::msg::{MAX_SEQS, RefuseReason};
 use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::Metrics;
-use starling_transport::framed::{StreamFrame, send};
+use starling_transport::framed::{DataStreamReader, StreamFrame, send};
 use starling_transport::identity::{Credentials, Role, manifest_key};
 use starling_transport::link::LinkProfile;
 use starling_transport::reception::{Added, Reception};
@@ -109,6 +111,15 @@ struct Pending {
     buffered: Vec<StreamFrame>,
 }
 
+/// What handling an event led to.
+#[derive(Debug, PartialEq, Eq)]
+enum Outcome {
+    Nothing,
+    Activated,
+    /// Subscribe again (after restoring an anchor, or to another source).
+    Resubscribe,
+}
+
 /// The actor's weight pipeline: the active weights and what is on its way.
 struct Pipeline<'a> {
     cfg: &'a ActorConfig,
@@ -121,6 +132,8 @@ struct Pipeline<'a> {
     retries: BTreeMap<u64, u32>,
     /// The upstream we are subscribed to now (metrics label).
     peer: String,
+    /// An anchor was asked of the current upstream.
+    anchor_asked: bool,
 }
 
 /// Runs until every source failed too often or the process is stopped. Prints `active
@@ -167,6 +180,7 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         commits: BTreeSet::new(),
         retries: BTreeMap::new(),
         peer: String::new(),
+        anchor_asked: false,
     };
     metrics.set_active(p.state.version());
     println!("active {} {}", p.state.version(), p.state.digest());
@@ -185,12 +199,12 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         // Versions already active will not be needed again.
         p.pending.retain(|&v, _| v > active);
         p.commits.retain(|&v| v > active);
-        // Continue a half-received next version from the segments already staged: ask the
-        // new source only for what is missing, and subscribe after it.
+        // Continue a half-received next version from the segments already staged: the new
+        // source sends only the rest (`Resume`), and the subscription continues after it.
         let resume = p.pending.get_mut(&(active + 1)).and_then(|n| {
             n.reception.reset_requests();
-            let missing = n.reception.missing();
-            (!missing.is_empty()).then_some(missing)
+            let have = n.reception.have();
+            (!have.is_empty() && have.len() <= MAX_SEQS).then_some(have)
         });
         let after = if resume.is_some() { active + 1 } else { active };
         let mut up = match subscribe(
@@ -222,30 +236,22 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         };
         println!("upstream {} {}", source.role.as_str(), source.name);
         p.peer = source.name.clone();
-        if let Some(seqs) = resume {
-            eprintln!(
-                "resuming version {} from {}: {} segments missing",
-                active + 1,
-                source.name,
-                seqs.len()
-            );
-            let _ = send(
-                &mut up.control,
-                &Message::Fetch {
-                    version: active + 1,
-                    seqs,
-                },
-            )
-            .await;
+        p.anchor_asked = false;
+        if let Some(have) = resume {
+            println!("resume {} have {}", active + 1, have.len());
+            let version = active + 1;
+            // A failed send shows up as the connection closing.
+            let _ = send(&mut up.control, &Message::Resume { version, have }).await;
         }
         while let Some(ev) = up.events.recv().await {
             if let UpstreamEvent::Closed(why) = &ev {
                 eprintln!("upstream {} {}: {why}", source.role.as_str(), source.name);
                 break;
             }
-            let activated = p.handle(ev, &mut up.control).await?;
-            if activated {
-                failures = 0;
+            match p.handle(ev, &mut up.control).await? {
+                Outcome::Nothing => {}
+                Outcome::Activated => failures = 0,
+                Outcome::Resubscribe => break,
             }
         }
         up.close().await;
@@ -258,8 +264,8 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
 }
 
 impl Pipeline<'_> {
-    /// Handles one event; `true` when a version was activated.
-    async fn handle(&mut self, ev: UpstreamEvent, control: &mut SendStream) -> Result<bool> {
+    /// Handles one event.
+    async fn handle(&mut self, ev: UpstreamEvent, control: &mut SendStream) -> Result<Outcome> {
         match ev {
             UpstreamEvent::StreamStarted {
                 version,
@@ -302,9 +308,97 @@ impl Pipeline<'_> {
                 }
             }
             UpstreamEvent::Pong(_) | UpstreamEvent::Closed(_) => {}
-            UpstreamEvent::Refused(why) => eprintln!("upstream refused: {why}"),
+            UpstreamEvent::Refused { reason, detail } => {
+                eprintln!("upstream refused: {reason:?}: {detail}");
+                if reason == RefuseReason::VersionUnavailable {
+                    if self.anchor_asked {
+                        // Neither the deltas nor an anchor here: try the next source.
+                        return Ok(Outcome::Resubscribe);
+                    }
+                    self.anchor_asked = true;
+                    let after_version = self.state.version();
+                    let _ = send(control, &Message::FetchAnchor { after_version }).await;
+                }
+            }
+            UpstreamEvent::Anchor { seal, stream } => {
+                return match self.restore(seal, stream).await {
+                    Ok(()) => Ok(Outcome::Resubscribe),
+                    Err(e) => {
+                        eprintln!("anchor {} refused: {e:#}", seal.version);
+                        Ok(Outcome::Resubscribe)
+                    }
+                };
+            }
         }
-        self.activate_ready(control).await
+        Ok(if self.activate_ready(control).await? {
+            Outcome::Activated
+        } else {
+            Outcome::Nothing
+        })
+    }
+
+    /// Restores from an anchor: receives the file next to the store while hashing it,
+    /// checks size, hash and the hub's seal, checks it is this model at the sealed version,
+    /// and only then replaces the active weights (file renamed into place, atomically).
+    async fn restore(&mut self, seal: AnchorSeal, mut stream: DataStreamReader) -> Result<()> {
+        use std::io::Write;
+        seal.verify(&self.cfg.model_id, self.trust)
+            .context("anchor seal")?;
+        if seal.version <= self.state.version() {
+            bail!(
+                "anchor {} is not newer than active {}",
+                seal.version,
+                self.state.version()
+            );
+        }
+        std::fs::create_dir_all(&self.cfg.store).context("create store")?;
+        let partial = self.cfg.store.join("anchor.partial");
+        let mut file = std::fs::File::create(&partial)
+            .with_context(|| format!("create {}", partial.display()))?;
+        let mut hasher = blake3::Hasher::new();
+        let mut size = 0u64;
+        while let Some(chunk) = stream.chunk().await? {
+            size += chunk.len() as u64;
+            if size > seal.size {
+                bail!("anchor longer than its sealed {} bytes", seal.size);
+            }
+            hasher.update(&chunk);
+            file.write_all(&chunk)?;
+        }
+        if size != seal.size || *hasher.finalize().as_bytes() != seal.hash {
+            bail!(
+                "anchor bytes do not match the seal ({size} of {} bytes)",
+                seal.size
+            );
+        }
+        file.sync_all()?;
+        drop(file);
+        let c = Checkpoint::open(&partial).context("open anchor")?;
+        if c.version() != Some(seal.version) {
+            bail!("anchor file says version {:?}", c.version());
+        }
+        let layout: Layout = c
+            .tensors()
+            .iter()
+            .map(|t| (t.name.clone(), t.shape.clone()))
+            .collect();
+        if &layout != self.layout {
+            bail!("anchor is not this model (tensor layout differs)");
+        }
+        let weights = c.read_all()?;
+        let names: Vec<String> = weights.keys().cloned().collect();
+        let digest = full_digest(&self.cfg.model_id, &weights, &names);
+        std::fs::rename(&partial, self.cfg.store.join(CURRENT)).context("install anchor")?;
+        if let Ok(d) = std::fs::File::open(&self.cfg.store) {
+            let _ = d.sync_all();
+        }
+        self.state = VersionedWeights::new(&self.cfg.model_id, weights, seal.version, digest);
+        self.pending.clear();
+        self.commits.clear();
+        self.metrics.set_active(seal.version);
+        println!("restored anchor {}", seal.version);
+        println!("active {} {}", self.state.version(), self.state.digest());
+        Ok(())
     }
 
     fn entry(&mut self, version: u64, base: u64, delta_id: [u8; 32]) -> Option<&mut Pending> {
@@ -351,6 +445,9 @@ impl Pipeline<'_> {
             Ok(Added::New) => {}
             Ok(Added::Duplicate) => return,
             Err(e) => return eprintln!("version {version}: dropped a frame: {e}"),
+        }
+        if p.reception.complete() {
+            println!("staged {version}");
         }
         let staged = match &mut p.stager {
             Some(stager) => stager.stage_frame(frame.as_frame(), weights),

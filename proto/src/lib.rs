@@ -13,6 +13,7 @@
 //!   [`error::DecodeError`], never a panic;
 //! - a frame's BLAKE3 is checked before any of its content is parsed.
 
+pub mod anchor;
 pub mod apply;
 pub mod bf16;
 pub mod codec;

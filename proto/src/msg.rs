@@ -124,6 +124,22 @@ pub enum Message {
     Pong {
         nonce: u64,
     },
+    /// Receiver → server (a new source after failover): send `version` except the segments
+    /// I already `have`, then `Commit` it; my subscription continues after it.
+    Resume {
+        version: u64,
+        have: Vec<u32>,
+    },
+    /// Receiver → server: I hold `after_version` and you no longer have the deltas after it;
+    /// send your newest anchor (a full checkpoint).
+    FetchAnchor {
+        after_version: u64,
+    },
+    /// The first message of a data stream carrying an anchor: `seal.size` bytes of
+    /// safetensors follow; `seal` is signed by the hub (see `crate::anchor`).
+    Anchor {
+        seal: crate::anchor::AnchorSeal,
+    },
 }
 
 impl Message {
@@ -142,6 +158,9 @@ impl Message {
             Self::Pong { .. } => 11,
             Self::Publish { .. } => 12,
             Self::Published { .. } => 13,
+            Self::FetchAnchor { .. } => 14,
+            Self::Anchor { .. } => 15,
+            Self::Resume { .. } => 16,
         }
     }
 
@@ -185,6 +204,10 @@ impl Message {
                 put_varint(out, u64::from(*stripes));
             }
             Self::Fetch { version, seqs }
+            | Self::Resume {
+                version,
+                have: seqs,
+            }
             | Self::Staged {
                 version,
                 missing: seqs,
@@ -205,6 +228,13 @@ impl Message {
                 out.extend_from_slice(&nonce.to_le_bytes())
             }
             Self::Publish { path } => put_bytes(out, path.as_bytes()),
+            Self::FetchAnchor { after_version } => put_varint(out, *after_version),
+            Self::Anchor { seal } => {
+                put_varint(out, seal.version);
+                put_varint(out, seal.size);
+                out.extend_from_slice(&seal.hash);
+                out.extend_from_slice(&seal.signature);
+            }
             Self::Published {
                 version,
                 changes,
@@ -334,6 +364,21 @@ impl Message {
                 changes: r.varint("changes")?,
                 bytes: r.varint("bytes")?,
             },
+            16 => Self::Resume {
+                version: r.varint("version")?,
+                have: read_seqs(&mut r)?,
+            },
+            14 => Self::FetchAnchor {
+                after_version: r.varint("version")?,
+            },
+            15 => Self::Anchor {
+                seal: crate::anchor::AnchorSeal {
+                    version: r.varint("version")?,
+                    size: r.varint("anchor size")?,
+                    hash: r.array("anchor hash")?,
+                    signature: r.array("anchor signature")?,
+                },
+            },
             id => {
                 return Err(DecodeError::UnknownCodec {
                     what: "message type",
@@ -352,7 +397,7 @@ pub fn check(buf: &[u8]) -> Result<Option<usize>, DecodeError> {
     let Some(&ty) = buf.first() else {
         return Ok(None);
     };
-    if !(1..=13).contains(&ty) {
+    if !(1..=16).contains(&ty) {
         return Err(DecodeError::UnknownCodec {
             what: "message type",
             id: ty,
@@ -467,6 +512,19 @@ mod tests {
                 version: 7,
                 changes: 1000,
                 bytes: 1300,
+            },
+            Message::FetchAnchor { after_version: 3 },
+            Message::Resume {
+                version: 5,
+                have: vec![0, 1, 7],
+            },
+            Message::Anchor {
+                seal: crate::anchor::AnchorSeal {
+                    version: 16,
+                    size: 1 << 33,
+                    hash: [9; 32],
+                    signature: [8; 64],
+                },
             },
         ]
     }

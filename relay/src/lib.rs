@@ -15,7 +15,7 @@
 //! - Complete versions are also written to a disk cache (`.sdc` files), so a restarted relay
 //!   serves its region's laggards without refetching over the WAN.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -61,10 +61,9 @@ pub struct RelayConfig {
     pub cache: Option<PathBuf>,
     /// Where to serve `/metrics`.
     pub http: Option<SocketAddr>,
+    /// Versions kept in memory for laggards and late joiners.
+    pub retain: usize,
 }
-
-/// Versions kept in memory for laggards and late joiners.
-const RETAIN: usize = 256;
 
 /// Runs the relay until the hub goes away or the process is stopped. Prints `listening on
 /// ADDR` once actors can connect, `cached VERSION` for each verified version and `refetch
@@ -81,7 +80,13 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
     let key = VerifyingKey::from_bytes(&manifest_key(&cfg.credentials)?)
         .context("signing.pub is not an ed25519 key")?;
     let trust = TrustPolicy::Keys(vec![key]);
-    let book = Arc::new(VersionBook::new(cfg.from_version, RETAIN));
+    // A disk cache that starts later than `from_version` (older files were pruned) makes
+    // its first version the start of the chain.
+    let start = match cfg.cache.as_deref().and_then(oldest_cached) {
+        Some(first) if first > cfg.from_version + 1 => first - 1,
+        _ => cfg.from_version,
+    };
+    let book = Arc::new(VersionBook::new(start, cfg.retain));
     if let Some(dir) = &cfg.cache {
         let n = load_cache(dir, &book, &trust)?;
         if n > 0 {
@@ -112,6 +117,7 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
         let model_id = cfg.model_id.clone();
         let fanout = FanoutConfig {
             stripes: cfg.stripes,
+            anchors: None,
         };
         let metrics = metrics.clone();
         tokio::spawn(async move {
@@ -162,7 +168,6 @@ struct Incoming {
     reception: Reception,
     assembler: DeltaAssembler,
     live: Arc<LiveVersion>,
-    committed: bool,
 }
 
 struct Follower<'a> {
@@ -171,6 +176,9 @@ struct Follower<'a> {
     book: &'a VersionBook,
     metrics: &'a Metrics,
     incoming: BTreeMap<u64, Incoming>,
+    /// Versions the hub committed. Kept apart from `incoming`: the control stream has send
+    /// priority, so a `Commit` may overtake the last data of its version.
+    commits: BTreeSet<u64>,
 }
 
 async fn follow_hub(
@@ -205,6 +213,7 @@ async fn follow_hub(
         book,
         metrics,
         incoming: BTreeMap::new(),
+        commits: BTreeSet::new(),
     };
     while let Some(ev) = up.events.recv().await {
         if let UpstreamEvent::Closed(why) = ev {
@@ -257,12 +266,17 @@ impl Follower<'_> {
                 }
             }
             UpstreamEvent::Commit(v) => {
-                if let Some(inc) = self.incoming.get_mut(&v) {
-                    inc.committed = true;
+                if v > self.book.latest() {
+                    self.commits.insert(v);
                 }
             }
             UpstreamEvent::Pong(_) => {}
-            UpstreamEvent::Refused(why) => eprintln!("hub refused: {why}"),
+            UpstreamEvent::Refused { reason, detail } => {
+                eprintln!("hub refused: {reason:?}: {detail}")
+            }
+            UpstreamEvent::Anchor { seal, .. } => {
+                eprintln!("ignored an unrequested anchor {}", seal.version)
+            }
             UpstreamEvent::Closed(_) => {}
         }
         self.complete_ready(control).await
@@ -291,7 +305,6 @@ impl Follower<'_> {
                     reception: Reception::new(version, base, delta_id),
                     assembler: DeltaAssembler::new(),
                     live,
-                    committed: false,
                 },
             );
         }
@@ -349,19 +362,24 @@ impl Follower<'_> {
             let ready = self
                 .incoming
                 .get(&next)
-                .is_some_and(|i| i.committed && i.reception.complete());
+                .is_some_and(|i| self.commits.contains(&next) && i.reception.complete());
             if !ready {
                 return Ok(());
             }
             let Some(inc) = self.incoming.remove(&next) else {
                 return Ok(());
             };
+            self.commits.remove(&next);
             match inc.assembler.finish(self.trust) {
                 Ok(_) => {
-                    if let Some(dir) = &self.cfg.cache
-                        && let Err(e) = write_cache(dir, &inc.live)
-                    {
-                        eprintln!("version {next}: not cached on disk: {e:#}");
+                    if let Some(dir) = &self.cfg.cache {
+                        if let Err(e) = write_cache(dir, &inc.live) {
+                            eprintln!("version {next}: not cached on disk: {e:#}");
+                        }
+                        // The disk keeps what memory keeps: the newest `retain` versions.
+                        if let Some(old) = next.checked_sub(self.cfg.retain as u64) {
+                            let _ = std::fs::remove_file(cache_path(dir, old));
+                        }
                     }
                     self.book.complete(next)?;
                     self.metrics
@@ -381,6 +399,22 @@ impl Follower<'_> {
 
 fn cache_path(dir: &Path, version: u64) -> PathBuf {
     dir.join(format!("v{version:08}.sdc"))
+}
+
+/// The oldest version in the disk cache.
+fn oldest_cached(dir: &Path) -> Option<u64> {
+    std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name();
+            name.to_str()?
+                .strip_prefix('v')?
+                .strip_suffix(".sdc")?
+                .parse::<u64>()
+                .ok()
+        })
+        .min()
 }
 
 /// Writes a complete version as a `.sdc` file (segments in order, manifest, trailer).

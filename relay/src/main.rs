@@ -42,6 +42,9 @@ struct Args {
     /// Serve `/metrics` here.
     #[arg(long, env = "STARLING_RELAY_HTTP")]
     http: Option<SocketAddr>,
+    /// Versions kept in memory for laggards and late joiners.
+    #[arg(long, default_value_t = 32)]
+    retain: usize,
 }
 
 fn main() -> std::process::ExitCode {
@@ -61,6 +64,7 @@ fn main() -> std::process::ExitCode {
         stripes: a.stripes,
         cache: a.cache,
         http: a.http,
+        retain: a.retain,
     };
     starling_transport::service::run_service(starling_relay::run(cfg))
 }

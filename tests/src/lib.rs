@@ -60,7 +60,11 @@ pub fn lines_of(r: impl std::io::Read + Send + 'static) -> mpsc::Receiver<String
 pub fn spawn(procs: &mut Procs, cmd: &mut Command) -> mpsc::Receiver<String> {
     let mut child = cmd
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
+        .stderr(if std::env::var_os("STARLING_TEST_STDERR").is_some() {
+            Stdio::inherit()
+        } else {
+            Stdio::null()
+        })
         .spawn()
         .expect("spawn");
     let rx = lines_of(child.stdout.take().expect("stdout"));
@@ -95,11 +99,14 @@ pub fn wait_for(rx: &mpsc::Receiver<String>, what: &str, deadline: Instant) -> S
     }
 }
 
-/// The next line that is not an `upstream …` notice.
+/// The next line that is not a progress notice (`upstream …`, `staged …`, `resume …`).
 pub fn next_event(rx: &mpsc::Receiver<String>, deadline: Instant) -> String {
     loop {
         let line = wait_for(rx, "", deadline);
-        if !line.starts_with("upstream ") {
+        if !["upstream ", "staged ", "resume "]
+            .iter()
+            .any(|p| line.starts_with(p))
+        {
             return line;
         }
     }
@@ -123,6 +130,10 @@ pub struct Testbed {
     pub steps: Vec<PathBuf>,
     pub cluster: PathBuf,
     pub hub_addr: String,
+    /// The hub's HTTP address (`/metrics`, `/v1/versions`).
+    pub hub_http: String,
+    /// The hub's stdout (`first-segment N`, `anchor N`) and stderr (its log) lines.
+    pub hub_out: mpsc::Receiver<String>,
     pub hub_log: mpsc::Receiver<String>,
     pub procs: Procs,
     pub deadline: Instant,
@@ -132,7 +143,7 @@ impl Testbed {
     /// `versions` checkpoints after the initial one; credentials for `peers` (role, name);
     /// extra environment for the hub (fault hooks).
     pub fn new(versions: u32, seed: u64, peers: &[(&str, &str)], hub_env: &[(&str, &str)]) -> Self {
-        Self::with_model("tiny", 1e-5, versions, seed, peers, hub_env)
+        Self::with_model("tiny", 1e-5, versions, seed, peers, hub_env, &[])
     }
 
     /// As [`Testbed::new`] with a model preset and learning rate of the workload generator.
@@ -143,6 +154,7 @@ impl Testbed {
         seed: u64,
         peers: &[(&str, &str)],
         hub_env: &[(&str, &str)],
+        hub_args: &[&str],
     ) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let spec = ModelSpec::preset(preset).expect("preset");
@@ -153,7 +165,7 @@ impl Testbed {
         };
         let steps = generate_to_dir(&spec, versions, &cfg, &dir.path().join("ckpt"), &|_| {})
             .expect("generate");
-        Self::with_checkpoints(dir, steps, peers, hub_env)
+        Self::with_checkpoints(dir, steps, peers, hub_env, hub_args)
     }
 
     /// A test bed over existing checkpoints (`steps[0]` is the hub's initial version).
@@ -162,6 +174,7 @@ impl Testbed {
         steps: Vec<PathBuf>,
         peers: &[(&str, &str)],
         hub_env: &[(&str, &str)],
+        hub_args: &[&str],
     ) -> Self {
         let root = dir.path().to_owned();
         let cluster = root.join("cluster");
@@ -194,11 +207,16 @@ impl Testbed {
         .arg("--store")
         .arg(root.join("hub-store"))
         .arg("--init")
-        .arg(&steps[0]);
+        .arg(&steps[0])
+        .args(["--http", "127.0.0.1:0"])
+        .args(hub_args);
         for (k, v) in hub_env {
             hub.env(k, v);
         }
         let (hub_out, hub_log) = spawn_with_log(&mut procs, &mut hub);
+        let hub_http = wait_for(&hub_out, "http on ", deadline)
+            .trim_start_matches("http on ")
+            .to_owned();
         let hub_addr = wait_for(&hub_out, "listening on ", deadline)
             .trim_start_matches("listening on ")
             .to_owned();
@@ -208,6 +226,8 @@ impl Testbed {
             steps,
             cluster,
             hub_addr,
+            hub_http,
+            hub_out,
             hub_log,
             procs,
             deadline,
@@ -218,6 +238,17 @@ impl Testbed {
     pub fn relay(&mut self, name: &str) -> (String, mpsc::Receiver<String>) {
         let hub = self.hub_addr.clone();
         self.relay_at(name, &hub, &[])
+    }
+
+    /// A relay connected straight to the hub, with extra arguments.
+    pub fn relay_with(&mut self, name: &str, extra: &[&str]) -> (String, mpsc::Receiver<String>) {
+        let hub = self.hub_addr.clone();
+        self.relay_at(name, &hub, extra)
+    }
+
+    /// The hub's `/metrics` text.
+    pub fn hub_metrics(&self) -> String {
+        http_get(&self.hub_http, "/metrics")
     }
 
     /// A relay whose link to the hub goes through `starling-netem` with `netem_args`
@@ -296,19 +327,7 @@ impl Testbed {
     }
 
     pub fn publish(&self, k: usize) {
-        run_ok(
-            Command::new(bin("starling-hub"))
-                .args([
-                    "publish",
-                    "--model-id",
-                    "tiny",
-                    "--hub",
-                    &self.hub_addr,
-                    "--cluster",
-                ])
-                .arg(&self.cluster)
-                .arg(&self.steps[k]),
-        );
+        publish_to(&self.hub_addr, &self.cluster, &self.steps[k]);
     }
 
     /// The trainer's weights of version `k`.
@@ -352,4 +371,41 @@ impl Testbed {
 /// Little-endian bytes of BF16 bits (for hashing tensors).
 pub fn le_bytes(v: &[u16]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// `starling-hub publish` of `checkpoint` to the hub at `hub` (blocks until published).
+pub fn publish_to(hub: &str, cluster: &std::path::Path, checkpoint: &std::path::Path) {
+    run_ok(
+        Command::new(bin("starling-hub"))
+            .args(["publish", "--model-id", "tiny", "--hub", hub, "--cluster"])
+            .arg(cluster)
+            .arg(checkpoint),
+    );
+}
+
+/// A plain HTTP/1.1 GET over a real socket; returns the body (panics on a non-200 answer).
+pub fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send request");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read answer");
+    let (head, body) = out.split_once("\r\n\r\n").expect("HTTP answer");
+    assert!(head.starts_with("HTTP/1.1 200"), "GET {path}: {head}");
+    body.to_owned()
+}
+
+/// The value of one Prometheus sample line (`NAME{LABELS} VALUE`), if present.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines().find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
 }

@@ -4,7 +4,10 @@
 //! transmission is refused and fetched again, never applied; an actor killed with SIGKILL and
 //! restarted resumes from its store; a killed relay's actors fail over to the hub.
 
-use starling_tests::{Testbed, next_event, wait_for};
+use std::time::Duration;
+
+use starling_proto::container::{FILE_HEADER_LEN, TRAILER_FRAME_LEN};
+use starling_tests::{Testbed, metric, next_event, wait_for};
 
 #[test]
 fn hub_delivers_every_version_to_every_actor_bit_identically() {
@@ -189,4 +192,102 @@ fn twenty_versions_reach_three_actors_in_each_of_two_regions_over_emulated_links
         sent, expected,
         "each version crossed each WAN link exactly once"
     );
+    // And in bytes: the hub sent each relay exactly the frames of the 20 deltas, once.
+    let delta_frames: u64 = (1..=20)
+        .map(|k| {
+            let f = tb.root.join(format!("hub-store/deltas/v{k:08}.sdc"));
+            std::fs::metadata(&f).expect("delta file").len()
+                - (FILE_HEADER_LEN + TRAILER_FRAME_LEN) as u64
+        })
+        .sum();
+    let m = tb.hub_metrics();
+    for (relay, _) in &regions {
+        let series = format!("starling_bytes_sent_total{{peer=\"{relay}\"}}");
+        assert_eq!(metric(&m, &series), Some(delta_frames as f64), "{series}");
+    }
+}
+
+/// A relay SIGKILLed while a version streams through it: its actors keep the segments they
+/// staged, resume on the hub with only the rest (`Resume`), and activate the right bits.
+#[test]
+fn actors_finish_a_version_through_the_hub_when_their_relay_dies_mid_stream() {
+    let peers = [("relay", "r"), ("actor", "a1"), ("actor", "a2")];
+    // `small` (14 MB of BF16) makes a ~0.5 MB delta in 32 KiB segments: ~2 s over a
+    // 2 Mbit/s link.
+    let hub_args = ["--segment-kib", "32"];
+    let mut tb = Testbed::with_model("small", 1e-5, 2, 31, &peers, &[], &hub_args);
+    let dl = tb.deadline;
+    let link = ["--rate", "2mbit", "--delay", "10ms", "--loss", "0%"];
+    let (addr, relay_out) =
+        tb.relay_behind_link("r", &link, &["--wan-mbit", "2", "--wan-rtt-ms", "20"]);
+    let actors: Vec<_> = ["a1", "a2"]
+        .iter()
+        .map(|a| tb.actor(a, &[format!("r@{addr}")]))
+        .collect();
+    for out in &actors {
+        assert_eq!(wait_for(out, "upstream ", dl), "upstream relay r");
+    }
+    tb.publish(1);
+    for out in &actors {
+        assert_eq!(wait_for(out, "active 1 ", dl), tb.active_line(1));
+    }
+    assert_eq!(wait_for(&relay_out, "cached ", dl), "cached 1");
+    // Version 2: kill the relay (process 2: hub, netem, relay) while the delta is on the link.
+    let publisher = {
+        let (hub, cluster, step) = (tb.hub_addr.clone(), tb.cluster.clone(), tb.steps[2].clone());
+        std::thread::spawn(move || starling_tests::publish_to(&hub, &cluster, &step))
+    };
+    wait_for(&tb.hub_out, "first-segment 2", dl);
+    std::thread::sleep(Duration::from_millis(700));
+    tb.kill(2);
+    publisher.join().expect("publish");
+    for out in &actors {
+        let resume = wait_for(out, "resume 2 have ", dl);
+        let have: usize = resume["resume 2 have ".len()..].parse().expect("count");
+        assert!(have > 0, "kept the segments staged before the relay died");
+        assert_eq!(wait_for(out, "active 2 ", dl), tb.active_line(2));
+    }
+    for name in ["a1", "a2"] {
+        tb.assert_store_is(name, 2);
+    }
+}
+
+/// An actor that joins after 10 versions, when neither its relay nor the hub retains the
+/// deltas from its initial checkpoint on: it restores the hub's newest anchor (sealed,
+/// hashed, checked) and then follows the chain from its relay.
+#[test]
+fn a_late_actor_restores_from_an_anchor_and_catches_up_on_the_chain() {
+    let peers = [("relay", "r"), ("actor", "early"), ("actor", "late")];
+    let hub_args = [
+        "--retain",
+        "3",
+        "--anchor-every",
+        "4",
+        "--keep-anchors",
+        "2",
+    ];
+    let mut tb = Testbed::with_model("tiny", 1e-5, 10, 41, &peers, &[], &hub_args);
+    let dl = tb.deadline;
+    let (addr, _relay_out) = tb.relay_with("r", &["--retain", "3"]);
+    let early = tb.actor("early", &[format!("r@{addr}")]);
+    for k in 1..=10 {
+        tb.publish(k);
+        assert_eq!(
+            wait_for(&early, &format!("active {k} "), dl),
+            tb.active_line(k)
+        );
+    }
+    wait_for(&tb.hub_out, "anchor 8", dl);
+    let late = tb.actor("late", &[format!("r@{addr}")]);
+    assert_eq!(wait_for(&late, "restored anchor ", dl), "restored anchor 8");
+    assert_eq!(wait_for(&late, "active 8 ", dl), tb.active_line(8));
+    assert_eq!(wait_for(&late, "active 10 ", dl), tb.active_line(10));
+    tb.assert_store_is("late", 10);
+    // Two anchors are kept (4 and 8); anchor 0 was pruned, with the deltas up to anchor 4.
+    let store = tb.root.join("hub-store");
+    assert!(!store.join("anchors/v00000000.safetensors").exists());
+    assert!(store.join("anchors/v00000004.safetensors").exists());
+    assert!(store.join("anchors/v00000008.safetensors").exists());
+    assert!(!store.join("deltas/v00000004.sdc").exists());
+    assert!(store.join("deltas/v00000005.sdc").exists());
 }

@@ -88,6 +88,19 @@ pub enum Command {
         /// Serve `/metrics` and the HTTP API (`POST /v1/versions`) here.
         #[arg(long, env = "STARLING_HUB_HTTP")]
         http: Option<std::net::SocketAddr>,
+        /// Deltas kept in memory for subscribers that fall behind (further back: anchors).
+        #[arg(long, default_value_t = 32)]
+        retain: usize,
+        /// Write an anchor (full checkpoint) every N versions (0: only the initial one).
+        #[arg(long, default_value_t = 32)]
+        anchor_every: u64,
+        /// Anchors kept on disk (deltas older than the oldest are deleted).
+        #[arg(long, default_value_t = 2)]
+        keep_anchors: usize,
+        /// Close a segment once it holds this many KiB (the unit of forwarding, verifying
+        /// and refetching).
+        #[arg(long, default_value_t = 2048)]
+        segment_kib: usize,
     },
     /// Ask a running hub to publish a new checkpoint (a path on the hub's machine).
     Publish {
@@ -243,6 +256,10 @@ pub fn run(cli: Cli) -> Result<()> {
             stripes,
             store_and_forward,
             http,
+            retain,
+            anchor_every,
+            keep_anchors,
+            segment_kib,
         } => {
             let version = match init_version {
                 Some(v) => v,
@@ -262,6 +279,10 @@ pub fn run(cli: Cli) -> Result<()> {
                 stripes,
                 cut_through: !store_and_forward,
                 http,
+                retain,
+                anchor_every,
+                keep_anchors,
+                segment_bytes: segment_kib.max(1) << 10,
             };
             runtime()?.block_on(async {
                 tokio::select! {

@@ -3,6 +3,7 @@
 //! command-line tools (`delta diff|apply|inspect|verify`), the workload generator
 //! (`bench gen`) and the small-scale demo.
 
+pub mod anchors;
 pub mod api;
 pub mod cli;
 pub mod keys;

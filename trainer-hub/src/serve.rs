@@ -28,6 +28,8 @@ use starling_proto::container::{FILE_HEADER_LEN, FrameKind, parse_frame};
 use starling_proto::manifest::delta_id;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
 use starling_telemetry::Metrics;
+
+use crate::anchors::Anchors;
 use starling_transport::admit::admit;
 use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
 use starling_transport::endpoint::{client_endpoint, connect, server_endpoint};
@@ -54,6 +56,14 @@ pub struct ServeConfig {
     pub cut_through: bool,
     /// Where to serve `/metrics` and the HTTP API (none: not served).
     pub http: Option<SocketAddr>,
+    /// Deltas kept in memory for subscribers that fall behind.
+    pub retain: usize,
+    /// Write an anchor (full checkpoint) every this many versions (0: only the initial one).
+    pub anchor_every: u64,
+    /// Anchors kept on disk.
+    pub keep_anchors: usize,
+    /// Target size of a segment.
+    pub segment_bytes: usize,
 }
 
 #[derive(Debug)]
@@ -69,10 +79,19 @@ pub(crate) struct Hub {
     state: Mutex<State>,
     book: Arc<VersionBook>,
     metrics: Metrics,
+    anchors: Arc<Anchors>,
 }
 
-/// Deltas kept in memory for subscribers that fall behind (older ones: from the store).
-const RETAIN: usize = 256;
+/// Writes the anchor of `version` from `checkpoint` (off the async runtime).
+async fn write_anchor(hub: &Arc<Hub>, checkpoint: PathBuf, version: u64) -> Result<()> {
+    let anchors = hub.anchors.clone();
+    let seal = tokio::task::spawn_blocking(move || anchors.write(&checkpoint, version))
+        .await
+        .context("anchor task")??;
+    eprintln!("anchor {version}: {} bytes", seal.size);
+    println!("anchor {version}");
+    Ok(())
+}
 
 fn now_ms() -> u64 {
     SystemTime::now()
@@ -101,11 +120,20 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
             version: cfg.init_version,
             snapshot: cfg.init.clone(),
         }),
-        book: Arc::new(VersionBook::new(cfg.init_version, RETAIN)),
+        book: Arc::new(VersionBook::new(cfg.init_version, cfg.retain)),
         metrics: Metrics::new(),
+        anchors: Arc::new(Anchors::open(
+            &cfg.store,
+            &cfg.model_id,
+            signing.clone(),
+            cfg.keep_anchors,
+        )?),
         cfg,
         signing,
     });
+    if !hub.anchors.has(hub.cfg.init_version) {
+        write_anchor(&hub, hub.cfg.init.clone(), hub.cfg.init_version).await?;
+    }
     hub.metrics.set_active(hub.cfg.init_version);
     if let Some(http) = hub.cfg.http {
         let (listener, at) = starling_telemetry::http::bind(http)
@@ -150,6 +178,7 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection) -> Result<()> {
     eprintln!("{} connected", a.name);
     let fanout = FanoutConfig {
         stripes: hub.cfg.stripes,
+        anchors: Some(hub.anchors.clone()),
     };
     serve_subscriber(
         hub.book.clone(),
@@ -205,6 +234,7 @@ pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path) -> Result<Message> {
     let created = now_ms();
     let mut opts = DiffOptions::new(&hub.cfg.model_id, base, version, created);
     opts.signing_key = Some(hub.signing.clone());
+    opts.encoder.segment_target_bytes = hub.cfg.segment_bytes;
     let id = delta_id(&hub.cfg.model_id, base, version, created);
     // Cut-through: subscribers get each frame the moment the encoder emits it. Store-and-
     // forward (for comparison): the version is offered once its file is durable.
@@ -221,12 +251,17 @@ pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path) -> Result<Message> {
         let n = Checkpoint::open(&new).with_context(|| format!("open {}", new.display()))?;
         let mut file =
             AtomicFile::create(&dest2).with_context(|| format!("create {}", dest2.display()))?;
+        let mut first = true;
         let (signed, bytes) = diff_checkpoints(
             &o,
             &n,
             &opts,
             &mut |b| {
                 file.write_all(b)?;
+                if first && b.first() == Some(&(FrameKind::Segment as u8)) {
+                    first = false;
+                    println!("first-segment {version}");
+                }
                 if let Some(live) = &sink_live {
                     offer(live, b);
                 }
@@ -270,6 +305,15 @@ pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path) -> Result<Message> {
     state.version = version;
     state.snapshot = path.to_owned();
     drop(state);
+    if hub.cfg.anchor_every > 0 && version % hub.cfg.anchor_every == 0 {
+        // In the background: the next publish need not wait for a full-checkpoint write.
+        let (hub, path) = (hub.clone(), path.to_owned());
+        tokio::spawn(async move {
+            if let Err(e) = write_anchor(&hub, path, version).await {
+                eprintln!("anchor {version} not written: {e:#}");
+            }
+        });
+    }
     eprintln!(
         "published version {version}: {} changes, {bytes} bytes",
         manifest.total_changes(),

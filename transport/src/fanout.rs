@@ -10,16 +10,20 @@
 //! priority than data so that control traffic is not queued behind a transfer.
 //!
 //! The subscriber may send `Fetch { version, seqs }` (those segments, or the whole version
-//! when `seqs` is empty; answered with a new transmission and `Commit` again), `Ping`
-//! (answered with `Pong` at once) and `Active` (logged). A slow subscriber only delays
+//! when `seqs` is empty; answered with a new transmission and `Commit` again),
+//! `Resume { version, have }` (after failing over: the version minus what it has),
+//! `FetchAnchor` (answered with the newest anchor on its own stream, when the subscriber is
+//! behind the retained deltas), `Ping` (answered with `Pong` at once) and `Active` (logged). A slow subscriber only delays
 //! itself: it has its own tasks, reading from the shared book.
 
 use std::collections::BTreeSet;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use quinn::{Connection, SendStream};
+use starling_proto::anchor::AnchorSeal;
 use starling_proto::msg::{MAX_STRIPES, Message, RefuseReason};
 use thiserror::Error;
 use tokio::sync::mpsc;
@@ -43,22 +47,36 @@ pub enum FanoutError {
     NoSubscribe(String),
     #[error("the control stream writer stopped")]
     ControlGone,
+    #[error("anchor: {0}")]
+    Anchor(String),
 }
 
 /// Send priority of the control stream (data streams have 0): a `Commit` or `Pong` goes
 /// out ahead of queued segment bytes.
 pub const CONTROL_PRIORITY: i32 = 100;
 
+/// Where a server finds the anchor (full checkpoint) it offers to subscribers that are
+/// further behind than its retained deltas.
+pub trait AnchorSource: Send + Sync + std::fmt::Debug {
+    /// The newest anchor: its file and seal.
+    fn newest(&self) -> Option<(PathBuf, AnchorSeal)>;
+}
+
 /// How a server sends.
 #[derive(Debug, Clone)]
 pub struct FanoutConfig {
     /// Streams per transmission (1..=MAX_STRIPES).
     pub stripes: u16,
+    /// Anchors offered on `FetchAnchor` (none: refused).
+    pub anchors: Option<Arc<dyn AnchorSource>>,
 }
 
 impl Default for FanoutConfig {
     fn default() -> Self {
-        Self { stripes: 4 }
+        Self {
+            stripes: 4,
+            anchors: None,
+        }
     }
 }
 
@@ -78,6 +96,7 @@ pub async fn serve_subscriber(
         other => return Err(FanoutError::NoSubscribe(format!("{other:?}"))),
     };
     let _ = control.set_priority(CONTROL_PRIORITY);
+    let anchors = cfg.anchors.clone();
     let ctl = spawn_control_writer(control);
     let sender = Arc::new(Sender {
         conn: conn.clone(),
@@ -97,8 +116,34 @@ pub async fn serve_subscriber(
                     Message::Fetch { version, seqs } => {
                         let (book, sender, ctl) = (book.clone(), sender.clone(), ctl.clone());
                         tokio::spawn(async move {
-                            if let Err(e) = sender.resend(&book, &ctl, version, seqs).await {
+                            let only = if seqs.is_empty() {
+                                Filter::All
+                            } else {
+                                Filter::Only(Arc::new(seqs.into_iter().collect()))
+                            };
+                            if let Err(e) = sender.resend(&book, &ctl, version, only).await {
                                 eprintln!("resend {version} to {}: {e}", sender.name);
+                            }
+                        });
+                    }
+                    Message::Resume { version, have } => {
+                        let (book, sender, ctl) = (book.clone(), sender.clone(), ctl.clone());
+                        tokio::spawn(async move {
+                            let skip = Filter::Except(Arc::new(have.into_iter().collect()));
+                            if let Err(e) = sender.resend(&book, &ctl, version, skip).await {
+                                eprintln!("resume {version} for {}: {e}", sender.name);
+                            }
+                        });
+                    }
+                    Message::FetchAnchor { after_version } => {
+                        let (conn, ctl) = (sender.conn.clone(), ctl.clone());
+                        let anchors = anchors.clone();
+                        let name = sender.name.clone();
+                        tokio::spawn(async move {
+                            if let Err(e) =
+                                send_anchor(&conn, &ctl, anchors.as_deref(), after_version).await
+                            {
+                                eprintln!("anchor to {name}: {e}");
                             }
                         });
                     }
@@ -139,7 +184,7 @@ pub async fn serve_subscriber(
                 return Ok(());
             }
         };
-        match sender.transmit(&live, None).await? {
+        match sender.transmit(&live, Filter::All).await? {
             Progress::Complete => {
                 ctl.send(Message::Commit { version: next })
                     .await
@@ -151,6 +196,51 @@ pub async fn serve_subscriber(
             Progress::Aborted | Progress::Streaming => {}
         }
     }
+}
+
+/// Answers `FetchAnchor`: the newest anchor, if it is newer than what the subscriber holds,
+/// on its own stream (`Anchor { seal }`, then the file's bytes); else a refusal.
+async fn send_anchor(
+    conn: &Connection,
+    ctl: &mpsc::Sender<Message>,
+    anchors: Option<&dyn AnchorSource>,
+    after_version: u64,
+) -> Result<(), FanoutError> {
+    use tokio::io::AsyncReadExt;
+    let newest = anchors.and_then(|a| a.newest());
+    let Some((path, seal)) = newest.filter(|(_, s)| s.version > after_version) else {
+        let _ = ctl
+            .send(Message::Refuse {
+                reason: RefuseReason::VersionUnavailable,
+                detail: format!("no anchor after version {after_version} here"),
+            })
+            .await;
+        return Ok(());
+    };
+    let mut file = tokio::fs::File::open(&path)
+        .await
+        .map_err(|e| FanoutError::Anchor(format!("open {}: {e}", path.display())))?;
+    let mut data = conn.open_uni().await?;
+    let mut head = Vec::new();
+    Message::Anchor { seal }.encode(&mut head);
+    data.write_all(&head).await?;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut left = seal.size;
+    while left > 0 {
+        let n = file
+            .read(&mut buf)
+            .await
+            .map_err(|e| FanoutError::Anchor(format!("read {}: {e}", path.display())))?;
+        if n == 0 {
+            break;
+        }
+        let n = n.min(left as usize);
+        data.write_all(&buf[..n]).await?;
+        left -= n as u64;
+    }
+    data.finish()?;
+    eprintln!("sent anchor {}", seal.version);
+    Ok(())
 }
 
 /// Writes control messages from several tasks onto the one control stream, in order.
@@ -165,6 +255,28 @@ fn spawn_control_writer(mut control: SendStream) -> mpsc::Sender<Message> {
         let _ = control.finish();
     });
     tx
+}
+
+/// Which frames of a version a transmission carries.
+#[derive(Debug, Clone)]
+enum Filter {
+    All,
+    /// These segments only (a `Fetch` of what is missing).
+    Only(Arc<BTreeSet<u32>>),
+    /// Everything but these segments (a `Resume` on a new source).
+    Except(Arc<BTreeSet<u32>>),
+}
+
+impl Filter {
+    fn passes(&self, frame: &WireFrame) -> bool {
+        match (self, frame.seq) {
+            (Self::All, _) => true,
+            (Self::Only(s), Some(seq)) => s.contains(&seq),
+            (Self::Only(_), None) => false,
+            (Self::Except(s), Some(seq)) => !s.contains(&seq),
+            (Self::Except(_), None) => true,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -183,12 +295,12 @@ impl Sender {
     async fn transmit(
         &self,
         live: &Arc<crate::book::LiveVersion>,
-        only: Option<Arc<BTreeSet<u32>>>,
+        only: Filter,
     ) -> Result<Progress, FanoutError> {
         let transmission = self.transmissions.fetch_add(1, Ordering::Relaxed);
         let stripes = match &only {
-            Some(s) => self.stripes.min(s.len().max(1) as u16),
-            None => self.stripes,
+            Filter::Only(s) => self.stripes.min(s.len().max(1) as u16),
+            _ => self.stripes,
         };
         let corrupt = take_fault(live.version);
         let mut tasks = Vec::with_capacity(stripes as usize);
@@ -218,9 +330,7 @@ impl Sender {
                         Next::End(p) => break p,
                     };
                     index += usize::from(stripes);
-                    if let Some(set) = &only
-                        && !frame.seq.is_some_and(|s| set.contains(&s))
-                    {
+                    if !only.passes(&frame) {
                         continue;
                     }
                     write_frame(&mut data, &frame, corrupt && stripe == 0 && sent == 0).await?;
@@ -264,7 +374,7 @@ impl Sender {
         book: &VersionBook,
         ctl: &mpsc::Sender<Message>,
         version: u64,
-        seqs: Vec<u32>,
+        only: Filter,
     ) -> Result<(), FanoutError> {
         let Some(live) = book.get(version) else {
             let detail = format!("version {version} is not retained here");
@@ -276,7 +386,6 @@ impl Sender {
                 .await;
             return Ok(());
         };
-        let only = (!seqs.is_empty()).then(|| Arc::new(seqs.into_iter().collect()));
         if self.transmit(&live, only).await? == Progress::Complete {
             eprintln!("sent version {version} to {} again", self.name);
             let _ = ctl.send(Message::Commit { version }).await;

@@ -123,6 +123,19 @@ impl DataStreamReader {
         }
     }
 
+    /// The next raw bytes after what was parsed (for a stream that carries a file after
+    /// its leading message); `None` at the end of the stream.
+    pub async fn chunk(&mut self) -> Result<Option<Vec<u8>>, FramedError> {
+        if !self.buf.is_empty() {
+            return Ok(Some(std::mem::take(&mut self.buf)));
+        }
+        if self.fill().await? {
+            Ok(Some(std::mem::take(&mut self.buf)))
+        } else {
+            Ok(None)
+        }
+    }
+
     /// The leading control message.
     pub async fn message(&mut self) -> Result<Message, FramedError> {
         loop {

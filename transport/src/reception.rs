@@ -110,6 +110,11 @@ impl Reception {
         e.1 = e.1.saturating_add(1);
     }
 
+    /// The segment numbers received so far.
+    pub fn have(&self) -> Vec<u32> {
+        self.seqs.iter().copied().collect()
+    }
+
     /// Every segment the manifest names, and the manifest, are here.
     pub fn complete(&self) -> bool {
         self.segment_count

@@ -6,7 +6,8 @@
 use std::net::SocketAddr;
 
 use quinn::{Connection, Endpoint, SendStream};
-use starling_proto::msg::Message;
+use starling_proto::anchor::AnchorSeal;
+use starling_proto::msg::{Message, RefuseReason};
 use thiserror::Error;
 use tokio::sync::mpsc;
 
@@ -41,9 +42,17 @@ pub enum UpstreamEvent {
         stripes: u16,
         error: Option<String>,
     },
+    /// An anchor (full checkpoint) is arriving: `seal.size` bytes follow on `stream`.
+    Anchor {
+        seal: AnchorSeal,
+        stream: DataStreamReader,
+    },
     Commit(u64),
     Pong(u64),
-    Refused(String),
+    Refused {
+        reason: RefuseReason,
+        detail: String,
+    },
     Closed(String),
 }
 
@@ -128,7 +137,7 @@ pub async fn subscribe(
                 Ok(Some(Message::Commit { version })) => UpstreamEvent::Commit(version),
                 Ok(Some(Message::Pong { nonce })) => UpstreamEvent::Pong(nonce),
                 Ok(Some(Message::Refuse { reason, detail })) => {
-                    UpstreamEvent::Refused(format!("{reason:?}: {detail}"))
+                    UpstreamEvent::Refused { reason, detail }
                 }
                 Ok(Some(other)) => {
                     eprintln!("upstream: ignored {other:?}");
@@ -163,6 +172,10 @@ async fn read_data_stream(recv: quinn::RecvStream, ev: mpsc::Sender<UpstreamEven
             transmission,
             stripes,
         }) => (version, base_version, delta_id, transmission, stripes),
+        Ok(Message::Anchor { seal }) => {
+            let _ = ev.send(UpstreamEvent::Anchor { seal, stream: r }).await;
+            return;
+        }
         Ok(other) => return eprintln!("data stream began with {other:?}"),
         Err(e) => return eprintln!("data stream: {e}"),
     };

@@ -97,8 +97,13 @@ fn main() -> Result<()> {
     println!("|---|---|---|---|---|---|---|---|");
     for l in &links {
         let dir = tempfile::tempdir()?;
-        let mut tb =
-            Testbed::with_checkpoints(dir, steps.clone(), &[("relay", "r"), ("actor", "a")], &[]);
+        let mut tb = Testbed::with_checkpoints(
+            dir,
+            steps.clone(),
+            &[("relay", "r"), ("actor", "a")],
+            &[],
+            &[],
+        );
         let bdp = (l.mbit as f64 * 1e6 / 8.0 * l.rtt_ms as f64 / 1e3) as u64;
         let netem = [
             "--rate".to_owned(),

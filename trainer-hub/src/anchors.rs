@@ -1,0 +1,257 @@
+//! The hub's anchors: a full checkpoint every `every` versions, kept in the store beside the
+//! deltas, so that a receiver further behind than the retained deltas restores from the
+//! newest anchor plus the deltas after it.
+//!
+//! Layout: `anchors/vNNNNNNNN.safetensors` (one file, whatever the trainer's sharding, with
+//! the version in its metadata) and `anchors/vNNNNNNNN.seal` (the signed size and BLAKE3;
+//! see `starling_proto::anchor`). Both are written atomically, the seal last, so an anchor
+//! exists only once it is whole. Retention: the newest `keep` anchors, and the delta files
+//! from the oldest kept anchor on — older deltas can no longer be the shortest way anywhere.
+//!
+//! Scale: an anchor is a full BF16 checkpoint (16 GB at 8B, 140 GB at 70B), written by a
+//! background task from the trainer's file with memory bounded by the largest tensor; at one
+//! anchor per 16–64 steps the write costs a few percent of the hub's disk bandwidth.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use anyhow::{Context, Result, bail};
+use ed25519_dalek::SigningKey;
+use starling_checkpoint::safetensors::Checkpoint;
+use starling_checkpoint::writer::{AtomicFile, SafetensorsWriter};
+use starling_proto::anchor::AnchorSeal;
+use starling_proto::manifest::TrustPolicy;
+use starling_transport::fanout::AnchorSource;
+
+const SEAL_LEN: usize = 8 + 8 + 32 + 64;
+
+/// The anchors of one hub.
+#[derive(Debug)]
+pub struct Anchors {
+    dir: PathBuf,
+    deltas: PathBuf,
+    model_id: String,
+    key: SigningKey,
+    keep: usize,
+    index: Mutex<BTreeMap<u64, AnchorSeal>>,
+}
+
+impl Anchors {
+    /// Opens `store/anchors`, keeping the anchors whose seal verifies under `key`.
+    pub fn open(store: &Path, model_id: &str, key: SigningKey, keep: usize) -> Result<Self> {
+        let dir = store.join("anchors");
+        std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
+        let trust = TrustPolicy::Keys(vec![key.verifying_key()]);
+        let mut index = BTreeMap::new();
+        for entry in std::fs::read_dir(&dir).with_context(|| format!("list {}", dir.display()))? {
+            let path = entry?.path();
+            if path.extension().is_none_or(|e| e != "seal") {
+                continue;
+            }
+            match read_seal(&path) {
+                Ok(seal) if seal.verify(model_id, &trust).is_ok() => {
+                    index.insert(seal.version, seal);
+                }
+                Ok(_) => eprintln!("{}: seal does not verify; ignored", path.display()),
+                Err(e) => eprintln!("{}: {e:#}; ignored", path.display()),
+            }
+        }
+        Ok(Self {
+            dir,
+            deltas: store.join("deltas"),
+            model_id: model_id.to_owned(),
+            key,
+            keep: keep.max(1),
+            index: Mutex::new(index),
+        })
+    }
+
+    fn file(&self, version: u64) -> PathBuf {
+        self.dir.join(format!("v{version:08}.safetensors"))
+    }
+
+    fn seal_file(&self, version: u64) -> PathBuf {
+        self.dir.join(format!("v{version:08}.seal"))
+    }
+
+    pub fn has(&self, version: u64) -> bool {
+        self.index
+            .lock()
+            .map(|i| i.contains_key(&version))
+            .unwrap_or(false)
+    }
+
+    /// Writes the anchor of `version` from `checkpoint` (a file or sharded directory), then
+    /// applies the retention policy. Blocking: run it off the async runtime.
+    pub fn write(&self, checkpoint: &Path, version: u64) -> Result<AnchorSeal> {
+        let src = Checkpoint::open(checkpoint)
+            .with_context(|| format!("open {}", checkpoint.display()))?;
+        let layout: Vec<(String, Vec<u64>)> = src
+            .tensors()
+            .iter()
+            .map(|t| (t.name.clone(), t.shape.clone()))
+            .collect();
+        let dest = self.file(version);
+        let mut out = SafetensorsWriter::create(&dest, &layout, Some(version))
+            .with_context(|| format!("create {}", dest.display()))?;
+        for t in src.tensors() {
+            out.write(&src.read_tensor(t)?)
+                .with_context(|| format!("write {}", dest.display()))?;
+        }
+        out.finish()
+            .with_context(|| format!("write {}", dest.display()))?;
+        let (size, hash) = hash_file(&dest)?;
+        let seal = AnchorSeal::sign(&self.key, &self.model_id, version, size, hash);
+        let mut s = AtomicFile::create(&self.seal_file(version))?;
+        s.write_all(&encode_seal(&seal))?;
+        s.commit()?;
+        if let Ok(mut i) = self.index.lock() {
+            i.insert(version, seal);
+        }
+        self.prune();
+        Ok(seal)
+    }
+
+    /// Keeps the newest `keep` anchors and the deltas from the oldest of them on.
+    fn prune(&self) {
+        let Ok(mut index) = self.index.lock() else {
+            return;
+        };
+        while index.len() > self.keep {
+            let Some((&old, _)) = index.iter().next() else {
+                break;
+            };
+            index.remove(&old);
+            for p in [self.seal_file(old), self.file(old)] {
+                if let Err(e) = std::fs::remove_file(&p) {
+                    eprintln!("remove {}: {e}", p.display());
+                }
+            }
+        }
+        let Some(&oldest) = index.keys().next() else {
+            return;
+        };
+        let Ok(entries) = std::fs::read_dir(&self.deltas) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let name = e.file_name();
+            let v = name.to_str().and_then(|n| {
+                n.strip_prefix('v')?
+                    .strip_suffix(".sdc")?
+                    .parse::<u64>()
+                    .ok()
+            });
+            if v.is_some_and(|v| v <= oldest) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
+impl AnchorSource for Anchors {
+    fn newest(&self) -> Option<(PathBuf, AnchorSeal)> {
+        let index = self.index.lock().ok()?;
+        let (&v, seal) = index.iter().next_back()?;
+        Some((self.file(v), *seal))
+    }
+}
+
+fn hash_file(path: &Path) -> Result<(u64, [u8; 32])> {
+    let mut f = std::fs::File::open(path).with_context(|| format!("open {}", path.display()))?;
+    let mut h = blake3::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut size = 0u64;
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+        size += n as u64;
+    }
+    Ok((size, *h.finalize().as_bytes()))
+}
+
+fn encode_seal(s: &AnchorSeal) -> Vec<u8> {
+    let mut b = Vec::with_capacity(SEAL_LEN);
+    b.extend_from_slice(&s.version.to_le_bytes());
+    b.extend_from_slice(&s.size.to_le_bytes());
+    b.extend_from_slice(&s.hash);
+    b.extend_from_slice(&s.signature);
+    b
+}
+
+fn read_seal(path: &Path) -> Result<AnchorSeal> {
+    let b = std::fs::read(path)?;
+    if b.len() != SEAL_LEN {
+        bail!("a seal is {SEAL_LEN} bytes, this one {}", b.len());
+    }
+    let mut version = [0u8; 8];
+    let mut size = [0u8; 8];
+    let mut hash = [0u8; 32];
+    let mut signature = [0u8; 64];
+    version.copy_from_slice(&b[0..8]);
+    size.copy_from_slice(&b[8..16]);
+    hash.copy_from_slice(&b[16..48]);
+    signature.copy_from_slice(&b[48..112]);
+    Ok(AnchorSeal {
+        version: u64::from_le_bytes(version),
+        size: u64::from_le_bytes(size),
+        hash,
+        signature,
+    })
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir};
+
+    #[test]
+    fn anchors_are_sealed_reloaded_and_pruned_with_older_deltas() {
+        let dir = tempfile::tempdir().unwrap();
+        let steps = generate_to_dir(
+            &ModelSpec::preset("tiny").unwrap(),
+            1,
+            &TrainConfig::default(),
+            &dir.path().join("ckpt"),
+            &|_| {},
+        )
+        .unwrap();
+        let store = dir.path().join("store");
+        std::fs::create_dir_all(store.join("deltas")).unwrap();
+        for v in 1..=6 {
+            std::fs::write(store.join(format!("deltas/v{v:08}.sdc")), b"x").unwrap();
+        }
+        let key = SigningKey::from_bytes(&[5; 32]);
+        let a = Anchors::open(&store, "tiny", key.clone(), 2).unwrap();
+        for v in [2, 4, 6] {
+            let seal = a.write(&steps[1], v).unwrap();
+            let (size, hash) = hash_file(&a.file(v)).unwrap();
+            assert_eq!((seal.size, seal.hash), (size, hash));
+        }
+        assert!(!a.has(2) && a.has(4) && a.has(6));
+        assert!(!a.file(2).exists());
+        let left: Vec<bool> = (1..=6)
+            .map(|v| store.join(format!("deltas/v{v:08}.sdc")).exists())
+            .collect();
+        assert_eq!(left, [false, false, false, false, true, true]);
+        let again = Anchors::open(&store, "tiny", key, 2).unwrap();
+        assert_eq!(again.newest().map(|(_, s)| s.version), Some(6));
+        let other = Anchors::open(&store, "tiny", SigningKey::from_bytes(&[6; 32]), 2).unwrap();
+        assert!(
+            other.newest().is_none(),
+            "another key's seals are not trusted"
+        );
+        let copy = Checkpoint::open(&a.file(6)).unwrap();
+        assert_eq!(copy.version(), Some(6));
+        assert_eq!(
+            copy.read_all().unwrap(),
+            Checkpoint::open(&steps[1]).unwrap().read_all().unwrap()
+        );
+    }
+}
