@@ -1,0 +1,405 @@
+#!/usr/bin/env bash
+# Delta delivery at 1 Gbit/s without added delay: hub -> relay over a veth pair shaped with
+# `tc tbf` (both directions), relay -> actors over an unshaped veth (the region's LAN). The
+# user-space emulator (starling-netem) cannot keep up at 1 Gbit/s, and the kernel here has no
+# netem (see shared/notes/wan-emulation.md), so this link has a rate and no delay.
+#
+#   namespaces  <prefix>-hub ── wan0 ═ tbf ═ wan0 ── <prefix>-relay ── lan0 ─── lan0 ── <prefix>-actors
+#   addresses   10.77.0.1 (hub)        10.77.0.2 (relay WAN)  10.77.0.5 (relay LAN)   10.77.0.6 (actors)
+#
+# Cases (each repeated --reps times; medians are printed):
+#   ct1   cut-through, 1 stream per version   (hub --stripes 1, relay --stripes 1)
+#   ct4   cut-through, 4 streams              (hub --stripes 4, relay --stripes 4)
+#   saf4  store-and-forward, 4 streams        (hub --store-and-forward --stripes 4)
+#
+# Per run: the delta's bytes (hub store deltas/v00000001.sdc) and, from the start (the hub's
+# `first-segment 1` line when it prints one, else the moment `publish` is started), the times
+# to the relay's `cached 1`, to the last actor's `staged 1` (else `active 1`) and to the last
+# actor's `active 1` (which includes persisting the full checkpoint). Goodput = delta bytes /
+# (relay cached - start), as % of the tbf rate. Ideal = bytes*8/rate + RTT (ping over the
+# shaped veth, idle). Also: on-wire bytes of the hub's veth per delta byte, the
+# peak 0.5 s wire rate, and CPU seconds / peak CPU% of hub and relay during the run.
+# The hub encodes the delta while it sends it (cut-through), so that goodput is bounded by
+# the encoder when the encoder is slower than the link. Each run therefore ends with a
+# catch-up: a second relay fetches the finished version from the hub's store over the same,
+# now idle, link: the transport's own goodput at this rate, used for the full-checkpoint time
+# (checkpoint bytes * 8 / catch-up goodput). Before each publish the script waits (up to
+# --quiet-wait s) for the machine to be >= 75% idle, and reports the CPU other processes used
+# during each run ("other load"): 2 shared cores make results noisy.
+#
+# Usage (as root, from anywhere; needs ip, tc, ping, ~8 GB free in --work per actor pair,
+# ~12 GB RAM for the 1.5b preset):
+#   benches/tbf-bench.sh [--reps 3] [--cases "ct1 ct4 saf4"] [--model 1.5b] [--lr 2e-5]
+#                        [--rate-mbit 1000] [--burst 500kb] [--limit 1250000] [--actors 2]
+#                        [--work /var/tmp/starling-tbf-bench] [--quiet-wait 180] [--keep]
+# (1.5b at lr 1e-5 gives an 86 MB delta; 0.5b ~32 MB.) A full default run takes ~15-20 min.
+# Binaries are taken from target/release (built with `cargo build --release --bins` if
+# missing) and copied into the work directory, so a concurrent rebuild cannot change them
+# mid-run. Checkpoints are generated once (`starling-hub bench gen`) and reused.
+# Per-run logs (stdout/stderr of every process with $EPOCHREALTIME stamps, wire/CPU samples,
+# a `top` snapshot mid-transfer) stay in WORK/run-PID/ (stores are deleted unless --keep).
+# Namespaces are named stb-PID-*; stale stb-* namespaces (and the processes in them) are
+# removed first, and everything is torn down on exit.
+set -euo pipefail
+
+cmdline="$0 $*"
+reps=3
+cases="ct1 ct4 saf4"
+model=1.5b
+lr=2e-5
+rate_mbit=1000
+burst=500kb
+limit=1250000
+actors=2
+work=/var/tmp/starling-tbf-bench
+keep=0
+quiet_wait=180
+while (($#)); do
+    case $1 in
+    --reps) reps=$2; shift 2 ;;
+    --cases) cases=$2; shift 2 ;;
+    --model) model=$2; shift 2 ;;
+    --lr) lr=$2; shift 2 ;;
+    --rate-mbit) rate_mbit=$2; shift 2 ;;
+    --burst) burst=$2; shift 2 ;;
+    --limit) limit=$2; shift 2 ;;
+    --actors) actors=$2; shift 2 ;;
+    --work) work=$2; shift 2 ;;
+    --keep) keep=1; shift ;;
+    --quiet-wait) quiet_wait=$2; shift 2 ;;
+    -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+((EUID == 0)) || { echo "run as root (network namespaces, tc)" >&2; exit 1; }
+for t in ip tc ping; do command -v $t >/dev/null || { echo "missing $t" >&2; exit 1; }; done
+
+repo=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$work"
+exec 9>"$work/.lock"
+flock -n 9 || { echo "another tbf-bench holds $work/.lock" >&2; exit 1; }
+
+# ---------------------------------------------------------------- binaries and checkpoints
+if ! [[ -x $repo/target/release/starling-hub && -x $repo/target/release/starling-relay &&
+    -x $repo/target/release/starling-actor ]]; then
+    (cd "$repo" && cargo build --release --bins)
+fi
+run_root=$work/run-$$
+mkdir -p "$run_root/bin"
+for b in starling-hub starling-relay starling-actor; do
+    cp "$repo/target/release/$b" "$run_root/bin/$b"
+done
+HUB=$run_root/bin/starling-hub RELAY=$run_root/bin/starling-relay ACTOR=$run_root/bin/starling-actor
+bin_stamp=$(stat -c '%y' "$repo/target/release/starling-hub" | cut -d. -f1)
+git_rev=$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')
+git_dirty=$(git -C "$repo" status --porcelain --untracked-files=no 2>/dev/null | wc -l)
+
+ckpt=$work/$model-lr$lr
+if [[ ! -f $ckpt/step-0001.safetensors ]]; then
+    echo "generating $model checkpoints (lr $lr) in $ckpt ..."
+    rm -rf "$ckpt.tmp"
+    "$HUB" bench gen --model "$model" --steps 1 --lr "$lr" -o "$ckpt.tmp"
+    mv "$ckpt.tmp" "$ckpt"
+fi
+step0=$ckpt/step-0000.safetensors step1=$ckpt/step-0001.safetensors
+ckpt_bytes=$(stat -c %s "$step0")
+
+# ---------------------------------------------------------------- namespaces
+P=stb-$$
+NS_HUB=$P-hub NS_RELAY=$P-relay NS_ACT=$P-actors
+HUB_IP=10.77.0.1 RELAY_WAN_IP=10.77.0.2 RELAY_LAN_IP=10.77.0.5 ACT_IP=10.77.0.6
+
+declare -A PIDS=()
+kill_pids() { # pid... : TERM, then KILL whatever is left after 3 s; reap
+    local p left
+    (($#)) || return 0
+    kill -TERM "$@" 2>/dev/null || true
+    for _ in $(seq 30); do
+        left=0
+        for p in "$@"; do kill -0 "$p" 2>/dev/null && left=1; done
+        ((left)) || break
+        sleep 0.1
+    done
+    kill -KILL "$@" 2>/dev/null || true
+    for p in "$@"; do wait "$p" 2>/dev/null || true; done
+}
+stop_all() {
+    local pids=("${PIDS[@]}")
+    PIDS=()
+    kill_pids "${pids[@]}"
+}
+del_ns() { # namespace: stop what runs in it (by PID), then delete it
+    local ns=$1 pids
+    pids=$(ip netns pids "$ns" 2>/dev/null || true)
+    if [[ -n $pids ]]; then
+        # shellcheck disable=SC2086
+        kill -TERM $pids 2>/dev/null || true
+        sleep 1
+        # shellcheck disable=SC2086
+        kill -KILL $pids 2>/dev/null || true
+    fi
+    ip netns del "$ns" 2>/dev/null || true
+}
+teardown() {
+    stop_all
+    for ns in "$NS_HUB" "$NS_RELAY" "$NS_ACT"; do del_ns "$ns"; done
+    if ((keep == 0)); then rm -rf "$run_root"/*/a*-store "$run_root"/*/hub-store "$run_root/bin"; fi
+}
+trap teardown EXIT
+trap 'exit 130' INT TERM
+
+for ns in $(ip netns list | awk '{print $1}' | grep '^stb-' || true); do
+    echo "removing stale namespace $ns"
+    del_ns "$ns"
+done
+
+ip netns add "$NS_HUB"
+ip netns add "$NS_RELAY"
+ip netns add "$NS_ACT"
+for ns in "$NS_HUB" "$NS_RELAY" "$NS_ACT"; do ip -n "$ns" link set lo up; done
+ip link add wan0 netns "$NS_HUB" type veth peer name wan0 netns "$NS_RELAY"
+ip link add lan0 netns "$NS_RELAY" type veth peer name lan0 netns "$NS_ACT"
+ip -n "$NS_HUB" addr add $HUB_IP/30 dev wan0
+ip -n "$NS_RELAY" addr add $RELAY_WAN_IP/30 dev wan0
+ip -n "$NS_RELAY" addr add $RELAY_LAN_IP/30 dev lan0
+ip -n "$NS_ACT" addr add $ACT_IP/30 dev lan0
+ip -n "$NS_HUB" link set wan0 up
+ip -n "$NS_RELAY" link set wan0 up
+ip -n "$NS_RELAY" link set lan0 up
+ip -n "$NS_ACT" link set lan0 up
+for ns in "$NS_HUB" "$NS_RELAY"; do
+    tc -n "$ns" qdisc add dev wan0 root tbf rate "${rate_mbit}mbit" burst "$burst" limit "$limit"
+done
+# No route from the actors to the hub: actors reach only the relay (no fallback bypasses the WAN).
+
+rtt_ms=$(ip netns exec "$NS_RELAY" ping -c 20 -i 0.05 -q $HUB_IP |
+    awk -F'[/ ]+' '/^rtt|^round-trip/ {print $8}')
+[[ -n $rtt_ms ]] || { echo "ping over the shaped veth failed" >&2; exit 1; }
+
+# ---------------------------------------------------------------- cluster credentials
+cluster=$run_root/cluster
+"$HUB" init --name tbf-bench --dir "$cluster" >/dev/null
+for r in r1 r2; do "$HUB" issue --role relay --name $r --dir "$cluster" -o "$run_root/$r" >/dev/null; done
+for i in $(seq "$actors"); do
+    "$HUB" issue --role actor --name "a$i" --dir "$cluster" -o "$run_root/a$i" >/dev/null
+done
+
+# ---------------------------------------------------------------- helpers
+stamp() { while IFS= read -r l; do printf '%s %s\n' "$EPOCHREALTIME" "$l"; done; }
+start() { # name namespace command... (stdout/stderr stamped into $run/NAME.out/.err)
+    local name=$1 ns=$2
+    shift 2
+    ip netns exec "$ns" "$@" > >(stamp >"$run/$name.out") 2> >(stamp >"$run/$name.err") &
+    PIDS[$name]=$!
+}
+first_ts() { # file extended-regex-after-stamp : stamp of the first matching line, or nothing
+    grep -m1 -E "^[0-9.]+ $2" "$1" 2>/dev/null | cut -d' ' -f1 || true
+}
+wait_for() { # name file regex timeout_s : stamp of the first match; dies if NAME exits
+    local name=$1 file=$2 re=$3 deadline=$((SECONDS + $4)) t
+    while :; do
+        t=$(first_ts "$file" "$re")
+        [[ -n $t ]] && { echo "$t"; return 0; }
+        if ! kill -0 "${PIDS[$name]}" 2>/dev/null; then
+            echo "$name exited while waiting for '$re' in $file:" >&2
+            tail -5 "$run/$name.err" >&2 || true
+            return 1
+        fi
+        ((SECONDS < deadline)) || { echo "timeout waiting for '$re' in $file" >&2; return 1; }
+        sleep 0.05
+    done
+}
+cpu_ticks() { # pid : utime + stime in clock ticks
+    local f
+    read -r -a f <"/proc/$1/stat" 2>/dev/null || { echo 0; return; }
+    echo $((f[13] + f[14]))
+}
+sampler() { # every 0.1 s: stamp, hub wan0 tx bytes, hub CPU ticks, relay CPU ticks
+    local hub=$1 relay=$2 tx
+    while :; do
+        tx=$(<"/sys/class/net/wan0/statistics/tx_bytes")
+        printf '%s %s %s %s\n' "$EPOCHREALTIME" "$tx" "$(cpu_ticks "$hub")" "$(cpu_ticks "$relay")"
+        sleep 0.1
+    done
+}
+f() { awk "BEGIN { printf \"%.${2:-2}f\", $1 }"; } # f EXPR [DECIMALS]: evaluate and format
+
+cpu_busy() { # busy (non-idle, non-iowait) clock ticks of the whole machine
+    local _ u n sy idle io irq sirq st
+    read -r _ u n sy idle io irq sirq st _ </proc/stat
+    echo $((u + n + sy + irq + sirq + st))
+}
+wait_quiet() { # up to $1 s for the machine to be >= 75% idle over 2 s (other jobs share it)
+    local deadline=$((SECONDS + $1)) b0 b1 cores
+    cores=$(nproc)
+    while ((SECONDS < deadline)); do
+        b0=$(cpu_busy); sleep 2; b1=$(cpu_busy)
+        (((b1 - b0) * 4 <= 2 * 100 * cores)) && return 0
+    done
+    echo "  (machine still busy after $1 s: measuring anyway; see the 'other load' column)"
+}
+
+results=$run_root/results.tsv
+printf 'case\trep\tbytes\tstart_ref\tend_ref\tt_first\tt_publish\tt_cached\tt_staged\tt_active\tgoodput_pct\tratio\twire_per_byte\tpeak_mbit\thub_cpu_s\trelay_cpu_s\thub_peak_pct\trelay_peak_pct\tt_tail\tcatchup_s\tcatchup_pct\tcatchup_hub_pct\tcatchup_relay_pct\tother_cores\n' >"$results"
+
+run_case() { # case rep
+    local c=$1 rep=$2 stripes hub_extra=() relay_stripes
+    case $c in
+    ct1) stripes=1 ;;
+    ct4) stripes=4 ;;
+    saf4) stripes=4 hub_extra=(--store-and-forward) ;;
+    *) echo "unknown case $c" >&2; return 1 ;;
+    esac
+    relay_stripes=$stripes
+    run=$run_root/$c-$rep
+    rm -rf "$run"
+    mkdir -p "$run"
+    start hub "$NS_HUB" "$HUB" serve --listen $HUB_IP:7443 --model-id tiny --cluster "$cluster" \
+        --store "$run/hub-store" --init "$step0" --stripes "$stripes" "${hub_extra[@]}"
+    wait_for hub "$run/hub.out" 'listening on' 600 >/dev/null
+    start relay "$NS_RELAY" "$RELAY" --model-id tiny --listen $RELAY_LAN_IP:7444 \
+        --hub $HUB_IP:7443 --region r1 --credentials "$run_root/r1" \
+        --wan-mbit "$rate_mbit" --wan-rtt-ms 1 --stripes "$relay_stripes"
+    wait_for relay "$run/relay.out" 'listening on' 60 >/dev/null
+    wait_for hub "$run/hub.err" 'r1 connected' 60 >/dev/null
+    for i in $(seq "$actors"); do
+        start "a$i" "$NS_ACT" "$ACTOR" --model-id tiny --hub $HUB_IP:7443 \
+            --credentials "$run_root/a$i" --init "$step0" --store "$run/a$i-store" \
+            --region r1 --relay "r1@$RELAY_LAN_IP:7444"
+    done
+    for i in $(seq "$actors"); do
+        wait_for "a$i" "$run/a$i.out" 'active 0 ' 600 >/dev/null
+        wait_for "a$i" "$run/a$i.out" 'upstream relay' 60 >/dev/null
+    done
+    wait_quiet "$quiet_wait"
+
+    local hub_pid=${PIDS[hub]} relay_pid=${PIDS[relay]} mine0=0 p
+    ip netns exec "$NS_HUB" bash -c "$(declare -f cpu_ticks sampler); sampler $hub_pid $relay_pid" \
+        >"$run/samples" 2>/dev/null &
+    PIDS[sampler]=$!
+    for p in hub relay $(seq -f 'a%g' "$actors"); do mine0=$((mine0 + $(cpu_ticks "${PIDS[$p]}"))); done
+    local busy0 t0
+    busy0=$(cpu_busy)
+    t0=$EPOCHREALTIME
+    # A `top` snapshot 1.5 s into the run (the second iteration: CPU% over 1 s).
+    (sleep 1.5 && top -b -n 2 -d 1 -p "$hub_pid,$relay_pid,${PIDS[a1]}" |
+        awk '/^top -/ {n++} n == 2' >"$run/top.txt") &
+    PIDS[top]=$!
+    ip netns exec "$NS_HUB" "$HUB" publish --model-id tiny --hub $HUB_IP:7443 \
+        --cluster "$cluster" "$step1" > >(stamp >"$run/publish.out") 2>&1
+    local t_pub=$EPOCHREALTIME
+    local t_cached
+    t_cached=$(wait_for relay "$run/relay.out" 'cached 1$' 900)
+    local i t_staged_max=0 t_active_max=0 end_ref=staged t
+    for i in $(seq "$actors"); do
+        t=$(wait_for "a$i" "$run/a$i.out" 'active 1 ' 900)
+        t_active_max=$(awk -v a="$t" -v b="$t_active_max" 'BEGIN { print (a > b ? a : b) }')
+        t=$(first_ts "$run/a$i.out" 'staged 1$')
+        [[ -n $t ]] || { t=$(first_ts "$run/a$i.out" 'active 1 '); end_ref=active; }
+        t_staged_max=$(awk -v a="$t" -v b="$t_staged_max" 'BEGIN { print (a > b ? a : b) }')
+    done
+    local mine1=0 busy1 t1
+    for p in hub relay $(seq -f 'a%g' "$actors"); do mine1=$((mine1 + $(cpu_ticks "${PIDS[$p]}"))); done
+    busy1=$(cpu_busy)
+    t1=$EPOCHREALTIME
+    local t_first start_ref=first-segment
+    t_first=$(first_ts "$run/hub.out" 'first-segment 1$')
+    [[ -n $t_first ]] || { t_first=$t0; start_ref=publish; }
+    wait "${PIDS[top]}" 2>/dev/null || true
+    unset 'PIDS[top]'
+
+    # Catch-up: a second relay (same link, now idle) fetches the finished version from the
+    # hub's store: the transport's goodput over the shaped link, without the encoder in front.
+    local h0 h1 r1c c0 c1 t_r2 t_r2c
+    start relay2 "$NS_RELAY" "$RELAY" --model-id tiny --listen $RELAY_LAN_IP:7445 \
+        --hub $HUB_IP:7443 --region r2 --credentials "$run_root/r2" \
+        --wan-mbit "$rate_mbit" --wan-rtt-ms 1 --stripes "$relay_stripes"
+    h0=$(cpu_ticks "$hub_pid")
+    c0=$EPOCHREALTIME
+    t_r2=$(wait_for relay2 "$run/relay2.out" 'listening on' 60)
+    t_r2c=$(wait_for relay2 "$run/relay2.out" 'cached 1$' 300)
+    h1=$(cpu_ticks "$hub_pid")
+    r1c=$(cpu_ticks "${PIDS[relay2]}")
+    c1=$EPOCHREALTIME
+
+    local bytes
+    bytes=$(stat -c %s "$run/hub-store/deltas/v00000001.sdc")
+    stop_all
+
+    # Wire: bytes the hub's veth sent between t0 and the relay's `cached`; peak rate over 0.5 s.
+    # CPU: hub and relay CPU seconds between t0 and the last `active`, peak % over 0.5 s.
+    local wire
+    wire=$(awk -v t0="$t0" -v tc="$t_cached" -v te="$t_active_max" '
+        $1 >= t0 && $1 <= te && !s { s = 1; tx0 = $2; h0 = $3; r0 = $4 }
+        s && $1 <= tc { txc = $2 }
+        s && $1 <= te { h1 = $3; r1 = $4; t[n] = $1; tx[n] = $2; h[n] = $3; r[n] = $4; n++ }
+        END {
+            for (i = 0; i < n; i++) for (j = i + 1; j < n; j++) if (t[j] - t[i] >= 0.5) {
+                d = t[j] - t[i]
+                m = (tx[j] - tx[i]) * 8 / d / 1e6; if (m > pm) pm = m
+                x = (h[j] - h[i]) / d; if (x > ph) ph = x
+                y = (r[j] - r[i]) / d; if (y > pr) pr = y
+                break
+            }
+            printf "%d %.0f %.2f %.2f %.0f %.0f", txc - tx0, pm, (h1 - h0) / 100, (r1 - r0) / 100, ph, pr
+        }' "$run/samples")
+    local wire_bytes peak_mbit hub_cpu relay_cpu hub_peak relay_peak
+    read -r wire_bytes peak_mbit hub_cpu relay_cpu hub_peak relay_peak <<<"$wire"
+
+    awk -v c="$c" -v rep="$rep" -v b="$bytes" -v sr="$start_ref" -v er="$end_ref" \
+        -v t0="$t0" -v tf="$t_first" -v tp="$t_pub" -v tc="$t_cached" -v ts="$t_staged_max" \
+        -v ta="$t_active_max" -v rate="$rate_mbit" -v rtt="$rtt_ms" -v wb="$wire_bytes" \
+        -v pm="$peak_mbit" -v hc="$hub_cpu" -v rc="$relay_cpu" -v hp="$hub_peak" -v rp="$relay_peak" \
+        -v t2="$t_r2" -v t2c="$t_r2c" -v h0="$h0" -v h1="$h1" -v r1c="$r1c" -v c0="$c0" -v c1="$c1" \
+        -v m0="$mine0" -v m1="$mine1" -v b0="$busy0" -v b1="$busy1" -v t1="$t1" '
+        BEGIN {
+            ideal = b * 8 / (rate * 1e6) + rtt / 1000
+            printf "%s\t%d\t%d\t%s\t%s\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f\t%.1f\t%.2f\t%.3f\t%d\t%.2f\t%.2f\t%d\t%d",
+                c, rep, b, sr, er, tf - t0, tp - t0, tc - tf, ts - tf, ta - tf,
+                100 * b * 8 / (tc - tf) / (rate * 1e6), (ts - tf) / ideal, wb / b, pm, hc, rc, hp, rp
+            printf "\t%.3f\t%.3f\t%.1f\t%.0f\t%.0f\t%.2f\n", tc - tp, t2c - t2,
+                100 * b * 8 / (t2c - t2) / (rate * 1e6), (h1 - h0) / (c1 - c0), r1c / (c1 - c0),
+                ((b1 - b0) - (m1 - m0)) / 100 / (t1 - t0)
+        }' >>"$results"
+    tail -1 "$results" | awk -F'\t' '{ printf "  %s #%s: delta %.1f MB, first segment +%.2f s, publish returned +%.2f s; from %s: relay cached %.2f s (%.1f%% of link), last %s %.2f s (%.2fx ideal), last active %.2f s; wire %.3f B/B, peak %d Mbit/s; CPU s hub %.1f relay %.1f, peak%% hub %d relay %d; catch-up %.2f s (%.1f%% of link, hub %d%% relay %d%% CPU); other load %.2f cores\n",
+        $1, $2, $3 / 1e6, $6, $7, $4, $8, $11, $5, $9, $12, $10, $13, $14, $15, $16, $17, $18, $20, $21, $22, $23, $24 }'
+    if ((keep == 0)); then rm -rf "$run"/a*-store "$run/hub-store"; fi
+}
+
+echo "tbf-bench: $model lr $lr, $(f "$ckpt_bytes/1e6" 1) MB checkpoint; tbf rate ${rate_mbit}mbit burst $burst limit $limit; idle RTT $rtt_ms ms; $actors actors; logs in $run_root"
+for rep in $(seq "$reps"); do
+    for c in $cases; do # interleaved, so slow drifts (page cache, other load) hit every case alike
+        run_case "$c" "$rep"
+    done
+done
+
+# ---------------------------------------------------------------- summary (medians)
+median() { sort -g | awk '{ v[NR] = $1 } END { if (NR % 2) print v[(NR + 1) / 2]; else print (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
+col() { awk -F'\t' -v c="$1" -v k="$2" 'NR > 1 && $1 == c { print $k }' "$results" | median; }
+refs() { awk -F'\t' -v c="$1" -v k="$2" 'NR > 1 && $1 == c { print $k }' "$results" | sort -u | paste -sd/; }
+label() { case $1 in ct1) echo "cut-through, 1 stream" ;; ct4) echo "cut-through, 4 streams" ;; saf4) echo "store-and-forward, 4 streams" ;; esac; }
+
+echo
+echo "### Delta delivery over tbf ${rate_mbit} Mbit/s, no added delay (medians of $reps runs)"
+echo
+echo "Settings: tbf rate ${rate_mbit}mbit burst $burst limit $limit B on both directions of the hub-relay veth (idle ping RTT $rtt_ms ms); relay-actors veth unshaped; $actors actors; model preset $model, lr $lr, 1 step; checkpoint $(f "$ckpt_bytes/1e6" 1) MB (BF16); relay --wan-mbit $rate_mbit --wan-rtt-ms 1; binaries of $git_rev (+$git_dirty modified files, built $bin_stamp); $(nproc) cores."
+echo
+echo "| case | delta MB | start → end ref | first segment after publish start (s) | publish returned (s) | relay cached (s) | goodput (% of link) | relay cached − publish returned (s) | last staged (s) | staged / ideal (bytes/rate + RTT) | last active (s) | wire B / delta B | peak wire Mbit/s | hub / relay CPU s | hub / relay peak CPU % | catch-up: s, % of link, hub / relay CPU % | full checkpoint at catch-up goodput (s) | full checkpoint ÷ last staged | other load (cores) |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+for c in $cases; do
+    b=$(col "$c" 3) tc_=$(col "$c" 8) gp=$(col "$c" 11) cu=$(col "$c" 21) st=$(col "$c" 9)
+    full=$(f "$ckpt_bytes*8/($cu/100*$rate_mbit*1e6)" 1)
+    printf '| %s | %s | %s → %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s | %s / %s | %s s, %s%%, %s / %s | %s | %s | %s |\n' \
+        "$(label "$c")" "$(f "$b/1e6" 1)" "$(refs "$c" 4)" "$(refs "$c" 5)" "$(f "$(col "$c" 6)")" \
+        "$(f "$(col "$c" 7)")" "$(f "$tc_")" "$(f "$gp" 1)" "$(f "$(col "$c" 19)")" "$(f "$st")" \
+        "$(f "$(col "$c" 12)")" "$(f "$(col "$c" 10)")" "$(f "$(col "$c" 13)" 3)" "$(col "$c" 14)" \
+        "$(f "$(col "$c" 15)" 1)" "$(f "$(col "$c" 16)" 1)" "$(col "$c" 17)" "$(col "$c" 18)" \
+        "$(f "$(col "$c" 20)")" "$(f "$cu" 1)" "$(col "$c" 22)" "$(col "$c" 23)" \
+        "$full" "$(f "$full/$st" 1)" "$(f "$(col "$c" 24)")"
+done
+echo
+echo "Full BF16 checkpoint ($(f "$ckpt_bytes/1e6" 1) MB) at the line rate: $(f "$ckpt_bytes*8/($rate_mbit*1e6)" 1) s."
+echo "Times are from the start reference (hub \`first-segment 1\`, or the start of \`publish\` when the hub does not print it) except the two columns \"after publish start\"/\"publish returned\" (from the start of \`publish\`; \`publish\` returns once the delta file is durable). \"staged\" falls back to \`active\` when actors do not print \`staged\`; \`active\` includes persisting the full checkpoint. Goodput = delta bytes / relay-cached time (bounded by the encoder when it is slower than the link). Catch-up = a second relay fetching the finished version from the hub's store over the same, now idle, link (listening → cached): the transport's goodput without the encoder. CPU % is of one core; CPU seconds span publish start → last active. Other load = CPU used by processes outside the benchmark (e.g. concurrent builds) during the run, in cores."
+echo
+echo "Command: \`$cmdline\`"
+echo "Per-run results: $results"
