@@ -1,30 +1,33 @@
-//! The actor's weight pipeline, first slice: connect to the hub, subscribe after the version
-//! it holds, stage every announced delta against its active weights, and activate it on
-//! `Commit` only once the whole delta verified (signature by the trusted hub key, every
-//! segment hash, base version and digest, post digest). The weights never change in between:
-//! [`starling_proto::apply`] makes the commit a bare overwrite after every check.
+//! The actor's weight pipeline: subscribe to the region's relay (else another relay, else the
+//! hub) after the version it holds; stage the next version **frame by frame as it arrives**,
+//! against the active weights, while generating with them; activate it on `Commit` only once
+//! the whole delta verified (signature by the trusted hub key, every segment hash, base
+//! version and digest, post digest). The weights never change in between:
+//! [`starling_proto::apply`] makes the commit a bare overwrite after every check, with an
+//! undo log.
 //!
-//! The active weights are persisted after each commit (atomically: temporary file, fsync,
-//! rename), so a restarted actor resumes from the version it last activated. An inference
-//! engine is not attached yet; the engine trait arrives with the rollout work.
+//! Each activated version is made durable in the [`store`] (a snapshot plus a journal of the
+//! verified deltas: O(delta) bytes per step) before it is reported `Active`, so a restarted
+//! actor resumes from the version it last activated.
 //!
-//! Sources are tried in order (the region's relays, then the hub); when one dies the actor
-//! subscribes to the next after the version it holds, so nothing it activated is lost.
-//!
-//! Not yet here: anchors for actors more than the retention behind, resuming a half-received
-//! version segment by segment (a version is refetched whole), an in-place memory-mapped store
-//! (today a full rewrite per version), safe points of an inference engine, metrics.
+//! Recovery: missing segments are fetched once every stripe of a transmission ended
+//! (`Reception`); a source that dies is replaced by the next one with `Resume`, so the
+//! segments already staged are not sent again; an actor behind every source's retained deltas
+//! restores the hub's newest anchor (sealed, hashed, checked) and follows the chain from it.
+//! An inference engine is not attached yet (the engine trait and its safe points arrive with
+//! the rollout work).
+
+pub mod store;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use anyhow::{Context, Result, bail};
 use ed25519_dalek::VerifyingKey;
 use quinn::SendStream;
 use starling_checkpoint::deltafile::Model;
 use starling_checkpoint::safetensors::Checkpoint;
-use starling_checkpoint::writer::SafetensorsWriter;
 use starling_proto::anchor::AnchorSeal;
 use starling_proto::apply::Stager;
 use starling_proto::apply::{VersionedWeights, full_digest};
@@ -37,6 +40,7 @@ use starling_transport::identity::{Credentials, Role, manifest_key};
 use starling_transport::link::LinkProfile;
 use starling_transport::reception::{Added, Reception};
 use starling_transport::upstream::{UpstreamEvent, subscribe};
+use store::{Layout, Store};
 
 /// Where to subscribe: relays of the actor's region first, then the hub.
 #[derive(Debug, Clone)]
@@ -70,38 +74,6 @@ const MAX_FAILOVERS: u32 = 50;
 /// How many times one version may be fetched again before the actor gives up.
 const MAX_REFETCHES: u32 = 5;
 
-const CURRENT: &str = "current.safetensors";
-
-/// Tensor names and shapes, in name order.
-type Layout = Vec<(String, Vec<u64>)>;
-
-/// Loads the active weights: the store's copy if there is one, else the initial checkpoint.
-fn load(cfg: &ActorConfig) -> Result<(Model, Layout, u64)> {
-    let stored = cfg.store.join(CURRENT);
-    let path = if stored.exists() {
-        stored
-    } else {
-        cfg.init.clone()
-    };
-    let c = Checkpoint::open(&path).with_context(|| format!("open {}", path.display()))?;
-    let layout = c
-        .tensors()
-        .iter()
-        .map(|t| (t.name.clone(), t.shape.clone()))
-        .collect();
-    Ok((c.read_all()?, layout, c.version().unwrap_or(0)))
-}
-
-fn persist(store: &Path, layout: &[(String, Vec<u64>)], w: &Model, version: u64) -> Result<()> {
-    std::fs::create_dir_all(store).context("create store")?;
-    let mut out = SafetensorsWriter::create(&store.join(CURRENT), layout, Some(version))
-        .context("write weights")?;
-    for t in w.values() {
-        out.write(t).context("write weights")?;
-    }
-    out.finish().context("write weights")
-}
-
 /// One version on its way in. The next version (active + 1) is staged frame by frame as it
 /// arrives; later ones are buffered until their base is active.
 #[derive(Debug)]
@@ -109,6 +81,8 @@ struct Pending {
     reception: Reception,
     stager: Option<Stager>,
     buffered: Vec<StreamFrame>,
+    /// Every frame's wire bytes (for the store's journal).
+    raw: Vec<Vec<u8>>,
 }
 
 /// What handling an event led to.
@@ -124,7 +98,8 @@ enum Outcome {
 struct Pipeline<'a> {
     cfg: &'a ActorConfig,
     trust: &'a TrustPolicy,
-    layout: &'a Layout,
+    layout: Layout,
+    store: Store,
     metrics: &'a Metrics,
     state: VersionedWeights<Model>,
     pending: BTreeMap<u64, Pending>,
@@ -167,15 +142,17 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         });
         println!("http on {at}");
     }
-    let (weights, layout, version) = load(&cfg)?;
-    let names: Vec<String> = weights.keys().cloned().collect();
-    let digest = full_digest(&cfg.model_id, &weights, &names);
+    let loaded = Store::open(&cfg.store, &cfg.init, &cfg.model_id, &trust)?;
+    if loaded.replayed > 0 {
+        eprintln!("replayed {} journal entries", loaded.replayed);
+    }
     let mut p = Pipeline {
         cfg: &cfg,
         trust: &trust,
-        layout: &layout,
+        layout: loaded.layout,
+        store: loaded.store,
         metrics: &metrics,
-        state: VersionedWeights::new(&cfg.model_id, weights, version, digest),
+        state: loaded.state,
         pending: BTreeMap::new(),
         commits: BTreeSet::new(),
         retries: BTreeMap::new(),
@@ -382,16 +359,13 @@ impl Pipeline<'_> {
             .iter()
             .map(|t| (t.name.clone(), t.shape.clone()))
             .collect();
-        if &layout != self.layout {
+        if layout != self.layout {
             bail!("anchor is not this model (tensor layout differs)");
         }
         let weights = c.read_all()?;
         let names: Vec<String> = weights.keys().cloned().collect();
         let digest = full_digest(&self.cfg.model_id, &weights, &names);
-        std::fs::rename(&partial, self.cfg.store.join(CURRENT)).context("install anchor")?;
-        if let Ok(d) = std::fs::File::open(&self.cfg.store) {
-            let _ = d.sync_all();
-        }
+        self.store.install_snapshot(&partial, seal.version)?;
         self.state = VersionedWeights::new(&self.cfg.model_id, weights, seal.version, digest);
         self.pending.clear();
         self.commits.clear();
@@ -417,6 +391,7 @@ impl Pipeline<'_> {
                     reception: Reception::new(version, base, delta_id),
                     stager,
                     buffered: Vec::new(),
+                    raw: Vec::new(),
                 },
             );
         }
@@ -449,6 +424,7 @@ impl Pipeline<'_> {
         if p.reception.complete() {
             println!("staged {version}");
         }
+        p.raw.push(frame.bytes.clone());
         let staged = match &mut p.stager {
             Some(stager) => stager.stage_frame(frame.as_frame(), weights),
             None => {
@@ -501,10 +477,11 @@ impl Pipeline<'_> {
             if !ready {
                 return Ok(any);
             }
-            let Some(p) = self.pending.remove(&next) else {
+            let Some(mut p) = self.pending.remove(&next) else {
                 return Ok(any);
             };
             let transfer = p.reception.started.elapsed();
+            let raw = std::mem::take(&mut p.raw);
             match self.seal_and_commit(p) {
                 Ok(apply) => {
                     any = true;
@@ -513,12 +490,8 @@ impl Pipeline<'_> {
                     self.metrics.observe_transfer(transfer);
                     self.metrics.observe_apply(apply);
                     self.metrics.set_active(next);
-                    persist(
-                        &self.cfg.store,
-                        self.layout,
-                        self.state.weights(),
-                        self.state.version(),
-                    )?;
+                    let frames: Vec<&[u8]> = raw.iter().map(Vec::as_slice).collect();
+                    self.store.record(next, &frames, &self.state)?;
                     println!("active {} {}", self.state.version(), self.state.digest());
                     let _ = send(
                         control,

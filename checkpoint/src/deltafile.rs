@@ -13,8 +13,8 @@ use std::path::{Path, PathBuf};
 use ed25519_dalek::SigningKey;
 use starling_proto::apply::{StageError, VersionedWeights, full_digest};
 use starling_proto::container::{
-    FILE_HEADER_LEN, FRAME_HEADER_LEN, Frame, FrameKind, Trailer, check_file_header, frame_hash,
-    parse_frame_header,
+    FILE_HEADER_LEN, FRAME_HEADER_LEN, Frame, FrameKind, Trailer, check_file_header, file_header,
+    frame_hash, parse_frame, parse_frame_header,
 };
 use starling_proto::digest::StateDigest;
 use starling_proto::encode::{DeltaEncoder, DeltaHeader, EncoderConfig, TensorPair};
@@ -254,6 +254,58 @@ pub fn diff_to_file(
         manifest: signed.manifest,
         delta_bytes,
     })
+}
+
+/// Writes received wire frames (segments and a manifest, each a whole frame with its hash,
+/// in any order) as a `.sdc` file, atomically: segments by sequence number, the manifest,
+/// and a trailer that points at it. What relays cache and actors journal.
+pub fn write_frames(dest: &Path, frames: &[&[u8]]) -> Result<u64, DeltaFileError> {
+    let decode_err = |source| DeltaFileError::Decode {
+        path: dest.to_owned(),
+        source,
+    };
+    let io = |op, source| DeltaFileError::Io {
+        op,
+        path: dest.to_owned(),
+        source,
+    };
+    let mut segments = Vec::new();
+    let mut manifest = None;
+    for f in frames {
+        let frame = parse_frame(f).map_err(decode_err)?;
+        match frame.kind {
+            FrameKind::Segment => {
+                let (_, seq) =
+                    starling_proto::segment::Segment::peek_id(frame.body).map_err(decode_err)?;
+                segments.push((seq, *f));
+            }
+            FrameKind::Manifest => manifest = Some(*f),
+            FrameKind::Trailer => {}
+        }
+    }
+    let manifest = manifest.ok_or_else(|| {
+        decode_err(DecodeError::Truncated {
+            what: "delta without its manifest",
+        })
+    })?;
+    segments.sort_by_key(|(seq, _)| *seq);
+    let mut out = AtomicFile::create(dest).map_err(|e| io("create", e))?;
+    out.write_all(&file_header()).map_err(|e| io("write", e))?;
+    let mut at = FILE_HEADER_LEN as u64;
+    for (_, f) in &segments {
+        out.write_all(f).map_err(|e| io("write", e))?;
+        at += f.len() as u64;
+    }
+    out.write_all(manifest).map_err(|e| io("write", e))?;
+    let trailer = Trailer {
+        manifest_offset: at,
+        manifest_frame_len: manifest.len() as u64,
+        segment_count: segments.len() as u32,
+    };
+    let trailer = trailer.encode_frame();
+    out.write_all(&trailer).map_err(|e| io("write", e))?;
+    out.commit().map_err(|e| io("write", e))?;
+    Ok(at + (manifest.len() + trailer.len()) as u64)
 }
 
 /// One frame read from a stream, owned.

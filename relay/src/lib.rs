@@ -19,14 +19,13 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use ed25519_dalek::VerifyingKey;
 use quinn::{Connection, SendStream};
-use starling_checkpoint::writer::AtomicFile;
-use starling_proto::container::{
-    DeltaAssembler, FILE_HEADER_LEN, FrameKind, Trailer, file_header, parse_frame,
-};
+use starling_checkpoint::deltafile::write_frames;
+use starling_proto::container::{DeltaAssembler, FILE_HEADER_LEN, FrameKind, parse_frame};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::Metrics;
@@ -63,6 +62,10 @@ pub struct RelayConfig {
     pub http: Option<SocketAddr>,
     /// Versions kept in memory for laggards and late joiners.
     pub retain: usize,
+    /// How often to measure the control round trip to the hub.
+    pub ping: std::time::Duration,
+    /// Print each control round trip (`rtt-us MICROS`), for benchmarks.
+    pub print_rtt: bool,
 }
 
 /// Runs the relay until the hub goes away or the process is stopped. Prints `listening on
@@ -215,14 +218,35 @@ async fn follow_hub(
         incoming: BTreeMap::new(),
         commits: BTreeSet::new(),
     };
-    while let Some(ev) = up.events.recv().await {
-        if let UpstreamEvent::Closed(why) = ev {
-            up.close().await;
-            bail!("hub connection ended: {why}");
+    // Control-stream round trips, measured all the time (they show whether control traffic
+    // still gets through while a transfer fills the link).
+    let epoch = Instant::now();
+    let mut ping = tokio::time::interval(cfg.ping);
+    loop {
+        let ev = tokio::select! {
+            ev = up.events.recv() => ev,
+            _ = ping.tick() => {
+                let nonce = epoch.elapsed().as_micros() as u64;
+                let _ = send(&mut up.control, &Message::Ping { nonce }).await;
+                continue;
+            }
+        };
+        let Some(ev) = ev else { return Ok(()) };
+        match ev {
+            UpstreamEvent::Closed(why) => {
+                up.close().await;
+                bail!("hub connection ended: {why}");
+            }
+            UpstreamEvent::Pong(nonce) => {
+                let rtt = (epoch.elapsed().as_micros() as u64).saturating_sub(nonce);
+                metrics.observe_control_rtt(std::time::Duration::from_micros(rtt));
+                if cfg.print_rtt {
+                    println!("rtt-us {rtt}");
+                }
+            }
+            ev => f.handle(ev, &mut up.control).await?,
         }
-        f.handle(ev, &mut up.control).await?;
     }
-    Ok(())
 }
 
 impl Follower<'_> {
@@ -420,30 +444,9 @@ fn oldest_cached(dir: &Path) -> Option<u64> {
 /// Writes a complete version as a `.sdc` file (segments in order, manifest, trailer).
 fn write_cache(dir: &Path, live: &LiveVersion) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
-    let mut frames = live.snapshot();
-    frames.sort_by_key(|f| (f.kind == FrameKind::Manifest, f.seq));
-    let path = cache_path(dir, live.version);
-    let mut out = AtomicFile::create(&path)?;
-    out.write_all(&file_header())?;
-    let mut at = FILE_HEADER_LEN as u64;
-    let mut manifest = (0, 0);
-    let mut segments = 0u32;
-    for f in &frames {
-        if f.kind == FrameKind::Manifest {
-            manifest = (at, f.bytes.len() as u64);
-        } else {
-            segments += 1;
-        }
-        out.write_all(&f.bytes)?;
-        at += f.bytes.len() as u64;
-    }
-    let trailer = Trailer {
-        manifest_offset: manifest.0,
-        manifest_frame_len: manifest.1,
-        segment_count: segments,
-    };
-    out.write_all(&trailer.encode_frame())?;
-    out.commit()?;
+    let frames = live.snapshot();
+    let bytes: Vec<&[u8]> = frames.iter().map(|f| f.bytes.as_slice()).collect();
+    write_frames(&cache_path(dir, live.version), &bytes)?;
     Ok(())
 }
 

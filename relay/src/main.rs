@@ -45,6 +45,12 @@ struct Args {
     /// Versions kept in memory for laggards and late joiners.
     #[arg(long, default_value_t = 32)]
     retain: usize,
+    /// Measure the control round trip to the hub this often (milliseconds).
+    #[arg(long, default_value_t = 1000)]
+    ping_ms: u64,
+    /// Print each control round trip as `rtt-us MICROS` (benchmarks).
+    #[arg(long)]
+    print_rtt: bool,
 }
 
 fn main() -> std::process::ExitCode {
@@ -65,6 +71,8 @@ fn main() -> std::process::ExitCode {
         cache: a.cache,
         http: a.http,
         retain: a.retain,
+        ping: Duration::from_millis(a.ping_ms.max(1)),
+        print_rtt: a.print_rtt,
     };
     starling_transport::service::run_service(starling_relay::run(cfg))
 }

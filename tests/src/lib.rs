@@ -345,12 +345,16 @@ impl Testbed {
         format!("active {k} {}", full_digest("tiny", &w, &names))
     }
 
-    /// Asserts that `actor`'s stored weights are bit-identical to version `k`.
+    /// Asserts that `actor`'s store (snapshot + journal, replayed with every check under the
+    /// cluster's signing key) holds exactly version `k`, bit-identical to the trainer's.
     pub fn assert_store_is(&self, actor: &str, k: usize) {
-        let got =
-            Checkpoint::open(&self.store(actor).join("current.safetensors")).expect("open store");
-        assert_eq!(got.version(), Some(k as u64), "{actor}");
-        let got = got.read_all().expect("read store");
+        let key = starling_transport::identity::manifest_key(&self.cluster).expect("signing.pub");
+        let key = ed25519_dalek::VerifyingKey::from_bytes(&key).expect("ed25519 key");
+        let trust = starling_proto::manifest::TrustPolicy::Keys(vec![key]);
+        let (got, version) =
+            starling_actor::store::load(&self.store(actor), &self.steps[0], "tiny", &trust)
+                .expect("load store");
+        assert_eq!(version, k as u64, "{actor}");
         for (name, w) in &self.weights(k) {
             assert_eq!(
                 blake3::hash(&le_bytes(&got[name])),
