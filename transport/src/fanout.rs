@@ -2,7 +2,7 @@
 //!
 //! For each version after the one the subscriber holds, in order, [`serve_subscriber`]
 //! opens `stripes` unidirectional streams at once; stream *i* carries `Announce` and then
-//! frames *i*, *i + stripes*, … of the [`LiveVersion`] — each sent the moment it exists, so a
+//! frames *i*, *i + stripes*, … of the [`LiveVersion`](crate::book::LiveVersion) — each sent the moment it exists, so a
 //! version flows through while it is still being encoded (hub) or received (relay). Several
 //! streams keep one lost packet from stalling the whole version behind it (QUIC delivers
 //! each stream in order, not the connection). When the version is complete and every
