@@ -132,7 +132,14 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
         signing,
     });
     if !hub.anchors.has(hub.cfg.init_version) {
-        write_anchor(&hub, hub.cfg.init.clone(), hub.cfg.init_version).await?;
+        // A full-checkpoint copy: in the background, so the hub serves at once (until it is
+        // written, a subscriber asking for an anchor is refused and asks again later).
+        let (hub, init, v) = (hub.clone(), hub.cfg.init.clone(), hub.cfg.init_version);
+        tokio::spawn(async move {
+            if let Err(e) = write_anchor(&hub, init, v).await {
+                eprintln!("anchor {v} not written: {e:#}");
+            }
+        });
     }
     hub.metrics.set_active(hub.cfg.init_version);
     if let Some(http) = hub.cfg.http {
