@@ -269,14 +269,9 @@ impl Pipeline<'_> {
             } => {
                 if let Some(p) = self.pending.get_mut(&version)
                     && p.reception.delta_id == delta_id
+                    && let Some(seqs) = p.reception.stream_ended(transmission, stripes, error)
                 {
-                    if let Some(e) = &error {
-                        eprintln!("version {version}: a stream broke: {e}");
-                    }
-                    p.reception.stream_ended(transmission, stripes);
-                    if let Some(seqs) = p.reception.refetch_due() {
-                        self.refetch(control, version, seqs).await?;
-                    }
+                    self.refetch(control, version, seqs).await?;
                 }
             }
             UpstreamEvent::Commit(v) => {

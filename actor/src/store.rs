@@ -251,20 +251,7 @@ mod tests {
     use ed25519_dalek::SigningKey;
     use starling_checkpoint::deltafile::{DiffOptions, diff_to_file};
     use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir};
-    use starling_proto::container::{FILE_HEADER_LEN, parse_frame};
-
-    /// The whole frames of a `.sdc` file (without header and trailer).
-    fn frames_of(file: &[u8]) -> Vec<Vec<u8>> {
-        let mut out = Vec::new();
-        let mut at = FILE_HEADER_LEN;
-        while at < file.len() {
-            let f = parse_frame(&file[at..]).unwrap();
-            let len = f.total_len();
-            out.push(file[at..at + len].to_vec());
-            at += len;
-        }
-        out
-    }
+    use starling_proto::container::split_frames;
 
     #[test]
     fn the_journal_replays_compacts_and_stops_at_a_damaged_entry() {
@@ -291,9 +278,9 @@ mod tests {
             let new = Checkpoint::open(&steps[k as usize]).unwrap();
             diff_to_file(&old, &new, &delta, &opts, &|_| {}).unwrap();
             replay(&mut loaded.state, &delta, &trust).unwrap();
-            let frames = frames_of(&std::fs::read(&delta).unwrap());
-            let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
-            loaded.store.record(k, &refs, &loaded.state).unwrap();
+            let file = std::fs::read(&delta).unwrap();
+            let frames = split_frames(&file).unwrap();
+            loaded.store.record(k, &frames, &loaded.state).unwrap();
         }
         let want = Checkpoint::open(&steps[3]).unwrap().read_all().unwrap();
         let (got, v) = load(&store_dir, &steps[0], "tiny", &trust).unwrap();

@@ -386,6 +386,20 @@ pub enum AssembleError {
     Decode(#[from] DecodeError),
 }
 
+/// The whole frames (header, body, hash) of a `.sdc` in memory, after its file header, each
+/// one's hash checked: what a server re-offers from a stored delta.
+pub fn split_frames(file: &[u8]) -> Result<Vec<&[u8]>, DecodeError> {
+    check_file_header(file)?;
+    let mut out = Vec::new();
+    let mut at = FILE_HEADER_LEN;
+    while at < file.len() {
+        let len = parse_frame(&file[at..])?.total_len();
+        out.push(&file[at..at + len]);
+        at += len;
+    }
+    Ok(out)
+}
+
 /// Reads a whole `.sdc` from memory: header, every frame verified, trailer consistent,
 /// then assembled and checked against the manifest.
 pub fn read_delta(bytes: &[u8], trust: &TrustPolicy) -> Result<Delta, AssembleError> {

@@ -25,7 +25,7 @@ use anyhow::{Context, Result, bail};
 use ed25519_dalek::VerifyingKey;
 use quinn::{Connection, SendStream};
 use starling_checkpoint::deltafile::write_frames;
-use starling_proto::container::{DeltaAssembler, FILE_HEADER_LEN, FrameKind, parse_frame};
+use starling_proto::container::{DeltaAssembler, FrameKind, split_frames};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::Metrics;
@@ -281,11 +281,7 @@ impl Follower<'_> {
                 if inc.live.delta_id != delta_id {
                     return Ok(());
                 }
-                if let Some(e) = &error {
-                    eprintln!("version {version}: a stream broke: {e}");
-                }
-                inc.reception.stream_ended(transmission, stripes);
-                if let Some(seqs) = inc.reception.refetch_due() {
+                if let Some(seqs) = inc.reception.stream_ended(transmission, stripes, error) {
                     self.refetch(control, version, seqs).await?;
                 }
             }
@@ -476,14 +472,11 @@ fn load_cache(dir: &Path, book: &VersionBook, trust: &TrustPolicy) -> Result<usi
             return Ok(n);
         }
         let live = book.begin(v, m.base_version, m.delta_id())?;
-        let mut at = FILE_HEADER_LEN;
-        while at < bytes.len() {
-            let f = parse_frame(&bytes[at..])?;
-            let len = f.total_len();
-            if f.kind != FrameKind::Trailer {
-                live.push(WireFrame::parse(bytes[at..at + len].to_vec())?);
+        for f in split_frames(&bytes)? {
+            let w = WireFrame::parse(f.to_vec())?;
+            if w.kind != FrameKind::Trailer {
+                live.push(w);
             }
-            at += len;
         }
         book.complete(v)?;
         n += 1;

@@ -18,13 +18,13 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use anyhow::{Context, Result, anyhow, bail};
+use anyhow::{Context, Result, bail};
 use ed25519_dalek::SigningKey;
 use quinn::{Connection, SendStream};
 use starling_checkpoint::deltafile::{DiffOptions, diff_checkpoints};
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::writer::AtomicFile;
-use starling_proto::container::{FILE_HEADER_LEN, FrameKind, parse_frame};
+use starling_proto::container::{FrameKind, split_frames};
 use starling_proto::manifest::delta_id;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
 use starling_telemetry::Metrics;
@@ -296,15 +296,8 @@ pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path) -> Result<Message> {
         let file = tokio::fs::read(&dest)
             .await
             .with_context(|| format!("read {}", dest.display()))?;
-        let frames = file
-            .get(FILE_HEADER_LEN..)
-            .ok_or_else(|| anyhow!("{} is shorter than a header", dest.display()))?;
-        let mut at = 0;
-        while at < frames.len() {
-            let f = parse_frame(&frames[at..])?;
-            let len = f.total_len();
-            offer(&live, &frames[at..at + len]);
-            at += len;
+        for f in split_frames(&file)? {
+            offer(&live, f);
         }
     }
     hub.book.complete(version)?;

@@ -101,13 +101,24 @@ impl Reception {
         }
     }
 
-    /// Notes that one stripe of `transmission` ended (cleanly or not).
-    pub fn stream_ended(&mut self, transmission: u32, stripes: u16) {
+    /// Notes that one stripe of `transmission` ended, cleanly or with `error` (logged);
+    /// returns what to `Fetch` if that was the last stripe outstanding and the version is
+    /// incomplete (see [`Reception::refetch_due`]).
+    pub fn stream_ended(
+        &mut self,
+        transmission: u32,
+        stripes: u16,
+        error: Option<String>,
+    ) -> Option<Vec<u32>> {
+        if let Some(e) = error {
+            eprintln!("version {}: a stream broke: {e}", self.version);
+        }
         let e = self
             .transmissions
             .entry(transmission)
             .or_insert((stripes.max(1), 0));
         e.1 = e.1.saturating_add(1);
+        self.refetch_due()
     }
 
     /// The segment numbers received so far.
