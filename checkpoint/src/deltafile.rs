@@ -1,11 +1,12 @@
 //! Delta checkpoints on disk: diff two checkpoints into a `.sdc`, read one frame by frame,
 //! verify or apply one to a checkpoint.
 //!
-//! The diff streams: each tensor is read in chunks from both checkpoints, fed to the
-//! encoder, and every finished segment frame is written to the output at once, so memory
-//! stays at a few chunk buffers whatever the model size. The output is atomic: after any
+//! The diff streams: each tensor is taken in chunks from both checkpoints (in place from
+//! their mappings), fed to the encoder, and every finished segment frame is written to the
+//! output at once, so memory stays at a few chunks whatever the model size. The output is atomic: after any
 //! error no `.sdc` (and no partial safetensors from `apply`) exists at the destination.
 
+use std::borrow::Cow;
 use std::fs::File;
 use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
@@ -16,13 +17,14 @@ use starling_proto::container::{
     FILE_HEADER_LEN, FRAME_HEADER_LEN, Frame, FrameKind, Trailer, check_file_header, file_header,
     frame_hash, parse_frame, parse_frame_header,
 };
-use starling_proto::digest::StateDigest;
+use rayon::prelude::*;
+use starling_proto::digest::{DigestKey, StateDigest};
 use starling_proto::encode::{DeltaEncoder, DeltaHeader, EncoderConfig, TensorPair};
 use starling_proto::manifest::{Manifest, TrustPolicy, hex};
 use starling_proto::{DecodeError, manifest::SignedManifest};
 use thiserror::Error;
 
-use crate::safetensors::{Checkpoint, CheckpointError};
+use crate::safetensors::{Checkpoint, CheckpointError, TensorInfo};
 use crate::writer::{AtomicFile, SafetensorsWriter};
 
 /// Why a delta operation failed.
@@ -66,6 +68,9 @@ pub struct DiffOptions {
     /// Record each new tensor's BLAKE3 in the manifest (for audits; costs a hash pass).
     pub tensor_hashes: bool,
     pub signing_key: Option<SigningKey>,
+    /// The base's state digest when the caller knows it (the hub chains each manifest's
+    /// post digest); `None` makes the encoder hash every base element on the way.
+    pub pre_digest: Option<StateDigest>,
 }
 
 impl DiffOptions {
@@ -79,6 +84,7 @@ impl DiffOptions {
             chunk_elems: 1 << 24,
             tensor_hashes: true,
             signing_key: None,
+            pre_digest: None,
         }
     }
 }
@@ -109,17 +115,35 @@ impl Emitter<'_> {
     }
 }
 
-/// A small tensor read whole from both checkpoints, waiting to be encoded with others.
-struct WholeTensor {
-    name: String,
-    shape: Vec<u64>,
-    old: Vec<u16>,
-    new: Vec<u16>,
+/// A range of one tensor in BF16 bits: borrowed from the checkpoint's mapping when it can be,
+/// else read into an owned buffer.
+fn bf16_range<'c>(
+    ckpt: &'c Checkpoint,
+    t: &TensorInfo,
+    start: u64,
+    len: usize,
+) -> Result<Cow<'c, [u16]>, CheckpointError> {
+    if let Some(s) = ckpt.bf16_range(t, start, len) {
+        return Ok(Cow::Borrowed(s));
+    }
+    let mut v = vec![0u16; len];
+    ckpt.read_bf16(t, start, &mut v)?;
+    Ok(Cow::Owned(v))
 }
 
-/// Encodes a batch of whole tensors in parallel and emits the segments that filled up.
+/// A small tensor, whole in both checkpoints, waiting to be encoded with others.
+struct WholeTensor<'c> {
+    old_info: &'c TensorInfo,
+    new_info: &'c TensorInfo,
+    old: Cow<'c, [u16]>,
+    new: Cow<'c, [u16]>,
+}
+
+/// Encodes a batch of whole tensors in parallel (hashing the new tensors alongside) and
+/// emits the segments that filled up.
 fn flush_batch(
-    batch: &mut Vec<WholeTensor>,
+    batch: &mut Vec<WholeTensor<'_>>,
+    (old, new): (&Checkpoint, &Checkpoint),
     enc: &mut DeltaEncoder,
     out: &mut Emitter<'_>,
     hashes: bool,
@@ -127,24 +151,37 @@ fn flush_batch(
     let pairs: Vec<TensorPair<'_>> = batch
         .iter()
         .map(|t| TensorPair {
-            name: &t.name,
-            shape: t.shape.clone(),
+            name: &t.new_info.name,
+            shape: t.new_info.shape.clone(),
             old: &t.old,
             new: &t.new,
         })
         .collect();
-    for f in enc.push_tensors(&pairs) {
+    let (frames, digests) = rayon::join(
+        || enc.push_tensors(&pairs),
+        || {
+            hashes.then(|| {
+                batch
+                    .par_iter()
+                    .map(|t| *blake3::hash(bytemuck::cast_slice(&t.new)).as_bytes())
+                    .collect::<Vec<_>>()
+            })
+        },
+    );
+    for f in frames {
         out.emit(&f.bytes)?;
     }
-    if hashes {
-        for t in batch.iter() {
-            enc.set_tensor_hash(
-                &t.name,
-                *blake3::hash(bytemuck::cast_slice(&t.new)).as_bytes(),
-            );
+    for (i, t) in batch.iter().enumerate() {
+        if let Some(d) = &digests {
+            enc.set_tensor_hash(&t.new_info.name, d[i]);
         }
     }
-    batch.clear();
+    for t in batch.drain(..) {
+        let len = t.new.len();
+        drop((t.old, t.new));
+        old.release(t.old_info, 0, len);
+        new.release(t.new_info, 0, len);
+    }
     Ok(())
 }
 
@@ -152,9 +189,11 @@ fn flush_batch(
 /// (file header first). `progress` is told the elements scanned so far. Returns the signed
 /// manifest and the bytes written.
 ///
-/// Tensors smaller than a read chunk are read whole and encoded together, in parallel across
-/// tensors; larger ones are streamed chunk by chunk (parallel within the chunk), so memory
-/// stays at a few chunk buffers whatever the model size.
+/// Tensors smaller than a read chunk are taken whole and encoded together, in parallel across
+/// tensors; larger ones are streamed chunk by chunk (parallel within the chunk). BF16 tensors
+/// are read in place from the checkpoints' mappings and released chunk by chunk, so memory
+/// stays at a few chunks whatever the model size. The tensor hashes (BLAKE3 of each new
+/// tensor) run beside the encoder, not before it.
 pub fn diff_checkpoints(
     old: &Checkpoint,
     new: &Checkpoint,
@@ -168,48 +207,56 @@ pub fn diff_checkpoints(
         base_version: opts.base_version,
         version: opts.version,
         created_unix_ms: opts.created_unix_ms,
-        pre_digest: None,
+        pre_digest: opts.pre_digest,
     };
     let mut enc = DeltaEncoder::new(header, opts.encoder.clone());
     let mut out = Emitter { sink, written: 0 };
     out.emit(&enc.file_header())?;
     let chunk = opts.chunk_elems.max(1);
-    let mut a = vec![0u16; chunk];
-    let mut b = vec![0u16; chunk];
     let mut scanned = 0u64;
-    let mut batch: Vec<WholeTensor> = Vec::new();
+    let mut batch: Vec<WholeTensor<'_>> = Vec::new();
     let mut batch_elems = 0usize;
+    let pair = (old, new);
     for (to, tn) in old.tensors().iter().zip(new.tensors()) {
         let numel = to.numel();
         if numel <= chunk as u64 {
+            let n = numel as usize;
             batch.push(WholeTensor {
-                name: to.name.clone(),
-                shape: to.shape.clone(),
-                old: old.read_tensor(to)?,
-                new: new.read_tensor(tn)?,
+                old_info: to,
+                new_info: tn,
+                old: bf16_range(old, to, 0, n)?,
+                new: bf16_range(new, tn, 0, n)?,
             });
-            batch_elems += numel as usize;
+            batch_elems += n;
             scanned += numel;
             if batch_elems >= chunk {
-                flush_batch(&mut batch, &mut enc, &mut out, opts.tensor_hashes)?;
+                flush_batch(&mut batch, pair, &mut enc, &mut out, opts.tensor_hashes)?;
                 batch_elems = 0;
                 progress(scanned);
             }
             continue;
         }
-        flush_batch(&mut batch, &mut enc, &mut out, opts.tensor_hashes)?;
+        flush_batch(&mut batch, pair, &mut enc, &mut out, opts.tensor_hashes)?;
         batch_elems = 0;
         enc.begin_tensor(&to.name, &to.shape);
         let mut hasher = opts.tensor_hashes.then(blake3::Hasher::new);
         let mut start = 0u64;
         while start < numel {
             let n = (numel - start).min(chunk as u64) as usize;
-            old.read_bf16(to, start, &mut a[..n])?;
-            new.read_bf16(tn, start, &mut b[..n])?;
-            if let Some(h) = hasher.as_mut() {
-                h.update(bytemuck::cast_slice(&b[..n]));
-            }
-            for f in enc.push_range(&a[..n], &b[..n]) {
+            let a = bf16_range(old, to, start, n)?;
+            let b = bf16_range(new, tn, start, n)?;
+            let (frames, ()) = rayon::join(
+                || enc.push_range(&a, &b),
+                || {
+                    if let Some(h) = hasher.as_mut() {
+                        h.update(bytemuck::cast_slice(&b));
+                    }
+                },
+            );
+            drop((a, b));
+            old.release(to, start, n);
+            new.release(tn, start, n);
+            for f in frames {
                 out.emit(&f.bytes)?;
             }
             start += n as u64;
@@ -220,7 +267,7 @@ pub fn diff_checkpoints(
             enc.set_tensor_hash(&to.name, *h.finalize().as_bytes());
         }
     }
-    flush_batch(&mut batch, &mut enc, &mut out, opts.tensor_hashes)?;
+    flush_batch(&mut batch, pair, &mut enc, &mut out, opts.tensor_hashes)?;
     progress(scanned);
     let fin = enc.finish(opts.signing_key.as_ref());
     for f in &fin.segments {
@@ -229,6 +276,37 @@ pub fn diff_checkpoints(
     out.emit(&fin.manifest_frame)?;
     out.emit(&fin.trailer_frame)?;
     Ok((fin.manifest, out.written))
+}
+
+/// The state digest of a whole checkpoint under `model_id`'s key: what a delta from it
+/// declares as its `pre_digest`. One parallel pass, read in place and released as it goes;
+/// the hub runs it once for its initial snapshot and then chains each manifest's post digest.
+pub fn checkpoint_digest(ckpt: &Checkpoint, model_id: &str) -> Result<StateDigest, DeltaFileError> {
+    const CHUNK: usize = 1 << 22;
+    let key = DigestKey::for_model(model_id);
+    let mut total = StateDigest::default();
+    for t in ckpt.tensors() {
+        let tk = key.tensor(&t.name);
+        let numel = t.numel();
+        let mut start = 0u64;
+        while start < numel {
+            let n = (numel - start).min(16 * CHUNK as u64) as usize;
+            let bits = bf16_range(ckpt, t, start, n)?;
+            let d = bits
+                .par_chunks(CHUNK)
+                .enumerate()
+                .map(|(i, c)| tk.range(start + (i * CHUNK) as u64, c))
+                .reduce(StateDigest::default, |mut a, b| {
+                    a.merge(b);
+                    a
+                });
+            total.merge(d);
+            drop(bits);
+            ckpt.release(t, start, n);
+            start += n as u64;
+        }
+    }
+    Ok(total)
 }
 
 /// Diffs two checkpoints into a `.sdc` file, atomically.
@@ -524,4 +602,79 @@ pub fn read_manifest(delta: &Path) -> Result<(SignedManifest, Vec<OwnedFrame>), 
     }
     let m = manifest.ok_or(StageError::NoManifest)?;
     Ok((m, segs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::writer::SafetensorsWriter;
+
+    /// Writes a checkpoint of three tensors (one bigger than the diff's read chunk, so both
+    /// the batched and the chunked paths run) from a seed and a change rate.
+    fn write_checkpoint(dir: &Path, name: &str, seed: u64, changed_every: usize) -> PathBuf {
+        let layout = vec![
+            ("a.small".to_owned(), vec![7, 13]),
+            ("b.big".to_owned(), vec![3000]),
+            ("c.tail".to_owned(), vec![5]),
+        ];
+        let path = dir.join(name);
+        let mut w = SafetensorsWriter::create(&path, &layout, None).expect("create");
+        for (i, (_, shape)) in layout.iter().enumerate() {
+            let n = shape.iter().product::<u64>() as usize;
+            let data: Vec<u16> = (0..n)
+                .map(|j| {
+                    let base = (j as u16).wrapping_mul(31).wrapping_add(i as u16);
+                    if changed_every > 0 && j % changed_every == 0 {
+                        base ^ (seed as u16 | 1)
+                    } else {
+                        base
+                    }
+                })
+                .collect();
+            w.write(&data).expect("write");
+        }
+        w.finish().expect("finish");
+        path
+    }
+
+    #[test]
+    fn mapped_diff_with_a_known_base_digest_equals_the_hashing_diff_and_applies_exactly() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let old_path = write_checkpoint(dir.path(), "old.safetensors", 0, 0);
+        let new_path = write_checkpoint(dir.path(), "new.safetensors", 5, 17);
+        let (old, new) = (
+            Checkpoint::open(&old_path).expect("old"),
+            Checkpoint::open(&new_path).expect("new"),
+        );
+        let base = old.tensors().iter().find(|t| t.name == "b.big").expect("b");
+        assert!(old.bf16_range(base, 10, 100).is_some(), "BF16 is read in place");
+
+        let mut opts = DiffOptions::new("m", 0, 1, 42);
+        opts.chunk_elems = 1000;
+        let hashed = diff_to_file(&old, &new, &dir.path().join("a.sdc"), &opts, &|_| {})
+            .expect("diff");
+        opts.pre_digest = Some(checkpoint_digest(&old, "m").expect("digest"));
+        let chained = diff_to_file(&old, &new, &dir.path().join("b.sdc"), &opts, &|_| {})
+            .expect("diff");
+        assert_eq!(hashed.manifest.pre_digest, opts.pre_digest.expect("set"));
+        assert_eq!(
+            std::fs::read(dir.path().join("a.sdc")).expect("read"),
+            std::fs::read(dir.path().join("b.sdc")).expect("read"),
+            "a chained base digest gives the same delta, byte for byte"
+        );
+        assert!(chained.manifest.total_changes() > 0);
+
+        let (applied, _) = apply_in_memory(
+            &old,
+            &dir.path().join("b.sdc"),
+            &TrustPolicy::AnySigner,
+            Some(0),
+        )
+        .expect("apply");
+        assert_eq!(applied.weights(), &new.read_all().expect("read new"));
+        assert_eq!(
+            applied.digest(),
+            checkpoint_digest(&new, "m").expect("digest")
+        );
+    }
 }

@@ -21,10 +21,11 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result, bail};
 use ed25519_dalek::SigningKey;
 use quinn::{Connection, SendStream};
-use starling_checkpoint::deltafile::{DiffOptions, diff_checkpoints};
+use starling_checkpoint::deltafile::{DiffOptions, checkpoint_digest, diff_checkpoints};
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::writer::AtomicFile;
 use starling_proto::container::{FrameKind, split_frames};
+use starling_proto::digest::StateDigest;
 use starling_proto::manifest::delta_id;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
 use starling_telemetry::Metrics;
@@ -70,6 +71,9 @@ pub struct ServeConfig {
 struct State {
     version: u64,
     snapshot: PathBuf,
+    /// The snapshot's state digest once known: computed in the background at start, then
+    /// each manifest's post digest. Spares every diff a hash of every base element.
+    digest: Option<StateDigest>,
 }
 
 #[derive(Debug)]
@@ -119,6 +123,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
         state: Mutex::new(State {
             version: cfg.init_version,
             snapshot: cfg.init.clone(),
+            digest: None,
         }),
         book: Arc::new(VersionBook::new(cfg.init_version, cfg.retain)),
         metrics: Metrics::new(),
@@ -131,6 +136,28 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
         cfg,
         signing,
     });
+    {
+        // The initial snapshot's digest, off the runtime; a publish that comes first simply
+        // computes it inside its diff.
+        let hub = hub.clone();
+        tokio::spawn(async move {
+            let (init, model) = (hub.cfg.init.clone(), hub.cfg.model_id.clone());
+            let digest = tokio::task::spawn_blocking(move || {
+                checkpoint_digest(&Checkpoint::open(&init)?, &model)
+            })
+            .await;
+            match digest {
+                Ok(Ok(d)) => {
+                    let mut state = hub.state.lock().await;
+                    if state.version == hub.cfg.init_version && state.digest.is_none() {
+                        state.digest = Some(d);
+                    }
+                }
+                Ok(Err(e)) => eprintln!("digest of the initial checkpoint: {e}"),
+                Err(e) => eprintln!("digest of the initial checkpoint: {e}"),
+            }
+        });
+    }
     if !hub.anchors.has(hub.cfg.init_version) {
         // A full-checkpoint copy: in the background, so the hub serves at once (until it is
         // written, a subscriber asking for an anchor is refused and asks again later).
@@ -242,6 +269,7 @@ pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path) -> Result<Message> {
     let mut opts = DiffOptions::new(&hub.cfg.model_id, base, version, created);
     opts.signing_key = Some(hub.signing.clone());
     opts.encoder.segment_target_bytes = hub.cfg.segment_bytes;
+    opts.pre_digest = state.digest;
     let id = delta_id(&hub.cfg.model_id, base, version, created);
     // Cut-through: subscribers get each frame the moment the encoder emits it. Store-and-
     // forward (for comparison): the version is offered once its file is durable.
@@ -304,6 +332,7 @@ pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path) -> Result<Message> {
     hub.metrics.set_active(version);
     state.version = version;
     state.snapshot = path.to_owned();
+    state.digest = Some(manifest.post_digest);
     drop(state);
     if hub.cfg.anchor_every > 0 && version % hub.cfg.anchor_every == 0 {
         // In the background: the next publish need not wait for a full-checkpoint write.
