@@ -172,6 +172,7 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
             region: cfg.region.clone(),
             model_id: cfg.model_id.clone(),
             active: Some((active, p.state.digest().to_bytes())),
+            link: Some(cfg.link.stated()),
         };
         // Versions already active will not be needed again.
         p.pending.retain(|&v, _| v > active);

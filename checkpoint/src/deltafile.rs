@@ -12,12 +12,12 @@ use std::io::{BufReader, Read};
 use std::path::{Path, PathBuf};
 
 use ed25519_dalek::SigningKey;
+use rayon::prelude::*;
 use starling_proto::apply::{StageError, VersionedWeights, full_digest};
 use starling_proto::container::{
     FILE_HEADER_LEN, FRAME_HEADER_LEN, Frame, FrameKind, Trailer, check_file_header, file_header,
     frame_hash, parse_frame, parse_frame_header,
 };
-use rayon::prelude::*;
 use starling_proto::digest::{DigestKey, StateDigest};
 use starling_proto::encode::{DeltaEncoder, DeltaHeader, EncoderConfig, TensorPair};
 use starling_proto::manifest::{Manifest, TrustPolicy, hex};
@@ -647,15 +647,18 @@ mod tests {
             Checkpoint::open(&new_path).expect("new"),
         );
         let base = old.tensors().iter().find(|t| t.name == "b.big").expect("b");
-        assert!(old.bf16_range(base, 10, 100).is_some(), "BF16 is read in place");
+        assert!(
+            old.bf16_range(base, 10, 100).is_some(),
+            "BF16 is read in place"
+        );
 
         let mut opts = DiffOptions::new("m", 0, 1, 42);
         opts.chunk_elems = 1000;
-        let hashed = diff_to_file(&old, &new, &dir.path().join("a.sdc"), &opts, &|_| {})
-            .expect("diff");
+        let hashed =
+            diff_to_file(&old, &new, &dir.path().join("a.sdc"), &opts, &|_| {}).expect("diff");
         opts.pre_digest = Some(checkpoint_digest(&old, "m").expect("digest"));
-        let chained = diff_to_file(&old, &new, &dir.path().join("b.sdc"), &opts, &|_| {})
-            .expect("diff");
+        let chained =
+            diff_to_file(&old, &new, &dir.path().join("b.sdc"), &opts, &|_| {}).expect("diff");
         assert_eq!(hashed.manifest.pre_digest, opts.pre_digest.expect("set"));
         assert_eq!(
             std::fs::read(dir.path().join("a.sdc")).expect("read"),

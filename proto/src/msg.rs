@@ -12,7 +12,7 @@ use crate::segment::MAX_NAME_LEN;
 use crate::wire::{Reader, put_bytes, put_varint, varint_len};
 
 /// Protocol version spoken by this build (in `Hello`).
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// The largest control message body accepted.
 pub const MAX_MESSAGE_BODY: usize = 1 << 20;
 /// The most streams one transmission of a version may be striped over.
@@ -61,6 +61,9 @@ pub enum Message {
         model_id: String,
         /// Active version and state digest, if it holds weights at all.
         active: Option<(u64, [u8; 16])>,
+        /// The link the peer receives over, as its operator stated it: (rate in bit/s, RTT in
+        /// µs). The server caps what it keeps in flight to the peer accordingly.
+        link: Option<(u64, u64)>,
     },
     /// The server's answer: the newest version it can serve.
     Welcome {
@@ -173,6 +176,7 @@ impl Message {
                 region,
                 model_id,
                 active,
+                link,
             } => {
                 out.extend_from_slice(&protocol.to_le_bytes());
                 out.push(*role as u8);
@@ -185,6 +189,14 @@ impl Message {
                         out.push(1);
                         put_varint(out, *v);
                         out.extend_from_slice(d);
+                    }
+                }
+                match link {
+                    None => out.push(0),
+                    Some((rate, rtt)) => {
+                        out.push(1);
+                        put_varint(out, *rate);
+                        put_varint(out, *rtt);
                     }
                 }
             }
@@ -290,6 +302,11 @@ impl Message {
                     1 => Some((r.varint("active version")?, r.array("active digest")?)),
                     f => return Err(DecodeError::malformed("hello", format!("active flag {f}"))),
                 };
+                let link = match r.u8("link flag")? {
+                    0 => None,
+                    1 => Some((r.varint("link rate")?, r.varint("link rtt")?)),
+                    f => return Err(DecodeError::malformed("hello", format!("link flag {f}"))),
+                };
                 Self::Hello {
                     protocol,
                     role,
@@ -297,6 +314,7 @@ impl Message {
                     region,
                     model_id,
                     active,
+                    link,
                 }
             }
             2 => Self::Welcome {
@@ -464,6 +482,7 @@ mod tests {
                 region: "eu".into(),
                 model_id: "m".into(),
                 active: Some((7, [1; 16])),
+                link: None,
             },
             Message::Hello {
                 protocol: PROTOCOL_VERSION,
@@ -472,6 +491,7 @@ mod tests {
                 region: "us".into(),
                 model_id: "m".into(),
                 active: None,
+                link: Some((250_000_000, 150_000)),
             },
             Message::Welcome { latest_version: 9 },
             Message::Subscribe { after_version: 3 },

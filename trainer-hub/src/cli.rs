@@ -14,6 +14,7 @@ use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir, step_file};
 use starling_proto::manifest::{TrustPolicy, hex};
 use starling_proto::segment::Segment;
+use starling_transport::link::LinkProfile;
 
 use crate::keys;
 
@@ -101,6 +102,15 @@ pub enum Command {
         /// and refetching).
         #[arg(long, default_value_t = 2048)]
         segment_kib: usize,
+        /// The link to a peer, as NAME=RATE_MBIT:RTT_MS (repeatable; NAME `*` for every peer
+        /// not named): what the hub keeps in flight to that peer is capped at the rate × the
+        /// measured minimum RTT plus a little headroom, so a transfer leaves no standing queue
+        /// for control messages to wait behind. Without one, plain BBR.
+        #[arg(long = "peer-link", value_name = "NAME=RATE_MBIT:RTT_MS", value_parser = parse_peer_link)]
+        peer_links: Vec<(String, LinkProfile)>,
+        /// Ignore every stated link and send with plain BBR (for comparison).
+        #[arg(long)]
+        no_link_ceiling: bool,
     },
     /// Ask a running hub to publish a new checkpoint (a path on the hub's machine).
     Publish {
@@ -260,6 +270,8 @@ pub fn run(cli: Cli) -> Result<()> {
             anchor_every,
             keep_anchors,
             segment_kib,
+            peer_links,
+            no_link_ceiling,
         } => {
             let version = match init_version {
                 Some(v) => v,
@@ -275,7 +287,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 init,
                 init_version: version,
                 model_id,
-                link: starling_transport::link::LinkProfile::LAN,
+                link: LinkProfile::LAN,
                 stripes,
                 cut_through: !store_and_forward,
                 http,
@@ -283,6 +295,8 @@ pub fn run(cli: Cli) -> Result<()> {
                 anchor_every,
                 keep_anchors,
                 segment_bytes: segment_kib.max(1) << 10,
+                peer_links: peer_links.into_iter().collect(),
+                link_ceiling: !no_link_ceiling,
             };
             runtime()?.block_on(async {
                 tokio::select! {
@@ -723,4 +737,18 @@ pub fn demo(dir: &Path, model: &str, steps: u32) -> Result<()> {
         key_path.with_extension("pub").display()
     );
     Ok(())
+}
+
+/// `NAME=RATE_MBIT:RTT_MS`, for `--peer-link`.
+fn parse_peer_link(s: &str) -> Result<(String, LinkProfile), String> {
+    let (name, profile) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?}: expected NAME=RATE_MBIT:RTT_MS"))?;
+    if name.is_empty() {
+        return Err(format!("{s:?}: empty peer name"));
+    }
+    Ok((
+        name.to_owned(),
+        profile.parse().map_err(|e| format!("{e}"))?,
+    ))
 }

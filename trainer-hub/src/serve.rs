@@ -13,6 +13,7 @@
 //! The hub keeps the *path* of the last published checkpoint as its snapshot, so the
 //! trainer must keep that file until the next publish.
 
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -33,7 +34,10 @@ use starling_telemetry::Metrics;
 use crate::anchors::Anchors;
 use starling_transport::admit::admit;
 use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
-use starling_transport::endpoint::{client_endpoint, connect, server_endpoint};
+use starling_transport::ceiling::RateCeiling;
+use starling_transport::endpoint::{
+    accept_capped, client_endpoint, connect, server_config, server_endpoint,
+};
 use starling_transport::fanout::{FanoutConfig, serve_subscriber};
 use starling_transport::framed::{MessageReader, send};
 use starling_transport::identity::{Credentials, Role};
@@ -65,6 +69,11 @@ pub struct ServeConfig {
     pub keep_anchors: usize,
     /// Target size of a segment.
     pub segment_bytes: usize,
+    /// The stated link to each peer by name (`*`: every other peer), for the sender's
+    /// window ceiling (`starling_transport::ceiling`).
+    pub peer_links: BTreeMap<String, LinkProfile>,
+    /// Cap the window to each peer at its stated link (off: plain BBR, for comparison).
+    pub link_ceiling: bool,
 }
 
 #[derive(Debug)]
@@ -151,6 +160,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
                     let mut state = hub.state.lock().await;
                     if state.version == hub.cfg.init_version && state.digest.is_none() {
                         state.digest = Some(d);
+                        println!("base-digest {}", hub.cfg.init_version);
                     }
                 }
                 Ok(Err(e)) => eprintln!("digest of the initial checkpoint: {e}"),
@@ -183,12 +193,16 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
         println!("http on {at}");
     }
     println!("listening on {addr}");
+    let base = server_config(&creds, &hub.cfg.link).context("server configuration")?;
     while let Some(incoming) = endpoint.accept().await {
         let hub = hub.clone();
+        let Ok((connecting, ceiling)) = accept_capped(incoming, &base, &hub.cfg.link) else {
+            continue;
+        };
         tokio::spawn(async move {
-            match incoming.await {
+            match connecting.await {
                 Ok(conn) => {
-                    if let Err(e) = serve_connection(hub, conn.clone()).await {
+                    if let Err(e) = serve_connection(hub, conn.clone(), ceiling).await {
                         eprintln!("connection {}: {e:#}", conn.remote_address());
                         conn.close(1u32.into(), b"error");
                     }
@@ -200,7 +214,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
     Ok(())
 }
 
-async fn serve_connection(hub: Arc<Hub>, conn: Connection) -> Result<()> {
+async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling) -> Result<()> {
     let latest = hub.state.lock().await.version;
     let serves = [MsgRole::Relay, MsgRole::Actor, MsgRole::Trainer];
     let Some(a) = admit(&conn, "hub", &hub.cfg.model_id, &serves, latest).await? else {
@@ -208,6 +222,14 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection) -> Result<()> {
     };
     if a.role == MsgRole::Trainer {
         return serve_trainer(hub, a.control, a.reader).await;
+    }
+    // The operator's statement for this peer wins over the peer's own; `*` fills in for
+    // peers that state none. A stated link can only lower the sending rate, never raise it.
+    let named = hub.cfg.peer_links.get(&a.name).copied();
+    let fallback = hub.cfg.peer_links.get("*").copied();
+    let link = named.or(a.link).or(fallback);
+    if let Some(link) = link.filter(|_| hub.cfg.link_ceiling) {
+        ceiling.set(link.rate_bps, link.rtt);
     }
     eprintln!("{} connected", a.name);
     let fanout = FanoutConfig {
@@ -395,6 +417,7 @@ pub async fn publish_remote(
             region: String::new(),
             model_id: model_id.to_owned(),
             active: None,
+            link: None,
         },
     )
     .await?;

@@ -12,6 +12,7 @@ use thiserror::Error;
 use crate::endpoint::verify_peer;
 use crate::framed::{FramedError, MessageReader, send};
 use crate::identity::Role;
+use crate::link::LinkProfile;
 
 /// An admitted peer: its control stream, and who it is.
 #[derive(Debug)]
@@ -20,6 +21,8 @@ pub struct Admitted {
     pub reader: MessageReader,
     pub role: MsgRole,
     pub name: String,
+    /// The link the peer says it receives over.
+    pub link: Option<LinkProfile>,
 }
 
 /// Why admission could not even be attempted.
@@ -49,6 +52,7 @@ pub async fn admit(
         role,
         name,
         model_id: theirs,
+        link,
         ..
     }) = reader.next().await?
     else {
@@ -97,5 +101,6 @@ pub async fn admit(
         reader,
         role,
         name,
+        link: link.map(LinkProfile::from_stated),
     }))
 }

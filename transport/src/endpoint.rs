@@ -18,6 +18,7 @@ use rustls::server::WebPkiClientVerifier;
 use thiserror::Error;
 
 use crate::ALPN;
+use crate::ceiling::RateCeiling;
 use crate::identity::{Credentials, Role, peer_dns_name};
 use crate::link::LinkProfile;
 
@@ -99,6 +100,20 @@ pub fn server_config(c: &Credentials, link: &LinkProfile) -> Result<ServerConfig
     let mut cfg = ServerConfig::with_crypto(Arc::new(crypto));
     cfg.transport_config(Arc::new(link.transport_config()));
     Ok(cfg)
+}
+
+/// Accepts `incoming` with a congestion controller of its own whose window cap is the
+/// returned handle: set it once the peer is known (`crate::ceiling`). `base` is the server
+/// configuration the endpoint was made with.
+pub fn accept_capped(
+    incoming: quinn::Incoming,
+    base: &ServerConfig,
+    link: &LinkProfile,
+) -> Result<(quinn::Connecting, RateCeiling), quinn::ConnectionError> {
+    let ceiling = RateCeiling::none();
+    let mut cfg = base.clone();
+    cfg.transport_config(Arc::new(link.transport_config_capped(ceiling.clone())));
+    Ok((incoming.accept_with(Arc::new(cfg))?, ceiling))
 }
 
 /// Client configuration: the CA as the only root, our certificate for client auth.

@@ -7,7 +7,9 @@
 //!   check that a peer's certificate proves the role and name it claims;
 //! - [`link`]: transport parameters derived from a link profile (rate, RTT): BBR, and
 //!   receive windows sized to the bandwidth-delay product so several streams do not overfill
-//!   a long bottleneck and starve control traffic;
+//!   a long bottleneck and starve control traffic; [`ceiling`]: the sender's window capped at
+//!   a peer's stated link rate × measured minimum RTT, so a bulk transfer leaves no standing
+//!   queue for control messages to wait behind;
 //! - [`framed`]: control messages over QUIC streams;
 //! - [`admit`]: the Hello/Welcome/Refuse admission every server runs;
 //! - [`book`]: the versions a server can send, each sendable while it still grows
@@ -19,6 +21,7 @@
 
 pub mod admit;
 pub mod book;
+pub mod ceiling;
 pub mod endpoint;
 pub mod fanout;
 pub mod framed;

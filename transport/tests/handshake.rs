@@ -70,6 +70,7 @@ fn hello(name: &str) -> Message {
         region: "eu".into(),
         model_id: "m".into(),
         active: None,
+        link: None,
     }
 }
 
