@@ -135,6 +135,10 @@ pub struct Testbed {
     /// The hub's stdout (`first-segment N`, `anchor N`) and stderr (its log) lines.
     pub hub_out: mpsc::Receiver<String>,
     pub hub_log: mpsc::Receiver<String>,
+    /// The stdout of each emulated link (`starling-netem`: its counters), in creation order.
+    pub links_out: Vec<mpsc::Receiver<String>>,
+    /// The HTTP address of each relay started with `--http` (by region name).
+    pub relay_http: std::collections::BTreeMap<String, String>,
     pub procs: Procs,
     pub deadline: Instant,
 }
@@ -229,6 +233,8 @@ impl Testbed {
             hub_http,
             hub_out,
             hub_log,
+            links_out: Vec::new(),
+            relay_http: std::collections::BTreeMap::new(),
             procs,
             deadline,
         }
@@ -269,6 +275,7 @@ impl Testbed {
         let link = wait_for(&out, "listening on ", self.deadline)
             .trim_start_matches("listening on ")
             .to_owned();
+        self.links_out.push(out);
         self.relay_at(name, &link, relay_args)
     }
 
@@ -295,9 +302,15 @@ impl Testbed {
                 .arg(self.root.join(name))
                 .args(extra),
         );
-        let addr = wait_for(&out, "listening on ", self.deadline)
-            .trim_start_matches("listening on ")
-            .to_owned();
+        // A relay with `--http` says where it serves `/metrics` before it listens.
+        let addr = loop {
+            let line = wait_for(&out, "", self.deadline);
+            if let Some(http) = line.strip_prefix("http on ") {
+                self.relay_http.insert(name.to_owned(), http.to_owned());
+            } else if let Some(addr) = line.strip_prefix("listening on ") {
+                break addr.to_owned();
+            }
+        };
         (addr, out)
     }
 

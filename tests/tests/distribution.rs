@@ -4,10 +4,10 @@
 //! transmission is refused and fetched again, never applied; an actor killed with SIGKILL and
 //! restarted resumes from its store; a killed relay's actors fail over to the hub.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use starling_proto::container::{FILE_HEADER_LEN, TRAILER_FRAME_LEN};
-use starling_tests::{Testbed, metric, next_event, wait_for};
+use starling_tests::{Testbed, http_get, metric, next_event, wait_for};
 
 #[test]
 fn hub_delivers_every_version_to_every_actor_bit_identically() {
@@ -218,8 +218,24 @@ fn actors_finish_a_version_through_the_hub_when_their_relay_dies_mid_stream() {
     let mut tb = Testbed::with_model("small", 1e-5, 2, 31, &peers, &[], &hub_args);
     let dl = tb.deadline;
     let link = ["--rate", "2mbit", "--delay", "10ms", "--loss", "0%"];
-    let (addr, relay_out) =
-        tb.relay_behind_link("r", &link, &["--wan-mbit", "2", "--wan-rtt-ms", "20"]);
+    let relay_args = [
+        "--wan-mbit",
+        "2",
+        "--wan-rtt-ms",
+        "20",
+        "--http",
+        "127.0.0.1:0",
+    ];
+    let (addr, relay_out) = tb.relay_behind_link("r", &link, &relay_args);
+    // Segments the relay has verified and forwarded (cut-through) to both actors so far.
+    let forwarded = |tb: &Testbed| {
+        let m = http_get(&tb.relay_http["r"], "/metrics");
+        ["a1", "a2"]
+            .map(|a| metric(&m, &format!("starling_segments_sent_total{{peer=\"{a}\"}}")))
+            .into_iter()
+            .map(|n| n.unwrap_or(0.0))
+            .fold(f64::INFINITY, f64::min)
+    };
     let actors: Vec<_> = ["a1", "a2"]
         .iter()
         .map(|a| tb.actor(a, &[format!("r@{addr}")]))
@@ -237,8 +253,18 @@ fn actors_finish_a_version_through_the_hub_when_their_relay_dies_mid_stream() {
         let (hub, cluster, step) = (tb.hub_addr.clone(), tb.cluster.clone(), tb.steps[2].clone());
         std::thread::spawn(move || starling_tests::publish_to(&hub, &cluster, &step))
     };
+    // Kill it once it has forwarded some but not all of version 2.
+    let before = forwarded(&tb);
     wait_for(&tb.hub_out, "first-segment 2", dl);
-    std::thread::sleep(Duration::from_millis(700));
+    while forwarded(&tb) <= before {
+        assert!(
+            Instant::now() < dl,
+            "the relay never forwarded a segment of version 2"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // Loopback delivers what was written in far less; the link needs seconds for the rest.
+    std::thread::sleep(Duration::from_millis(100));
     tb.kill(2);
     publisher.join().expect("publish");
     for out in &actors {

@@ -4,16 +4,19 @@
 //! Modes: cut-through with 4 stripes (the default), cut-through with 1 stream, and
 //! store-and-forward with 4 stripes (the hub offers the version once its file is durable).
 //! Per run it records, from the processes' own output: the first segment encoded (hub),
-//! the version cached on the relay, the last actor staged and active, and the relay's
-//! control-stream round trips (`Ping`/`Pong` every 20 ms) while the transfer runs; and the
-//! bytes the hub sent over the WAN (its `/metrics`).
+//! the version received whole and then cached (verified) on the relay, the last actor staged
+//! and active, and the relay's control-stream round trips (`Ping`/`Pong` every 20 ms) while
+//! the transfer runs; the bytes the hub sent over the WAN (its `/metrics`); the packets the
+//! emulated link dropped (random loss vs. queue overflow); and the CPU time of every process
+//! in the delivery window (`/proc/PID/stat`), which shows when the 2-core machine rather than
+//! the link is the bottleneck.
 //!
 //! - **delivery / ideal** = (last actor staged − first segment encoded) ÷ (delta bytes ÷ link
 //!   rate + RTT): the cut-through target is ≤ 1.15.
 //! - **delivery / (max(encode, wire) + RTT)**: the same against the best any pipeline can do
 //!   when the encoder is slower than the link (it is on a 2-core machine shared by every
 //!   process).
-//! - **goodput** = delta bytes ÷ (relay cached − hub started sending), as a share of the link
+//! - **goodput** = delta bytes ÷ (relay received − hub started sending), as a share of the link
 //!   rate: for store-and-forward the hub starts sending when `publish` returns; with
 //!   cut-through the sending is paced by the encoder, so goodput is not the link's figure.
 //! - **full checkpoint** = the dense BF16 bytes at the measured goodput.
@@ -50,7 +53,9 @@ struct Args {
     #[arg(long, default_value = "/var/tmp/starling-wan-bench")]
     work: PathBuf,
     /// Modes to run per link: ct4 (cut-through, 4 stripes), ct1 (1 stream), saf4
-    /// (store-and-forward, 4 stripes).
+    /// (store-and-forward, 4 stripes). The relay states its WAN link to the hub, which caps
+    /// its window at the link's BDP; a `-bbr` suffix (e.g. `saf4-bbr`) makes the hub ignore
+    /// it (`--no-link-ceiling`), for plain BBR.
     #[arg(long, value_delimiter = ',', default_value = "ct4,ct1,saf4")]
     modes: Vec<String>,
     /// Segment size at the hub.
@@ -112,24 +117,28 @@ fn main() -> Result<()> {
         args.lr
     );
     println!(
-        "| link (rate, RTT, loss) | mode | delta MB | WAN bytes / delta | hub encode s | first segment → relay cached s | **goodput / link** | first segment → last actor staged s | **delivery / ideal** | delivery / (max(encode, wire) + RTT) | control RTT p50 / p99 / max ms (link RTT) | last active s | full checkpoint at this goodput s |"
+        "| link (rate, RTT, loss) | mode | delta MB | WAN bytes / delta | hub encode s | first segment → relay cached s | **goodput / link** | first segment → last actor staged s | **delivery / ideal** | delivery / (max(encode, wire) + RTT) | control RTT p50 / p99 / max ms (link RTT) | WAN packets dropped: random / queue | CPU busy, first segment → staged | last active s | full checkpoint at this goodput s |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for l in &links {
         for mode in &args.modes {
-            let (stripes, cut) = match mode.as_str() {
+            let (base, ceiling) = match mode.strip_suffix("-bbr") {
+                Some(b) => (b, false),
+                None => (mode.as_str(), true),
+            };
+            let (stripes, cut) = match base {
                 "ct4" => ("4", true),
                 "ct1" => ("1", true),
                 "saf4" => ("4", false),
-                other => bail!("unknown mode {other:?} (ct4, ct1, saf4)"),
+                other => bail!("unknown mode {other:?} (ct4, ct1, saf4, each optionally -bbr)"),
             };
-            let r = run(&steps, l, stripes, cut, args.segment_kib)?;
+            let r = run(&steps, l, stripes, cut, ceiling, args.segment_kib)?;
             let ideal = r.delta as f64 * 8.0 / (l.mbit as f64 * 1e6) + l.rtt_ms as f64 / 1e3;
             let goodput = r.delta as f64 * 8.0 / r.wan_s;
             let wire = r.delta as f64 * 8.0 / (l.mbit as f64 * 1e6);
             let pipelined = r.encode_span_s.max(wire) + l.rtt_ms as f64 / 1e3;
             println!(
-                "| {} Mbit/s, {} ms, {}% | {mode} | {:.1} | {:.3} | {:.2} | {:.2} | **{:.0}%** | {:.2} | **{:.2}** | {:.2} | {:.0} / {:.0} / {:.0} ({}) | {:.2} | {:.0} |",
+                "| {} Mbit/s, {} ms, {}% | {mode} | {:.1} | {:.3} | {:.2} | {:.2} | **{:.0}%** | {:.2} | **{:.2}** | {:.2} | {:.0} / {:.0} / {:.0} ({}) | {} / {} | {:.0}% | {:.2} | {:.0} |",
                 l.mbit,
                 l.rtt_ms,
                 l.loss,
@@ -145,6 +154,9 @@ fn main() -> Result<()> {
                 r.rtt_ms.1,
                 r.rtt_ms.2,
                 l.rtt_ms,
+                r.drops.0,
+                r.drops.1,
+                100.0 * r.cpu_busy,
                 r.active_s,
                 dense as f64 * 8.0 / goodput,
             );
@@ -167,6 +179,36 @@ struct RunResult {
     active_s: f64,
     /// Control round trips while the version was on its way to the relay: p50, p99, max.
     rtt_ms: (f64, f64, f64),
+    /// Packets the emulated link dropped towards the relay: (random loss, queue overflow).
+    drops: (u64, u64),
+    /// CPU time of every process of the run from the first segment to the last actor staged,
+    /// as a share of all cores over that window (1.0: the machine was the bottleneck).
+    cpu_busy: f64,
+}
+
+/// User + system CPU seconds used so far by every process of the test bed.
+fn cpu_seconds(tb: &Testbed) -> f64 {
+    // Clock ticks are 1/100 s on Linux (USER_HZ); utime and stime are fields 14 and 15.
+    const TICKS: f64 = 100.0;
+    tb.procs
+        .0
+        .iter()
+        .filter_map(|c| std::fs::read_to_string(format!("/proc/{}/stat", c.id())).ok())
+        .filter_map(|stat| {
+            // The command name (field 2) may hold spaces: count fields after its ')'.
+            let rest = &stat[stat.rfind(')')? + 2..];
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            Some((f.get(11)?.parse::<f64>().ok()? + f.get(12)?.parse::<f64>().ok()?) / TICKS)
+        })
+        .sum()
+}
+
+/// The number after `name` in a `starling-netem` counter line (0 when absent).
+fn counter(line: &str, name: &str) -> u64 {
+    line.split_once(name)
+        .and_then(|(_, rest)| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Timestamps every line of a process's output as it arrives.
@@ -199,11 +241,15 @@ fn run(
     l: &Link,
     stripes: &str,
     cut: bool,
+    ceiling: bool,
     segment_kib: usize,
 ) -> Result<RunResult> {
     let dir = tempfile::tempdir_in("/var/tmp")?;
     let seg = segment_kib.to_string();
     let mut hub_args = vec!["--stripes", stripes, "--segment-kib", &seg];
+    if !ceiling {
+        hub_args.push("--no-link-ceiling");
+    }
     if !cut {
         hub_args.push("--store-and-forward");
     }
@@ -219,6 +265,8 @@ fn run(
         format!("{}%", l.loss),
         "--queue".to_owned(),
         format!("{}", (bdp * 3 / 2).max(256 * 1024)),
+        "--stats-every".to_owned(),
+        "500ms".to_owned(),
     ];
     let netem: Vec<&str> = netem.iter().map(String::as_str).collect();
     let (mbit, rtt) = (l.mbit.to_string(), l.rtt_ms.to_string());
@@ -245,6 +293,16 @@ fn run(
     }
     let hub_out = std::mem::replace(&mut tb.hub_out, mpsc::channel().1);
     let hub_out = stamped(hub_out);
+    // A steady-state publish: the hub's background start-up work (the initial anchor, a full
+    // checkpoint copy, and the initial snapshot's digest) is done before the clock starts.
+    let mut waiting = vec!["anchor 0", "base-digest 0"];
+    while !waiting.is_empty() {
+        let left = dl.saturating_duration_since(Instant::now());
+        let (_, line) = hub_out
+            .recv_timeout(left)
+            .with_context(|| format!("waiting for {waiting:?}"))?;
+        waiting.retain(|w| line != *w);
+    }
     let t0 = Instant::now();
     let publisher = {
         let (hub, cluster, step) = (tb.hub_addr.clone(), tb.cluster.clone(), steps[1].clone());
@@ -254,8 +312,10 @@ fn run(
         })
     };
     let first = until(&hub_out, "first-segment 1", dl)?;
+    let cpu_at_first = cpu_seconds(&tb);
     // Relay output until cached: the control round trips seen meanwhile.
     let mut rtts = Vec::new();
+    let mut received = None;
     let cached = loop {
         let left = dl.saturating_duration_since(Instant::now());
         let (t, line) = rout.recv_timeout(left).context("waiting for cached 1")?;
@@ -263,6 +323,8 @@ fn run(
             if t >= first {
                 rtts.push(us.parse::<f64>().unwrap_or(f64::NAN) / 1e3);
             }
+        } else if line == "received 1" {
+            received = Some(t);
         } else if line == "cached 1" {
             break t;
         }
@@ -274,12 +336,22 @@ fn run(
     let mut active = first;
     for a in &actors {
         staged = staged.max(until(a, "staged 1", dl)?);
+    }
+    let cpu_in_window = cpu_seconds(&tb) - cpu_at_first;
+    for a in &actors {
         active = active.max(until(a, "active 1 ", dl)?);
     }
     let file = std::fs::metadata(tb.root.join("hub-store/deltas/v00000001.sdc"))?.len();
     let delta = file - (FILE_HEADER_LEN + TRAILER_FRAME_LEN) as u64;
     let wan_bytes = metric(&tb.hub_metrics(), "starling_bytes_sent_total{peer=\"r\"}")
         .context("hub metrics: bytes sent to the relay")?;
+    // The link's counters for the hub → relay direction, as of about now.
+    let mut drops = (0, 0);
+    for line in tb.links_out[0].try_iter() {
+        if let Some(d) = line.trim_start().strip_prefix("down") {
+            drops = (counter(d, "lost "), counter(d, "queue-dropped "));
+        }
+    }
     rtts.sort_by(f64::total_cmp);
     let pct = |p: f64| {
         rtts.get(((rtts.len() as f64 - 1.0) * p).round() as usize)
@@ -292,10 +364,14 @@ fn run(
         wan_bytes,
         encode_s: (published - t0).as_secs_f64(),
         encode_span_s: published.saturating_duration_since(first).as_secs_f64(),
-        wan_s: (cached - send_start).as_secs_f64(),
+        wan_s: (received.unwrap_or(cached) - send_start).as_secs_f64(),
         cached_s: (cached - first).as_secs_f64(),
         staged_s: (staged - first).as_secs_f64(),
         active_s: (active - first).as_secs_f64(),
         rtt_ms: (pct(0.5), pct(0.99), pct(1.0)),
+        drops,
+        cpu_busy: cpu_in_window
+            / (std::thread::available_parallelism().map_or(1, |n| n.get()) as f64
+                * (staged - first).as_secs_f64()),
     })
 }
