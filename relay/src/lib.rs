@@ -12,6 +12,9 @@
 //!   and fetched again.
 //! - A stripe that broke (hash mismatch, reset) costs only its missing segments: once every
 //!   stripe ended, the relay fetches exactly those (`Reception::refetch_due`).
+//! - A lost hub connection (WAN outage, hub restart) is re-established with backoff; a
+//!   half-received version continues from the segments already here (`Resume`), so the
+//!   region's actors keep their subscription and simply see the rest arrive.
 //! - Complete versions are also written to a disk cache (`.sdc` files), so a restarted relay
 //!   serves its region's laggards without refetching over the WAN.
 
@@ -19,7 +22,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use ed25519_dalek::VerifyingKey;
@@ -27,7 +30,7 @@ use quinn::{Connection, SendStream};
 use starling_checkpoint::deltafile::write_frames;
 use starling_proto::container::{DeltaAssembler, FrameKind, split_frames};
 use starling_proto::manifest::TrustPolicy;
-use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_proto::msg::{MAX_SEQS, Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::Metrics;
 use starling_transport::admit::admit;
 use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
@@ -37,7 +40,7 @@ use starling_transport::framed::{StreamFrame, send};
 use starling_transport::identity::{Credentials, Role, manifest_key};
 use starling_transport::link::LinkProfile;
 use starling_transport::reception::{Added, Reception};
-use starling_transport::upstream::{UpstreamEvent, subscribe};
+use starling_transport::upstream::{Upstream, UpstreamError, UpstreamEvent, subscribe};
 
 /// What the relay needs.
 #[derive(Debug, Clone)]
@@ -68,9 +71,11 @@ pub struct RelayConfig {
     pub print_rtt: bool,
 }
 
-/// Runs the relay until the hub goes away or the process is stopped. Prints `listening on
-/// ADDR` once actors can connect, `cached VERSION` for each verified version and `refetch
-/// VERSION` when part of one is requested again.
+/// Runs the relay until the hub refuses it or the process is stopped (a lost hub connection
+/// is re-established). Prints `listening on ADDR` once actors can connect, `upstream hub` on
+/// each connection to the hub, `resume VERSION have N` when a new connection continues a
+/// half-received version, `received VERSION` and `cached VERSION` for each version (all bytes
+/// in; verified and cached) and `refetch VERSION` when part of one is requested again.
 pub async fn run(cfg: RelayConfig) -> Result<()> {
     let creds = Credentials::load_peer(&cfg.credentials).context("load credentials")?;
     if creds.role != Role::Relay {
@@ -204,6 +209,15 @@ struct Verified {
     outcome: Result<(), String>,
 }
 
+/// The least and the most a relay waits between attempts to reach the hub again.
+const RECONNECT_MIN: Duration = Duration::from_millis(200);
+const RECONNECT_MAX: Duration = Duration::from_secs(5);
+
+/// Follows the hub for as long as the process runs. A lost connection (a WAN outage, a hub
+/// restart) is not the end: the relay keeps its cache and its actors, reconnects with
+/// backoff, and continues a half-received version from the segments it already has
+/// (`Resume`), so its actors see the rest of the same version arrive. Only a refusal (wrong
+/// credentials, model or protocol) ends it.
 async fn follow_hub(
     cfg: &RelayConfig,
     creds: &Credentials,
@@ -220,17 +234,6 @@ async fn follow_hub(
         active: None,
         link: Some(cfg.wan.stated()),
     };
-    let mut up = subscribe(
-        creds,
-        cfg.hub,
-        Role::Hub,
-        "hub",
-        &hello,
-        book.latest(),
-        &cfg.wan,
-    )
-    .await
-    .context("subscribe to the hub")?;
     let mut f = Follower {
         cfg,
         trust,
@@ -244,42 +247,95 @@ async fn follow_hub(
     // still gets through while a transfer fills the link).
     let epoch = Instant::now();
     let mut ping = tokio::time::interval(cfg.ping);
+    let mut backoff = RECONNECT_MIN;
     loop {
-        let ev = tokio::select! {
-            ev = up.events.recv() => ev,
-            done = async { (&mut f.verifying.as_mut().expect("guarded by the if").task).await },
-                if f.verifying.is_some() =>
-            {
-                f.verifying = None;
-                let done = done.context("verification task")?;
-                f.verified(done, &mut up.control).await?;
-                continue;
-            }
-            _ = ping.tick() => {
-                let nonce = epoch.elapsed().as_micros() as u64;
-                let _ = send(&mut up.control, &Message::Ping { nonce }).await;
-                continue;
-            }
+        let resume = f.resumable();
+        let after = match &resume {
+            Some((version, _)) => *version,
+            None => f.done_through(),
         };
-        let Some(ev) = ev else { return Ok(()) };
-        match ev {
-            UpstreamEvent::Closed(why) => {
-                up.close().await;
-                bail!("hub connection ended: {why}");
-            }
-            UpstreamEvent::Pong(nonce) => {
-                let rtt = (epoch.elapsed().as_micros() as u64).saturating_sub(nonce);
-                metrics.observe_control_rtt(std::time::Duration::from_micros(rtt));
-                if cfg.print_rtt {
-                    println!("rtt-us {rtt}");
+        let mut up =
+            match subscribe(creds, cfg.hub, Role::Hub, "hub", &hello, after, &cfg.wan).await {
+                Ok(up) => up,
+                Err(UpstreamError::Refused(why)) => bail!("the hub refused this relay: {why}"),
+                Err(e) => {
+                    eprintln!("hub at {}: {e}; trying again in {backoff:?}", cfg.hub);
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(RECONNECT_MAX);
+                    continue;
                 }
-            }
-            ev => f.handle(ev, &mut up.control).await?,
+            };
+        backoff = RECONNECT_MIN;
+        println!("upstream hub");
+        if let Some((version, have)) = resume {
+            println!("resume {version} have {}", have.len());
+            // A failed send shows up as the connection closing.
+            let _ = send(&mut up.control, &Message::Resume { version, have }).await;
         }
+        let why = f.follow(&mut up, epoch, &mut ping).await?;
+        eprintln!("hub connection ended: {why}; reconnecting");
+        up.close().await;
     }
 }
 
 impl Follower<'_> {
+    /// Handles the hub's events until the connection ends; returns why it ended.
+    async fn follow(
+        &mut self,
+        up: &mut Upstream,
+        epoch: Instant,
+        ping: &mut tokio::time::Interval,
+    ) -> Result<String> {
+        loop {
+            let ev = tokio::select! {
+                ev = up.events.recv() => ev,
+                done = async { (&mut self.verifying.as_mut().expect("guarded by the if").task).await },
+                    if self.verifying.is_some() =>
+                {
+                    self.verifying = None;
+                    let done = done.context("verification task")?;
+                    self.verified(done, &mut up.control).await?;
+                    continue;
+                }
+                _ = ping.tick() => {
+                    let nonce = epoch.elapsed().as_micros() as u64;
+                    let _ = send(&mut up.control, &Message::Ping { nonce }).await;
+                    continue;
+                }
+            };
+            match ev {
+                None => return Ok("the subscription ended".into()),
+                Some(UpstreamEvent::Closed(why)) => return Ok(why),
+                Some(UpstreamEvent::Pong(nonce)) => {
+                    let rtt = (epoch.elapsed().as_micros() as u64).saturating_sub(nonce);
+                    self.metrics
+                        .observe_control_rtt(std::time::Duration::from_micros(rtt));
+                    if self.cfg.print_rtt {
+                        println!("rtt-us {rtt}");
+                    }
+                }
+                Some(ev) => self.handle(ev, &mut up.control).await?,
+            }
+        }
+    }
+
+    /// The newest version that needs nothing more from the hub: cached, or whole and being
+    /// verified.
+    fn done_through(&self) -> u64 {
+        let verifying = self.verifying.as_ref().map_or(0, |v| v.version);
+        self.book.latest().max(verifying)
+    }
+
+    /// The next version, if part of it is here: its number and the segments already in
+    /// (the rest is what a new connection asks for).
+    fn resumable(&mut self) -> Option<(u64, Vec<u32>)> {
+        let next = self.done_through() + 1;
+        let inc = self.incoming.get_mut(&next)?;
+        inc.reception.reset_requests();
+        let have = inc.reception.have();
+        (!have.is_empty() && have.len() <= MAX_SEQS).then_some((next, have))
+    }
+
     async fn handle(&mut self, ev: UpstreamEvent, control: &mut SendStream) -> Result<()> {
         match ev {
             UpstreamEvent::StreamStarted {
@@ -413,7 +469,11 @@ impl Follower<'_> {
         );
         println!("refetch {version}");
         self.metrics.refetch("hub");
-        send(control, &Message::Fetch { version, seqs }).await?;
+        // A failed send means the connection is going: its end arrives as an event, and the
+        // next connection resumes from what is here.
+        if let Err(e) = send(control, &Message::Fetch { version, seqs }).await {
+            eprintln!("version {version}: fetch not sent: {e}");
+        }
         Ok(())
     }
 

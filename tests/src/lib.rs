@@ -266,20 +266,28 @@ impl Testbed {
         netem_args: &[&str],
         relay_args: &[&str],
     ) -> (String, mpsc::Receiver<String>) {
+        let link = self.link_to_hub("127.0.0.1:0", netem_args);
+        self.relay_at(name, &link, relay_args)
+    }
+
+    /// Starts a `starling-netem` link listening on `listen` (port 0: any) towards the hub;
+    /// returns its address. Its stdout (counters) goes to `links_out`.
+    pub fn link_to_hub(&mut self, listen: &str, netem_args: &[&str]) -> String {
         let out = spawn(
             &mut self.procs,
             Command::new(bin("starling-netem"))
-                .args(["--listen", "127.0.0.1:0", "--upstream", &self.hub_addr])
+                .args(["--listen", listen, "--upstream", &self.hub_addr])
                 .args(netem_args),
         );
         let link = wait_for(&out, "listening on ", self.deadline)
             .trim_start_matches("listening on ")
             .to_owned();
         self.links_out.push(out);
-        self.relay_at(name, &link, relay_args)
+        link
     }
 
-    fn relay_at(
+    /// A relay that reaches the hub at `hub` (the hub itself or a link to it).
+    pub fn relay_at(
         &mut self,
         name: &str,
         hub: &str,

@@ -278,6 +278,85 @@ fn actors_finish_a_version_through_the_hub_when_their_relay_dies_mid_stream() {
     }
 }
 
+/// The WAN link of a relay goes down for longer than the QUIC idle timeout while version 2
+/// streams over it: the relay reconnects when the link is back, resumes the version from the
+/// segments it has, and its actors (still subscribed to it) finish from the relay, never
+/// failing over to the hub.
+#[test]
+fn a_relay_reconnects_after_a_wan_outage_and_resumes_the_version_for_its_actors() {
+    let peers = [("relay", "r"), ("actor", "a1"), ("actor", "a2")];
+    let hub_args = ["--segment-kib", "32"];
+    let mut tb = Testbed::with_model("small", 1e-5, 2, 37, &peers, &[], &hub_args);
+    let dl = tb.deadline;
+    let link = ["--rate", "2mbit", "--delay", "10ms", "--loss", "0%"];
+    let link_addr = tb.link_to_hub("127.0.0.1:0", &link);
+    let relay_args = [
+        "--wan-mbit",
+        "2",
+        "--wan-rtt-ms",
+        "20",
+        "--http",
+        "127.0.0.1:0",
+    ];
+    let (addr, relay_out) = tb.relay_at("r", &link_addr, &relay_args);
+    let actors: Vec<_> = ["a1", "a2"]
+        .iter()
+        .map(|a| tb.actor(a, &[format!("r@{addr}")]))
+        .collect();
+    for out in &actors {
+        assert_eq!(wait_for(out, "upstream ", dl), "upstream relay r");
+    }
+    assert_eq!(wait_for(&relay_out, "upstream ", dl), "upstream hub");
+    tb.publish(1);
+    for out in &actors {
+        assert_eq!(wait_for(out, "active 1 ", dl), tb.active_line(1));
+    }
+    let received = |tb: &Testbed| {
+        let m = http_get(&tb.relay_http["r"], "/metrics");
+        metric(&m, "starling_segments_received_total{peer=\"hub\"}").unwrap_or(0.0)
+    };
+    let before = received(&tb);
+    let publisher = {
+        let (hub, cluster, step) = (tb.hub_addr.clone(), tb.cluster.clone(), tb.steps[2].clone());
+        std::thread::spawn(move || starling_tests::publish_to(&hub, &cluster, &step))
+    };
+    while received(&tb) <= before {
+        assert!(Instant::now() < dl, "version 2 never reached the relay");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The link dies (process 1: hub, netem, relay, actors) and stays down past the 5 s idle
+    // timeout, so the relay's connection to the hub is really lost.
+    tb.kill(1);
+    publisher.join().expect("publish");
+    std::thread::sleep(Duration::from_secs(7));
+    tb.link_to_hub(&link_addr, &link);
+    assert_eq!(wait_for(&relay_out, "upstream ", dl), "upstream hub");
+    let resume = wait_for(&relay_out, "resume 2 have ", dl);
+    let have: usize = resume["resume 2 have ".len()..].parse().expect("count");
+    assert!(
+        have > 0,
+        "the relay kept the segments it had before the outage"
+    );
+    assert_eq!(wait_for(&relay_out, "cached ", dl), "cached 2");
+    for out in &actors {
+        // Everything the actor prints up to version 2: it never changed its upstream.
+        loop {
+            let line = wait_for(out, "", dl);
+            assert!(
+                !line.starts_with("upstream "),
+                "the actor failed over: {line}"
+            );
+            if line.starts_with("active 2 ") {
+                assert_eq!(line, tb.active_line(2));
+                break;
+            }
+        }
+    }
+    for name in ["a1", "a2"] {
+        tb.assert_store_is(name, 2);
+    }
+}
+
 /// An actor that joins after 10 versions, when neither its relay nor the hub retains the
 /// deltas from its initial checkpoint on: it restores the hub's newest anchor (sealed,
 /// hashed, checked) and then follows the chain from its relay.
