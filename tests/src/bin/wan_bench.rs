@@ -20,6 +20,10 @@
 //!   rate: for store-and-forward the hub starts sending when `publish` returns; with
 //!   cut-through the sending is paced by the encoder, so goodput is not the link's figure.
 //! - **full checkpoint** = the dense BF16 bytes at the measured goodput.
+//! - **catch-up**: after the actors are active, a second relay behind an identical link
+//!   fetches the same version from the hub's memory with no encoder and no staging actors
+//!   running, so its goodput and control round trips are the transport's own, not the
+//!   2-core machine's (QUIC handshake included in its time).
 //!
 //! `cargo build --release --workspace && target/release/wan-bench --help`
 
@@ -117,9 +121,9 @@ fn main() -> Result<()> {
         args.lr
     );
     println!(
-        "| link (rate, RTT, loss) | mode | delta MB | WAN bytes / delta | hub encode s | first segment → relay cached s | **goodput / link** | first segment → last actor staged s | **delivery / ideal** | delivery / (max(encode, wire) + RTT) | control RTT p50 / p99 / max ms (link RTT) | WAN packets dropped: random / queue | CPU busy, first segment → staged | last active s | full checkpoint at this goodput s |"
+        "| link (rate, RTT, loss) | mode | delta MB | WAN bytes / delta | hub encode s | first segment → relay cached s | **goodput / link** | first segment → last actor staged s | **delivery / ideal** | delivery / (max(encode, wire) + RTT) | control RTT p50 / p99 / max ms (link RTT) | WAN packets dropped: random / queue | CPU busy, first segment → staged | last active s | full checkpoint at this goodput s | catch-up, machine otherwise idle: goodput / link | catch-up control RTT p50 / p99 / max ms | catch-up drops: random / queue |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for l in &links {
         for mode in &args.modes {
             let (base, ceiling) = match mode.strip_suffix("-bbr") {
@@ -138,7 +142,7 @@ fn main() -> Result<()> {
             let wire = r.delta as f64 * 8.0 / (l.mbit as f64 * 1e6);
             let pipelined = r.encode_span_s.max(wire) + l.rtt_ms as f64 / 1e3;
             println!(
-                "| {} Mbit/s, {} ms, {}% | {mode} | {:.1} | {:.3} | {:.2} | {:.2} | **{:.0}%** | {:.2} | **{:.2}** | {:.2} | {:.0} / {:.0} / {:.0} ({}) | {} / {} | {:.0}% | {:.2} | {:.0} |",
+                "| {} Mbit/s, {} ms, {}% | {mode} | {:.1} | {:.3} | {:.2} | {:.2} | **{:.0}%** | {:.2} | **{:.2}** | {:.2} | {:.0} / {:.0} / {:.0} ({}) | {} / {} | {:.0}% | {:.2} | {:.0} | **{:.0}%** | {:.0} / {:.0} / {:.0} | {} / {} |",
                 l.mbit,
                 l.rtt_ms,
                 l.loss,
@@ -159,6 +163,12 @@ fn main() -> Result<()> {
                 100.0 * r.cpu_busy,
                 r.active_s,
                 dense as f64 * 8.0 / goodput,
+                100.0 * r.delta as f64 * 8.0 / r.catchup.wan_s / (l.mbit as f64 * 1e6),
+                r.catchup.rtt_ms.0,
+                r.catchup.rtt_ms.1,
+                r.catchup.rtt_ms.2,
+                r.catchup.drops.0,
+                r.catchup.drops.1,
             );
         }
     }
@@ -184,6 +194,40 @@ struct RunResult {
     /// CPU time of every process of the run from the first segment to the last actor staged,
     /// as a share of all cores over that window (1.0: the machine was the bottleneck).
     cpu_busy: f64,
+    /// The same version fetched afterwards by a second relay behind an identical link.
+    catchup: Transfer,
+}
+
+/// A transfer of a finished version to a relay with nothing else running: the transport's
+/// own figures, without the encoder and staging actors competing for the 2 cores.
+struct Transfer {
+    /// Seconds from starting the relay (QUIC handshake included) to its last byte received.
+    wan_s: f64,
+    rtt_ms: (f64, f64, f64),
+    drops: (u64, u64),
+}
+
+/// p50, p99 and max of `v` (NaN when empty).
+fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    let pct = |p: f64| {
+        v.get(((v.len() as f64 - 1.0) * p).round() as usize)
+            .copied()
+            .unwrap_or(f64::NAN)
+    };
+    (pct(0.5), pct(0.99), pct(1.0))
+}
+
+/// The (random loss, queue overflow) drop counters of the newest `starling-netem` stats line
+/// for the hub → relay direction in `out`.
+fn link_drops(out: &mpsc::Receiver<String>) -> (u64, u64) {
+    let mut drops = (0, 0);
+    for line in out.try_iter() {
+        if let Some(d) = line.trim_start().strip_prefix("down") {
+            drops = (counter(d, "lost "), counter(d, "queue-dropped "));
+        }
+    }
+    drops
 }
 
 /// User + system CPU seconds used so far by every process of the test bed.
@@ -253,7 +297,12 @@ fn run(
     if !cut {
         hub_args.push("--store-and-forward");
     }
-    let peers = [("relay", "r"), ("actor", "a1"), ("actor", "a2")];
+    let peers = [
+        ("relay", "r"),
+        ("actor", "a1"),
+        ("actor", "a2"),
+        ("relay", "r2"),
+    ];
     let mut tb = Testbed::with_checkpoints(dir, steps.to_vec(), &peers, &[], &hub_args);
     let bdp = (l.mbit as f64 * 1e6 / 8.0 * l.rtt_ms as f64 / 1e3) as u64;
     let netem = [
@@ -346,18 +395,8 @@ fn run(
     let wan_bytes = metric(&tb.hub_metrics(), "starling_bytes_sent_total{peer=\"r\"}")
         .context("hub metrics: bytes sent to the relay")?;
     // The link's counters for the hub → relay direction, as of about now.
-    let mut drops = (0, 0);
-    for line in tb.links_out[0].try_iter() {
-        if let Some(d) = line.trim_start().strip_prefix("down") {
-            drops = (counter(d, "lost "), counter(d, "queue-dropped "));
-        }
-    }
-    rtts.sort_by(f64::total_cmp);
-    let pct = |p: f64| {
-        rtts.get(((rtts.len() as f64 - 1.0) * p).round() as usize)
-            .copied()
-            .unwrap_or(f64::NAN)
-    };
+    let drops = link_drops(&tb.links_out[0]);
+    let catchup = catch_up(&mut tb, &netem, &relay_args, dl)?;
     let send_start = if cut { first } else { published };
     Ok(RunResult {
         delta,
@@ -368,10 +407,43 @@ fn run(
         cached_s: (cached - first).as_secs_f64(),
         staged_s: (staged - first).as_secs_f64(),
         active_s: (active - first).as_secs_f64(),
-        rtt_ms: (pct(0.5), pct(0.99), pct(1.0)),
+        rtt_ms: percentiles(rtts),
         drops,
         cpu_busy: cpu_in_window
             / (std::thread::available_parallelism().map_or(1, |n| n.get()) as f64
                 * (staged - first).as_secs_f64()),
+        catchup,
+    })
+}
+
+/// Starts a second relay (`r2`) behind a link like the first one's and lets it fetch the
+/// published version from the hub's memory while nothing else runs.
+fn catch_up(
+    tb: &mut Testbed,
+    netem: &[&str],
+    relay_args: &[&str],
+    dl: Instant,
+) -> Result<Transfer> {
+    let start = Instant::now();
+    let (_, out) = tb.relay_behind_link("r2", netem, relay_args);
+    let out = stamped(out);
+    let mut rtts = Vec::new();
+    let received = loop {
+        let left = dl.saturating_duration_since(Instant::now());
+        let (t, line) = out
+            .recv_timeout(left)
+            .context("catch-up: waiting for received 1")?;
+        if let Some(us) = line.strip_prefix("rtt-us ") {
+            rtts.push(us.parse::<f64>().unwrap_or(f64::NAN) / 1e3);
+        } else if line == "received 1" {
+            break t;
+        }
+    };
+    // One more stats interval of the link (500 ms), so its counters cover the transfer.
+    std::thread::sleep(Duration::from_millis(600));
+    Ok(Transfer {
+        wan_s: (received - start).as_secs_f64(),
+        rtt_ms: percentiles(rtts),
+        drops: link_drops(&tb.links_out[1]),
     })
 }
