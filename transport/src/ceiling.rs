@@ -9,7 +9,7 @@
 //! control packet blocks the control stream for a retransmission that queues again
 //! (`wan-bench` measured control-RTT p99 of 0.4–0.6 s on a 50 ms link). When the operator
 //! states the link's rate (`LinkProfile`, per peer), the sender knows the BDP exactly:
-//! rate × the *measured* minimum RTT. [`Ceiling`] caps BBR's window there, plus a headroom of
+//! rate × the *measured* minimum RTT. `Ceiling` caps BBR's window there, plus a headroom of
 //! `max(HEADROOM_MIN, min_rtt / 8)` worth of bytes for ACK clocking jitter; below the cap
 //! BBR behaves as before (so a link slower than stated is still handled by BBR).
 //!
@@ -73,7 +73,7 @@ impl RateCeiling {
     }
 }
 
-/// Builds a [`Ceiling`] around BBR for each connection, all sharing one [`RateCeiling`].
+/// Builds a `Ceiling` around BBR for each connection, all sharing one [`RateCeiling`].
 #[derive(Debug)]
 pub struct CeilingConfig {
     bbr: Arc<BbrConfig>,
