@@ -32,6 +32,9 @@ use quinn_proto::RttEstimator;
 /// It bounds the queue the sender can build at a bottleneck: 8 ms.
 pub const HEADROOM_MIN: Duration = Duration::from_millis(8);
 
+/// The longest stated RTT taken at its word (a peer may state anything).
+pub const MAX_STATED_RTT: Duration = Duration::from_secs(10);
+
 /// The ceiling's rate, settable after the controller was built.
 #[derive(Debug, Clone, Default)]
 pub struct RateCeiling {
@@ -47,9 +50,11 @@ impl RateCeiling {
     }
 
     /// Caps the window at `rate_bps` × (min RTT + headroom); `rate_bps` 0 removes the cap.
+    /// Both may come from a peer's `Hello`, so any value is safe: the RTT is clamped to
+    /// [`MAX_STATED_RTT`] and the arithmetic saturates.
     pub fn set(&self, rate_bps: u64, stated_rtt: Duration) {
-        self.rtt_us
-            .store(stated_rtt.as_micros() as u64, Ordering::Relaxed);
+        let rtt_us = stated_rtt.min(MAX_STATED_RTT).as_micros() as u64;
+        self.rtt_us.store(rtt_us, Ordering::Relaxed);
         self.rate_bps.store(rate_bps, Ordering::Relaxed);
     }
 
@@ -67,9 +72,9 @@ impl RateCeiling {
         }
         let rtt =
             min_rtt.unwrap_or_else(|| Duration::from_micros(self.rtt_us.load(Ordering::Relaxed)));
-        let horizon = rtt + HEADROOM_MIN.max(rtt / 8);
-        let bytes = rate as u128 * horizon.as_nanos() / 8 / 1_000_000_000;
-        Some((bytes as u64).max(floor))
+        let horizon = rtt.saturating_add(HEADROOM_MIN.max(rtt / 8));
+        let bytes = (rate as u128).saturating_mul(horizon.as_nanos()) / 8 / 1_000_000_000;
+        Some(u64::try_from(bytes).unwrap_or(u64::MAX).max(floor))
     }
 }
 
@@ -208,5 +213,20 @@ mod tests {
         );
         c.set(0, Duration::ZERO);
         assert_eq!(c.cap(None, 0), None);
+    }
+
+    #[test]
+    fn absurd_stated_links_neither_panic_nor_overflow() {
+        let c = RateCeiling::none();
+        c.set(u64::MAX, Duration::MAX);
+        let stated = c.cap(None, 0).expect("a rate is set");
+        assert!(stated > 0);
+        assert_eq!(c.cap(Some(Duration::MAX), 0), Some(u64::MAX));
+        c.set(1, Duration::ZERO);
+        assert_eq!(
+            c.cap(None, 4800),
+            Some(4800),
+            "a tiny rate leaves the floor"
+        );
     }
 }

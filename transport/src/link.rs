@@ -128,7 +128,7 @@ impl std::str::FromStr for LinkProfile {
         }
         Ok(LinkProfile {
             rate_bps: (rate * 1e6) as u64,
-            rtt: Duration::from_secs_f64(rtt / 1e3),
+            rtt: Duration::try_from_secs_f64(rtt / 1e3).map_err(|_| bad())?,
         })
     }
 }
@@ -164,7 +164,7 @@ mod tests {
         let p: LinkProfile = "0.5:0.25".parse().expect("parse");
         assert_eq!((p.rate_bps, p.rtt), (500_000, Duration::from_micros(250)));
         for bad in [
-            "", "100", "100:", ":50", "x:50", "0:50", "-1:50", "100:-5", "inf:1",
+            "", "100", "100:", ":50", "x:50", "0:50", "-1:50", "100:-5", "inf:1", "100:1e30",
         ] {
             assert!(bad.parse::<LinkProfile>().is_err(), "{bad:?} parsed");
         }
