@@ -4,6 +4,7 @@
 //! transmission is refused and fetched again, never applied; an actor killed with SIGKILL and
 //! restarted resumes from its store; a killed relay's actors fail over to the hub.
 
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use starling_proto::container::{FILE_HEADER_LEN, TRAILER_FRAME_LEN};
@@ -207,35 +208,29 @@ fn twenty_versions_reach_three_actors_in_each_of_two_regions_over_emulated_links
     }
 }
 
-/// A relay SIGKILLed while a version streams through it: its actors keep the segments they
-/// staged, resume on the hub with only the rest (`Resume`), and activate the right bits.
-#[test]
-fn actors_finish_a_version_through_the_hub_when_their_relay_dies_mid_stream() {
+/// A slow region for the mid-stream fault tests: a hub with `small` checkpoints (14 MB of
+/// BF16; ~0.5 MB deltas in 32 KiB segments, ~2 s on the link), a relay `r` behind a
+/// 2 Mbit/s, 20 ms `starling-netem` link serving `/metrics`, and actors `a1`, `a2` on the
+/// relay with version 1 active. Processes: 0 hub, 1 link, 2 relay, 3–4 actors.
+struct SlowRegion {
+    tb: Testbed,
+    /// The link's address, to start it again on the same port.
+    link_addr: String,
+    relay_out: mpsc::Receiver<String>,
+    actors: Vec<mpsc::Receiver<String>>,
+}
+
+const SLOW_LINK: [&str; 6] = ["--rate", "2mbit", "--delay", "10ms", "--loss", "0%"];
+
+fn slow_region(seed: u64) -> SlowRegion {
     let peers = [("relay", "r"), ("actor", "a1"), ("actor", "a2")];
-    // `small` (14 MB of BF16) makes a ~0.5 MB delta in 32 KiB segments: ~2 s over a
-    // 2 Mbit/s link.
     let hub_args = ["--segment-kib", "32"];
-    let mut tb = Testbed::with_model("small", 1e-5, 2, 31, &peers, &[], &hub_args);
+    let mut tb = Testbed::with_model("small", 1e-5, 2, seed, &peers, &[], &hub_args);
     let dl = tb.deadline;
-    let link = ["--rate", "2mbit", "--delay", "10ms", "--loss", "0%"];
-    let relay_args = [
-        "--wan-mbit",
-        "2",
-        "--wan-rtt-ms",
-        "20",
-        "--http",
-        "127.0.0.1:0",
-    ];
-    let (addr, relay_out) = tb.relay_behind_link("r", &link, &relay_args);
-    // Segments the relay has verified and forwarded (cut-through) to both actors so far.
-    let forwarded = |tb: &Testbed| {
-        let m = http_get(&tb.relay_http["r"], "/metrics");
-        ["a1", "a2"]
-            .map(|a| metric(&m, &format!("starling_segments_sent_total{{peer=\"{a}\"}}")))
-            .into_iter()
-            .map(|n| n.unwrap_or(0.0))
-            .fold(f64::INFINITY, f64::min)
-    };
+    let link_addr = tb.link_to_hub("127.0.0.1:0", &SLOW_LINK);
+    let relay_args = ["--wan-mbit", "2", "--wan-rtt-ms", "20"];
+    let relay_args = [&relay_args[..], &["--http", "127.0.0.1:0"]].concat();
+    let (addr, relay_out) = tb.relay_at("r", &link_addr, &relay_args);
     let actors: Vec<_> = ["a1", "a2"]
         .iter()
         .map(|a| tb.actor(a, &[format!("r@{addr}")]))
@@ -248,21 +243,47 @@ fn actors_finish_a_version_through_the_hub_when_their_relay_dies_mid_stream() {
         assert_eq!(wait_for(out, "active 1 ", dl), tb.active_line(1));
     }
     assert_eq!(wait_for(&relay_out, "cached ", dl), "cached 1");
-    // Version 2: kill the relay (process 2: hub, netem, relay) while the delta is on the link.
+    SlowRegion {
+        tb,
+        link_addr,
+        relay_out,
+        actors,
+    }
+}
+
+/// The least of the relay's `/metrics` counters `series` (0 when absent).
+fn relay_counter(tb: &Testbed, series: &[String]) -> f64 {
+    let m = http_get(&tb.relay_http["r"], "/metrics");
+    series
+        .iter()
+        .map(|s| metric(&m, s).unwrap_or(0.0))
+        .fold(f64::INFINITY, f64::min)
+}
+
+/// Publishes version 2 in the background and returns once `series` (relay counters) grew.
+fn publish_2_until(tb: &Testbed, series: &[String]) -> std::thread::JoinHandle<()> {
+    let before = relay_counter(tb, series);
     let publisher = {
         let (hub, cluster, step) = (tb.hub_addr.clone(), tb.cluster.clone(), tb.steps[2].clone());
         std::thread::spawn(move || starling_tests::publish_to(&hub, &cluster, &step))
     };
-    // Kill it once it has forwarded some but not all of version 2.
-    let before = forwarded(&tb);
-    wait_for(&tb.hub_out, "first-segment 2", dl);
-    while forwarded(&tb) <= before {
-        assert!(
-            Instant::now() < dl,
-            "the relay never forwarded a segment of version 2"
-        );
+    while relay_counter(tb, series) <= before {
+        assert!(Instant::now() < tb.deadline, "{series:?} never grew");
         std::thread::sleep(Duration::from_millis(20));
     }
+    publisher
+}
+
+/// A relay SIGKILLed while a version streams through it: its actors keep the segments they
+/// staged, resume on the hub with only the rest (`Resume`), and activate the right bits.
+#[test]
+fn actors_finish_a_version_through_the_hub_when_their_relay_dies_mid_stream() {
+    let SlowRegion { mut tb, actors, .. } = slow_region(31);
+    let dl = tb.deadline;
+    // Kill the relay once it has forwarded (cut-through) some but not all of version 2 to
+    // both actors.
+    let forwarded = ["a1", "a2"].map(|a| format!("starling_segments_sent_total{{peer=\"{a}\"}}"));
+    let publisher = publish_2_until(&tb, &forwarded);
     // Loopback delivers what was written in far less; the link needs seconds for the rest.
     std::thread::sleep(Duration::from_millis(100));
     tb.kill(2);
@@ -284,52 +305,21 @@ fn actors_finish_a_version_through_the_hub_when_their_relay_dies_mid_stream() {
 /// failing over to the hub.
 #[test]
 fn a_relay_reconnects_after_a_wan_outage_and_resumes_the_version_for_its_actors() {
-    let peers = [("relay", "r"), ("actor", "a1"), ("actor", "a2")];
-    let hub_args = ["--segment-kib", "32"];
-    let mut tb = Testbed::with_model("small", 1e-5, 2, 37, &peers, &[], &hub_args);
+    let SlowRegion {
+        mut tb,
+        link_addr,
+        relay_out,
+        actors,
+    } = slow_region(37);
     let dl = tb.deadline;
-    let link = ["--rate", "2mbit", "--delay", "10ms", "--loss", "0%"];
-    let link_addr = tb.link_to_hub("127.0.0.1:0", &link);
-    let relay_args = [
-        "--wan-mbit",
-        "2",
-        "--wan-rtt-ms",
-        "20",
-        "--http",
-        "127.0.0.1:0",
-    ];
-    let (addr, relay_out) = tb.relay_at("r", &link_addr, &relay_args);
-    let actors: Vec<_> = ["a1", "a2"]
-        .iter()
-        .map(|a| tb.actor(a, &[format!("r@{addr}")]))
-        .collect();
-    for out in &actors {
-        assert_eq!(wait_for(out, "upstream ", dl), "upstream relay r");
-    }
-    assert_eq!(wait_for(&relay_out, "upstream ", dl), "upstream hub");
-    tb.publish(1);
-    for out in &actors {
-        assert_eq!(wait_for(out, "active 1 ", dl), tb.active_line(1));
-    }
-    let received = |tb: &Testbed| {
-        let m = http_get(&tb.relay_http["r"], "/metrics");
-        metric(&m, "starling_segments_received_total{peer=\"hub\"}").unwrap_or(0.0)
-    };
-    let before = received(&tb);
-    let publisher = {
-        let (hub, cluster, step) = (tb.hub_addr.clone(), tb.cluster.clone(), tb.steps[2].clone());
-        std::thread::spawn(move || starling_tests::publish_to(&hub, &cluster, &step))
-    };
-    while received(&tb) <= before {
-        assert!(Instant::now() < dl, "version 2 never reached the relay");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    // The link dies (process 1: hub, netem, relay, actors) and stays down past the 5 s idle
-    // timeout, so the relay's connection to the hub is really lost.
+    let received = ["starling_segments_received_total{peer=\"hub\"}".to_owned()];
+    let publisher = publish_2_until(&tb, &received);
+    // The link dies and stays down past the 5 s idle timeout, so the relay's connection to
+    // the hub is really lost.
     tb.kill(1);
     publisher.join().expect("publish");
     std::thread::sleep(Duration::from_secs(7));
-    tb.link_to_hub(&link_addr, &link);
+    tb.link_to_hub(&link_addr, &SLOW_LINK);
     assert_eq!(wait_for(&relay_out, "upstream ", dl), "upstream hub");
     let resume = wait_for(&relay_out, "resume 2 have ", dl);
     let have: usize = resume["resume 2 have ".len()..].parse().expect("count");
