@@ -385,7 +385,7 @@ impl Follower<'_> {
             }
             UpstreamEvent::Closed(_) => {}
         }
-        self.complete_ready(control).await
+        self.complete_ready()
     }
 
     /// The incoming state of `version`, started (and offered downstream) on first sight;
@@ -479,7 +479,7 @@ impl Follower<'_> {
 
     /// Starts verifying the next version once it is whole and committed upstream (one at a
     /// time, in order); [`verified`](Self::verified) completes it.
-    async fn complete_ready(&mut self, _control: &mut SendStream) -> Result<()> {
+    fn complete_ready(&mut self) -> Result<()> {
         if self.verifying.is_some() {
             return Ok(());
         }
@@ -543,7 +543,7 @@ impl Follower<'_> {
                 self.refetch(control, version, Vec::new()).await?;
             }
         }
-        self.complete_ready(control).await
+        self.complete_ready()
     }
 }
 

@@ -102,10 +102,11 @@ pub enum Command {
         /// and refetching).
         #[arg(long, default_value_t = 2048)]
         segment_kib: usize,
-        /// The link to a peer, as NAME=RATE_MBIT:RTT_MS (repeatable; NAME `*` for every peer
-        /// not named): what the hub keeps in flight to that peer is capped at the rate × the
-        /// measured minimum RTT plus a little headroom, so a transfer leaves no standing queue
-        /// for control messages to wait behind. Without one, plain BBR.
+        /// The link to a peer, as NAME=RATE_MBIT:RTT_MS (repeatable): what the hub keeps in
+        /// flight to that peer is capped at the rate × the measured minimum RTT plus a little
+        /// headroom, so a transfer leaves no standing queue for control messages to wait
+        /// behind. A named entry wins over the link the peer states in `Hello`; NAME `*` fills
+        /// in for peers that state none. A peer with no link either way gets plain BBR.
         #[arg(long = "peer-link", value_name = "NAME=RATE_MBIT:RTT_MS", value_parser = parse_peer_link)]
         peer_links: Vec<(String, LinkProfile)>,
         /// Ignore every stated link and send with plain BBR (for comparison).
