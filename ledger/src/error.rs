@@ -205,3 +205,17 @@ retryable!(
     ExpireError,
     SubmitError
 );
+
+/// Cancelling a batch failed.
+#[derive(Debug, Error)]
+pub enum CancelError {
+    /// The batch does not exist.
+    #[error("{0} does not exist")]
+    UnknownBatch(BatchId),
+    /// The batch was cancelled before.
+    #[error("{0} is already cancelled")]
+    AlreadyCancelled(BatchId),
+    /// The database failed.
+    #[error("ledger database")]
+    Database(#[from] sqlx::Error),
+}

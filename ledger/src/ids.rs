@@ -127,6 +127,11 @@ impl fmt::Display for JobId {
 pub struct BatchId(pub(crate) i64);
 
 impl BatchId {
+    /// A batch id from its row id (as the API hands it out).
+    pub fn from_raw(id: i64) -> BatchId {
+        BatchId(id)
+    }
+
     /// The row id.
     pub fn raw(self) -> i64 {
         self.0

@@ -51,8 +51,8 @@ pub(crate) const RULES: &[(&str, &str)] = &[
         "SELECT COUNT(*) FROM (SELECT job_id FROM results GROUP BY job_id HAVING COUNT(*) > 1) dup",
     ),
     (
-        "accepted results carry their job's version",
-        "SELECT COUNT(*) FROM results r JOIN jobs j ON j.id = r.job_id WHERE r.version <> j.version",
+        "accepted results come from their job's version or a newer one",
+        "SELECT COUNT(*) FROM results r JOIN jobs j ON j.id = r.job_id WHERE r.version < j.version",
     ),
     (
         "accepted results carry their version's digest",
@@ -60,19 +60,19 @@ pub(crate) const RULES: &[(&str, &str)] = &[
     ),
     (
         "leased, done and failed jobs were leased at least once",
-        "SELECT COUNT(*) FROM jobs WHERE state IN ('leased','done','failed') AND attempts < 1",
+        "SELECT COUNT(*) FROM jobs j JOIN batches b ON b.id = j.batch_id WHERE j.state IN ('leased','done','failed') AND j.attempts < 1 AND b.cancelled_at IS NULL",
     ),
     (
         "no job was leased more than max_attempts times",
         "SELECT COUNT(*) FROM jobs WHERE attempts > $1",
     ),
     (
-        "failed jobs used all their attempts",
-        "SELECT COUNT(*) FROM jobs WHERE state = 'failed' AND attempts < $1",
+        "failed jobs used all their attempts (or their batch was cancelled)",
+        "SELECT COUNT(*) FROM jobs j JOIN batches b ON b.id = j.batch_id WHERE j.state = 'failed' AND j.attempts < $1 AND b.cancelled_at IS NULL",
     ),
     (
         "posted jobs belong to unscheduled batches and scheduled batches have no posted jobs",
-        "SELECT COUNT(*) FROM jobs j JOIN batches b ON b.id = j.batch_id WHERE (j.state = 'posted') <> (b.scheduled_at IS NULL)",
+        "SELECT COUNT(*) FROM jobs j JOIN batches b ON b.id = j.batch_id WHERE (j.state = 'posted') <> (b.scheduled_at IS NULL) AND b.cancelled_at IS NULL",
     ),
     (
         "jobs carry their batch's version",
@@ -93,5 +93,13 @@ pub(crate) const RULES: &[(&str, &str)] = &[
     (
         "batches are posted only for committed versions",
         "SELECT COUNT(*) FROM batches b JOIN versions v ON v.version = b.version WHERE v.state <> 'committed'",
+    ),
+    (
+        "cancelled batches have no open jobs",
+        "SELECT COUNT(*) FROM jobs j JOIN batches b ON b.id = j.batch_id WHERE b.cancelled_at IS NOT NULL AND j.state NOT IN ('done','failed')",
+    ),
+    (
+        "accepted results are filed under their job's batch",
+        "SELECT COUNT(*) FROM results r JOIN jobs j ON j.id = r.job_id WHERE r.batch_id IS NOT NULL AND r.batch_id <> j.batch_id",
     ),
 ];

@@ -26,6 +26,7 @@ pub mod invariants;
 mod lease;
 mod model;
 mod postgres;
+mod run;
 pub mod schedule;
 mod sql;
 mod sqlite;
@@ -37,7 +38,7 @@ use std::time::Duration;
 
 pub use config::{ConfigError, LeaseConfig, LedgerConfig};
 pub use error::{
-    ActorError, ClaimError, ExpireError, OpenError, PostError, ReadError, RenewError,
+    ActorError, CancelError, ClaimError, ExpireError, OpenError, PostError, ReadError, RenewError,
     ScheduleError, SubmitError, VersionError,
 };
 pub use ids::{
@@ -48,6 +49,7 @@ pub use model::{
     ActorAssignment, ActorInfo, Assignment, BatchInfo, ClaimedJob, ExpireReport, JobCounts,
     JobState, JobView, Rejection, RenewReport, ResultSubmission, SubmitOutcome, VersionState,
 };
+pub use run::{AcceptedResult, BatchStatus, JobPayload, VersionRecord};
 
 use error::Retryable;
 use lease::LeaseEstimator;
@@ -102,6 +104,9 @@ pub struct Ledger {
 }
 
 const MAX_LABEL: usize = 256;
+
+/// The staleness bound of a batch posted without one: SparrowRL's one-step lag.
+pub const DEFAULT_MAX_STALENESS: u64 = 1;
 
 impl Ledger {
     /// Opens (creating if needed) the ledger at `url` — `sqlite:PATH` (or `sqlite://PATH`) or
@@ -210,13 +215,29 @@ impl Ledger {
         on_store!(self, s => s.heartbeat(actor, active, staged, now))
     }
 
-    /// Posts a batch of prompts for a committed version. Its jobs wait in state `posted`
-    /// until [`Ledger::schedule`] splits them over the eligible actors.
+    /// Posts a batch of prompts for a committed version, with the default staleness bound
+    /// ([`DEFAULT_MAX_STALENESS`]). Its jobs wait in state `posted` until
+    /// [`Ledger::schedule`] splits them over the eligible actors.
     pub async fn post_batch(
         &self,
         version: Version,
         prompts: &[Vec<u8>],
         sampling: &str,
+        now: Timestamp,
+    ) -> Result<BatchId, PostError> {
+        self.post_batch_bounded(version, prompts, sampling, DEFAULT_MAX_STALENESS, now)
+            .await
+    }
+
+    /// Posts a batch whose results are accepted only from versions at most `max_staleness`
+    /// behind the newest committed version when they are judged (and never older than
+    /// `version`).
+    pub async fn post_batch_bounded(
+        &self,
+        version: Version,
+        prompts: &[Vec<u8>],
+        sampling: &str,
+        max_staleness: u64,
         now: Timestamp,
     ) -> Result<BatchId, PostError> {
         let c = &self.config;
@@ -239,7 +260,8 @@ impl Ledger {
         if sampling.len() > c.max_sampling_bytes {
             return Err(PostError::SamplingTooLarge);
         }
-        on_store!(self, s => s.post_batch(version, prompts, sampling, now))
+        let bound = i64::try_from(max_staleness).unwrap_or(i64::MAX);
+        on_store!(self, s => s.post_batch(version, prompts, sampling, bound, now))
     }
 
     /// Schedules a posted batch (Algorithm 1): splits it over the eligible actors in

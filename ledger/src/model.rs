@@ -118,8 +118,8 @@ pub enum Rejection {
     /// The job ran out of attempts and is failed: drop the result.
     #[error("the job failed after too many expired leases")]
     JobFailed,
-    /// Generated with another version than the job's: the actor is off version, it should
-    /// drop the result and catch up before claiming again.
+    /// Generated with a version older than the job's: the actor is behind, it should drop
+    /// the result and catch up before claiming again.
     #[error("result from {result} for a job of {job}")]
     StaleVersion {
         /// The job's version.
@@ -127,9 +127,25 @@ pub enum Rejection {
         /// The version the result claims.
         result: Version,
     },
-    /// The weight digest is not the job's version's digest: the actor's weights have drifted;
+    /// Generated with a version more than the batch's `max_staleness` behind the newest
+    /// committed one: too old for the trainer; drop it and catch up.
+    #[error("result from {result} is beyond the staleness bound (latest is {latest})")]
+    TooStale {
+        /// The version the result claims.
+        result: Version,
+        /// The newest committed version when it was judged.
+        latest: Version,
+    },
+    /// The result names a version that is not committed: drop it.
+    #[error("result from {0}, which is not a committed version")]
+    UnknownVersion(Version),
+    /// The job's batch was cancelled: drop the result.
+    #[error("the batch was cancelled")]
+    Cancelled,
+    /// The weight digest is not the digest of the version the result names: the actor's
+    /// weights have drifted;
     /// it must refuse to generate and resynchronize (anchor + chain).
-    #[error("weight digest does not match the digest of the job's version")]
+    #[error("weight digest does not match the digest of the version the result names")]
     DigestMismatch,
     /// The lease ran out before the result arrived (whether or not the job was swept yet):
     /// drop the result, and claim less at a time or renew sooner.
@@ -141,6 +157,24 @@ pub enum Rejection {
     /// The job is now leased to another actor (ours expired and it was re-leased): drop it.
     #[error("the job is leased to another actor")]
     NotLeaseHolder,
+}
+
+impl Rejection {
+    /// A stable short name for the reason (metrics labels, the `refusals` table, API bodies).
+    pub fn code(&self) -> &'static str {
+        match self {
+            Rejection::UnknownJob => "unknown_job",
+            Rejection::AlreadyAccepted => "duplicate",
+            Rejection::JobFailed => "job_failed",
+            Rejection::StaleVersion { .. } => "behind_job",
+            Rejection::TooStale { .. } => "stale",
+            Rejection::UnknownVersion(_) => "unknown_version",
+            Rejection::Cancelled => "cancelled",
+            Rejection::DigestMismatch => "digest",
+            Rejection::LeaseExpired { .. } => "lease_expired",
+            Rejection::NotLeaseHolder => "not_lease_holder",
+        }
+    }
 }
 
 /// The verdict on one submitted result.

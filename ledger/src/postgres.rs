@@ -17,7 +17,6 @@ use crate::invariants::{InvariantError, InvariantViolation, RULES};
 use crate::model::*;
 use crate::schedule;
 use crate::sql;
-use crate::verdict::judge;
 
 #[derive(Debug, Clone)]
 pub(crate) struct PgStore {
@@ -35,6 +34,10 @@ impl PgStore {
             .map_err(OpenError::Connect)?;
         sqlx::migrate!("./migrations/postgres").run(&pool).await?;
         Ok(PgStore { pool })
+    }
+
+    pub(crate) fn pool(&self) -> &PgPool {
+        &self.pool
     }
 
     pub(crate) async fn close(&self) {
@@ -162,6 +165,7 @@ impl PgStore {
         version: Version,
         prompts: &[Vec<u8>],
         sampling: &str,
+        max_staleness: i64,
         now: Timestamp,
     ) -> Result<BatchId, PostError> {
         let mut tx = self.pool.begin().await?;
@@ -180,6 +184,7 @@ impl PgStore {
             .bind(size)
             .bind(sampling)
             .bind(now.millis())
+            .bind(max_staleness)
             .fetch_one(&mut *tx)
             .await?;
         for chunk in prompts.chunks(8192) {
@@ -357,7 +362,23 @@ impl PgStore {
             .fetch_all(&mut *tx)
             .await?;
         let rows = sql::job_rows(&rows)?;
-        let decided = sql::decide(&rows, results, actor, now, tau, beta, judge);
+        let named = sqlx::query(sql::COMMITTED_FROM)
+            .bind(sql::oldest_named(results))
+            .fetch_all(&mut *tx)
+            .await?;
+        let latest: Option<i64> = sqlx::query_scalar(sql::LATEST_COMMITTED)
+            .fetch_one(&mut *tx)
+            .await?;
+        let committed = sql::committed(&named, latest)?;
+        let decided = sql::decide(&rows, &committed, results, actor, now, tau, beta);
+        for (batch, reason, n) in sql::refusal_counts(&rows, &decided.outcomes) {
+            sqlx::query(sql::COUNT_REFUSALS)
+                .bind(batch)
+                .bind(reason)
+                .bind(n)
+                .execute(&mut *tx)
+                .await?;
+        }
         if !decided.accepted.is_empty() {
             let acc = &decided.accepted;
             let leased = |row: &crate::verdict::JobRow| {
@@ -395,6 +416,7 @@ impl PgStore {
                         .map(|(s, _)| s.payload.as_slice())
                         .collect::<Vec<&[u8]>>(),
                 )
+                .bind(acc.iter().map(|(_, r)| r.batch).collect::<Vec<i64>>())
                 .execute(&mut *tx)
                 .await?;
         }
@@ -514,7 +536,7 @@ const PG_CLAIM_ASSIGNED: &str = "UPDATE jobs SET state = 'leased', assignee = NU
 
 const PG_CLAIM_OPEN: &str = "UPDATE jobs SET state = 'leased', lease_holder = $1, \
      leased_at = $2, lease_expires = $3, attempts = attempts + 1 \
-     WHERE id IN (SELECT id FROM jobs WHERE state = 'pending' AND assignee IS NULL AND version = $5 \
+     WHERE id IN (SELECT id FROM jobs WHERE state = 'pending' AND assignee IS NULL AND version <= $5 \
      ORDER BY id LIMIT $4 FOR UPDATE SKIP LOCKED) \
      RETURNING id, batch_id, version, prompt, attempts";
 
@@ -529,14 +551,14 @@ const PG_EXPIRE: &str = "UPDATE jobs SET state = CASE WHEN attempts >= $2 THEN '
      RETURNING state";
 
 const PG_SUBMIT_ROWS: &str = "SELECT j.id, j.state, j.attempts, j.version, j.lease_holder, j.leased_at, \
-     j.lease_expires, v.digest FROM jobs j JOIN versions v ON v.version = j.version \
+     j.lease_expires, j.batch_id, b.max_staleness, b.cancelled_at FROM jobs j JOIN batches b ON b.id = j.batch_id \
      WHERE j.id = ANY($1) ORDER BY j.id FOR UPDATE OF j";
 
 const PG_INSERT_RESULTS: &str = "INSERT INTO results \
-     (job_id, actor_id, version, digest, tokens, elapsed_ms, completion_ms, payload, accepted_at) \
-     SELECT u.job, $2, u.version, u.digest, u.tokens, u.elapsed, u.completion, u.payload, $3 \
-     FROM UNNEST($1::bigint[], $4::bigint[], $5::bytea[], $6::bigint[], $7::bigint[], $8::bigint[], $9::bytea[]) \
-     AS u(job, version, digest, tokens, elapsed, completion, payload)";
+     (job_id, actor_id, version, digest, tokens, elapsed_ms, completion_ms, payload, accepted_at, batch_id) \
+     SELECT u.job, $2, u.version, u.digest, u.tokens, u.elapsed, u.completion, u.payload, $3, u.batch \
+     FROM UNNEST($1::bigint[], $4::bigint[], $5::bytea[], $6::bigint[], $7::bigint[], $8::bigint[], $9::bytea[], $10::bigint[]) \
+     AS u(job, version, digest, tokens, elapsed, completion, payload, batch)";
 
 const PG_MARK_DONE: &str = "UPDATE jobs SET state = 'done', lease_holder = NULL, leased_at = NULL, \
      lease_expires = NULL, done_at = $2 \

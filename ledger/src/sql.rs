@@ -10,7 +10,7 @@ use sqlx::Row;
 use crate::ids::{ActorId, BatchId, Digest, JobId, Timestamp, Version};
 use crate::model::*;
 use crate::schedule::{self, ActorState, Plan};
-use crate::verdict::JobRow;
+use crate::verdict::{Committed, JobRow, judge};
 
 /// Typed column access common to `SqliteRow` and `PgRow`.
 pub(crate) trait Get {
@@ -62,7 +62,7 @@ pub(crate) const UPSERT_ACTOR: &str = "INSERT INTO actors (id, region, hardware,
      last_heartbeat = excluded.last_heartbeat";
 pub(crate) const HEARTBEAT: &str =
     "UPDATE actors SET active_version = $2, staged_version = $3, last_heartbeat = $4 WHERE id = $1";
-pub(crate) const INSERT_BATCH: &str = "INSERT INTO batches (version, size, sampling, created_at) VALUES ($1, $2, $3, $4) RETURNING id";
+pub(crate) const INSERT_BATCH: &str = "INSERT INTO batches (version, size, sampling, created_at, max_staleness) VALUES ($1, $2, $3, $4, $5) RETURNING id";
 pub(crate) const INSERT_JOB: &str =
     "INSERT INTO jobs (batch_id, version, prompt, state) VALUES ($1, $2, $3, 'posted')";
 pub(crate) const BATCH_BY_ID: &str =
@@ -84,6 +84,12 @@ pub(crate) const ACTOR_BY_ID: &str = "SELECT id, region, hardware, active_versio
 pub(crate) const JOB_VIEW: &str = "SELECT j.id, j.state, j.attempts, j.lease_holder, r.actor_id \
      FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1";
 pub(crate) const JOB_COUNTS: &str = "SELECT state, COUNT(*) AS n FROM jobs GROUP BY state";
+pub(crate) const COMMITTED_FROM: &str =
+    "SELECT version, digest FROM versions WHERE state = 'committed' AND version >= $1";
+pub(crate) const LATEST_COMMITTED: &str =
+    "SELECT MAX(version) FROM versions WHERE state = 'committed'";
+pub(crate) const COUNT_REFUSALS: &str = "INSERT INTO refusals (batch_id, reason, count) VALUES ($1, $2, $3) \
+     ON CONFLICT (batch_id, reason) DO UPDATE SET count = refusals.count + excluded.count";
 pub(crate) const ASSIGNMENTS_OF_BATCH: &str =
     "SELECT actor_id, count, commit_version FROM assignments WHERE batch_id = $1 ORDER BY actor_id";
 
@@ -195,10 +201,12 @@ pub(crate) fn job_rows<R: Get>(rows: &[R]) -> Result<HashMap<i64, JobRow>, sqlx:
                     state: JobState::parse(&r.string("state")?)?,
                     attempts: r.i64("attempts")?,
                     version: version(r.i64("version")?)?,
+                    batch: r.i64("batch_id")?,
+                    max_staleness: u64::try_from(r.i64("max_staleness")?).unwrap_or(0),
+                    cancelled: r.opt_i64("cancelled_at")?.is_some(),
                     holder: r.opt_string("lease_holder")?,
                     leased_at: r.opt_i64("leased_at")?,
                     expires: r.opt_i64("lease_expires")?,
-                    digest: Digest::from_db(&r.bytes("digest")?)?,
                 },
             ))
         })
@@ -213,17 +221,53 @@ pub(crate) struct Decided<'a> {
     pub(crate) tau: f64,
 }
 
-type Judge =
-    fn(Option<&JobRow>, &ResultSubmission, &ActorId, Timestamp, bool) -> Result<(), Rejection>;
+/// The committed versions' digests from `version, digest` rows, and the newest committed
+/// version.
+pub(crate) fn committed<R: Get>(rows: &[R], latest: Option<i64>) -> Result<Committed, sqlx::Error> {
+    let digests = rows
+        .iter()
+        .map(|r| {
+            Ok((
+                version(r.i64("version")?)?,
+                Digest::from_db(&r.bytes("digest")?)?,
+            ))
+        })
+        .collect::<Result<HashMap<_, _>, sqlx::Error>>()?;
+    Ok(Committed {
+        digests,
+        latest: opt_version(latest)?,
+    })
+}
+
+/// The oldest version any submission names (the committed digests are read from there on).
+pub(crate) fn oldest_named(results: &[ResultSubmission]) -> i64 {
+    results.iter().map(|r| r.version.to_db()).min().unwrap_or(0)
+}
+
+/// Refusals per (batch, reason) of one submit call, for the `refusals` counters.
+pub(crate) fn refusal_counts(
+    rows: &HashMap<i64, JobRow>,
+    outcomes: &[SubmitOutcome],
+) -> Vec<(i64, &'static str, i64)> {
+    let mut counts: HashMap<(i64, &'static str), i64> = HashMap::new();
+    for o in outcomes {
+        if let (Err(why), Some(row)) = (&o.verdict, rows.get(&o.job.0)) {
+            *counts.entry((row.batch, why.code())).or_default() += 1;
+        }
+    }
+    let mut v: Vec<_> = counts.into_iter().map(|((b, r), n)| (b, r, n)).collect();
+    v.sort();
+    v
+}
 
 pub(crate) fn decide<'a>(
     rows: &'a HashMap<i64, JobRow>,
+    committed: &Committed,
     results: &'a [ResultSubmission],
     actor: &ActorId,
     now: Timestamp,
     mut tau: f64,
     beta: f64,
-    judge: Judge,
 ) -> Decided<'a> {
     let mut seen = HashSet::new();
     let mut outcomes = Vec::with_capacity(results.len());
@@ -231,7 +275,7 @@ pub(crate) fn decide<'a>(
     let mut completions = Vec::new();
     for sub in results {
         let row = rows.get(&sub.job.0);
-        let verdict = judge(row, sub, actor, now, seen.contains(&sub.job.0));
+        let verdict = judge(row, sub, committed, actor, now, seen.contains(&sub.job.0));
         if let (Ok(()), Some(row)) = (&verdict, row) {
             seen.insert(sub.job.0);
             accepted.push((sub, row));

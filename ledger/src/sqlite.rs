@@ -21,7 +21,6 @@ use crate::invariants::{InvariantError, InvariantViolation, RULES};
 use crate::model::*;
 use crate::schedule;
 use crate::sql;
-use crate::verdict::judge;
 
 #[derive(Debug, Clone)]
 pub(crate) struct SqliteStore {
@@ -58,6 +57,10 @@ impl SqliteStore {
             .map_err(OpenError::Connect)?;
         sqlx::migrate!("./migrations/sqlite").run(&pool).await?;
         Ok(SqliteStore { pool })
+    }
+
+    pub(crate) fn pool(&self) -> &SqlitePool {
+        &self.pool
     }
 
     pub(crate) async fn close(&self) {
@@ -185,6 +188,7 @@ impl SqliteStore {
         version: Version,
         prompts: &[Vec<u8>],
         sampling: &str,
+        max_staleness: i64,
         now: Timestamp,
     ) -> Result<BatchId, PostError> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
@@ -203,6 +207,7 @@ impl SqliteStore {
             .bind(size)
             .bind(sampling)
             .bind(now.millis())
+            .bind(max_staleness)
             .fetch_one(&mut *tx)
             .await?;
         for p in prompts {
@@ -380,13 +385,29 @@ impl SqliteStore {
             .fetch_all(&mut *tx)
             .await?;
         let rows = sql::job_rows(&rows)?;
-        let decided = sql::decide(&rows, results, actor, now, tau, beta, judge);
-        // Multi-row INSERTs: one statement per 256 results (2,304 parameters, far below
+        let named = sqlx::query(sql::COMMITTED_FROM)
+            .bind(sql::oldest_named(results))
+            .fetch_all(&mut *tx)
+            .await?;
+        let latest: Option<i64> = sqlx::query_scalar(sql::LATEST_COMMITTED)
+            .fetch_one(&mut *tx)
+            .await?;
+        let committed = sql::committed(&named, latest)?;
+        let decided = sql::decide(&rows, &committed, results, actor, now, tau, beta);
+        for (batch, reason, n) in sql::refusal_counts(&rows, &decided.outcomes) {
+            sqlx::query(sql::COUNT_REFUSALS)
+                .bind(batch)
+                .bind(reason)
+                .bind(n)
+                .execute(&mut *tx)
+                .await?;
+        }
+        // Multi-row INSERTs: one statement per 256 results (2,560 parameters, far below
         // SQLite's limit of 32,766).
         for chunk in decided.accepted.chunks(256) {
             let mut insert = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
                 "INSERT INTO results (job_id, actor_id, version, digest, tokens, elapsed_ms, \
-                 completion_ms, payload, accepted_at) ",
+                 completion_ms, payload, accepted_at, batch_id) ",
             );
             insert.push_values(chunk, |mut b, (sub, row)| {
                 b.push_bind(sub.job.0)
@@ -401,7 +422,8 @@ impl SqliteStore {
                             .max(0),
                     )
                     .push_bind(&sub.payload[..])
-                    .push_bind(now.millis());
+                    .push_bind(now.millis())
+                    .push_bind(row.batch);
             });
             insert.build().execute(&mut *tx).await?;
         }
@@ -501,7 +523,7 @@ const SQLITE_CLAIM_ASSIGNED: &str = "UPDATE jobs SET state = 'leased', assignee 
 
 const SQLITE_CLAIM_OPEN: &str = "UPDATE jobs SET state = 'leased', lease_holder = $1, \
      leased_at = $2, lease_expires = $3, attempts = attempts + 1 \
-     WHERE id IN (SELECT id FROM jobs WHERE state = 'pending' AND assignee IS NULL AND version = $5 ORDER BY id LIMIT $4) \
+     WHERE id IN (SELECT id FROM jobs WHERE state = 'pending' AND assignee IS NULL AND version <= $5 ORDER BY id LIMIT $4) \
      RETURNING id, batch_id, version, prompt, attempts";
 
 const SQLITE_RENEW: &str = "UPDATE jobs SET lease_expires = max(lease_expires, $3) \
@@ -514,7 +536,7 @@ const SQLITE_EXPIRE: &str = "UPDATE jobs SET state = CASE WHEN attempts >= $2 TH
      RETURNING state";
 
 const SQLITE_SUBMIT_ROWS: &str = "SELECT j.id, j.state, j.attempts, j.version, j.lease_holder, j.leased_at, \
-     j.lease_expires, v.digest FROM jobs j JOIN versions v ON v.version = j.version \
+     j.lease_expires, j.batch_id, b.max_staleness, b.cancelled_at FROM jobs j JOIN batches b ON b.id = j.batch_id \
      WHERE j.id IN (SELECT value FROM json_each($1))";
 
 const SQLITE_MARK_DONE: &str = "UPDATE jobs SET state = 'done', lease_holder = NULL, leased_at = NULL, \
