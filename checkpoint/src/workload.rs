@@ -2,7 +2,7 @@
 //! post-training.
 //!
 //! Each element has an FP32 master weight drawn with a magnitude spread typical of its
-//! tensor kind (embeddings, attention, MLP, norms, biases; per-row scales log-normal, a
+//! tensor kind (embeddings, attention, MLP, norms; per-row scales log-normal, a
 //! heavy tail of outliers). Every step applies a real Adam update (β₁ 0.9, β₂ 0.999,
 //! ε 1e-8, bias correction) driven by a gradient with a small persistent mean and a large
 //! per-step noise — RL policy gradients are noisy — at the chosen learning rate (optimizer state warm, as after pre-training and SFT), then casts
@@ -22,7 +22,8 @@ use std::path::{Path, PathBuf};
 use rayon::prelude::*;
 use starling_proto::bf16::f32_to_bf16;
 
-/// What role a tensor plays; sets its initial magnitude.
+/// What role a tensor plays; sets its initial magnitude. (`Bias` is unused by the Qwen3
+/// presets, which have no biases; kept for hand-built specs.)
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
     Embedding,
@@ -68,6 +69,18 @@ impl TensorSpec {
     }
 }
 
+/// The sizes of a Qwen3-layout [`ModelSpec`].
+#[derive(Debug, Clone, Copy)]
+struct Qwen3Arch {
+    hidden: u64,
+    layers: u64,
+    intermediate: u64,
+    vocab: u64,
+    heads: u64,
+    kv_heads: u64,
+    head_dim: u64,
+}
+
 /// A model: tensors sorted by name.
 #[derive(Debug, Clone)]
 pub struct ModelSpec {
@@ -76,8 +89,10 @@ pub struct ModelSpec {
 }
 
 impl ModelSpec {
-    /// A Qwen2/Llama-style decoder: embeddings, per layer RMSNorms, q/k/v (with bias) and o
-    /// projections with grouped KV heads, gate/up/down MLP, final norm and LM head.
+    /// A Qwen3-style decoder (Hugging Face `Qwen3ForCausalLM` names and shapes): embeddings,
+    /// per layer RMSNorms, q/k/v/o projections without biases and with grouped KV heads,
+    /// per-head RMSNorms of queries and keys (`q_norm`, `k_norm`), gate/up/down MLP, final
+    /// norm and an untied LM head. `head_dim = hidden / heads`.
     pub fn qwen_like(
         name: &str,
         hidden: u64,
@@ -99,66 +114,32 @@ impl ModelSpec {
         ];
         for l in 0..layers {
             let p = format!("model.layers.{l}");
-            t.push(spec(
-                &format!("{p}.input_layernorm.weight"),
-                &[hidden],
-                Kind::Norm,
-            ));
-            t.push(spec(
-                &format!("{p}.post_attention_layernorm.weight"),
-                &[hidden],
-                Kind::Norm,
-            ));
-            t.push(spec(
-                &format!("{p}.self_attn.q_proj.weight"),
-                &[heads * hd, hidden],
-                Kind::Attention,
-            ));
-            t.push(spec(
-                &format!("{p}.self_attn.q_proj.bias"),
-                &[heads * hd],
-                Kind::Bias,
-            ));
-            t.push(spec(
-                &format!("{p}.self_attn.k_proj.weight"),
+            let mut add = |suffix: &str, shape: &[u64], kind: Kind| {
+                t.push(spec(&format!("{p}.{suffix}.weight"), shape, kind));
+            };
+            add("input_layernorm", &[hidden], Kind::Norm);
+            add("post_attention_layernorm", &[hidden], Kind::Norm);
+            add("self_attn.q_proj", &[heads * hd, hidden], Kind::Attention);
+            add(
+                "self_attn.k_proj",
                 &[kv_heads * hd, hidden],
                 Kind::Attention,
-            ));
-            t.push(spec(
-                &format!("{p}.self_attn.k_proj.bias"),
-                &[kv_heads * hd],
-                Kind::Bias,
-            ));
-            t.push(spec(
-                &format!("{p}.self_attn.v_proj.weight"),
+            );
+            add(
+                "self_attn.v_proj",
                 &[kv_heads * hd, hidden],
                 Kind::Attention,
-            ));
-            t.push(spec(
-                &format!("{p}.self_attn.v_proj.bias"),
-                &[kv_heads * hd],
-                Kind::Bias,
-            ));
-            t.push(spec(
-                &format!("{p}.self_attn.o_proj.weight"),
+            );
+            add(
+                "self_attn.o_proj",
                 &[hidden, heads * hd],
                 Kind::AttentionOut,
-            ));
-            t.push(spec(
-                &format!("{p}.mlp.gate_proj.weight"),
-                &[intermediate, hidden],
-                Kind::MlpIn,
-            ));
-            t.push(spec(
-                &format!("{p}.mlp.up_proj.weight"),
-                &[intermediate, hidden],
-                Kind::MlpIn,
-            ));
-            t.push(spec(
-                &format!("{p}.mlp.down_proj.weight"),
-                &[hidden, intermediate],
-                Kind::MlpOut,
-            ));
+            );
+            add("self_attn.q_norm", &[hd], Kind::Norm);
+            add("self_attn.k_norm", &[hd], Kind::Norm);
+            add("mlp.gate_proj", &[intermediate, hidden], Kind::MlpIn);
+            add("mlp.up_proj", &[intermediate, hidden], Kind::MlpIn);
+            add("mlp.down_proj", &[hidden, intermediate], Kind::MlpOut);
         }
         t.sort_by(|a, b| a.name.cmp(&b.name));
         Self {
@@ -167,8 +148,81 @@ impl ModelSpec {
         }
     }
 
-    /// Named presets: `tiny` (~0.2 M parameters), `small` (~6 M), `100m` (~0.1 B),
-    /// `0.5b` (Qwen2.5-0.5B's shapes, ~0.5 B, 1 GB BF16), `1.5b` (Qwen2.5-1.5B's, 3.1 GB).
+    /// The Hugging Face `config.json` of a model built by [`ModelSpec::qwen_like`] (every
+    /// preset): `Qwen3ForCausalLM`, BF16, untied embeddings, `rms_norm_eps` 1e-6,
+    /// `rope_theta` 1e6, and a context of 2048 positions for the toy presets (`tiny`,
+    /// `small`, `100m`) or 32768 for the Qwen-sized ones. The sizes are read back from
+    /// the tensor shapes; `None` when the spec is not in that layout.
+    pub fn qwen3_config_json(&self) -> Option<serde_json::Value> {
+        let a = self.qwen3_arch()?;
+        let max_positions = if a.hidden >= 896 { 32_768 } else { 2048 };
+        Some(serde_json::json!({
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "vocab_size": a.vocab,
+            "hidden_size": a.hidden,
+            "intermediate_size": a.intermediate,
+            "num_hidden_layers": a.layers,
+            "num_attention_heads": a.heads,
+            "num_key_value_heads": a.kv_heads,
+            "head_dim": a.head_dim,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 1_000_000.0,
+            "max_position_embeddings": max_positions,
+            "tie_word_embeddings": false,
+            "torch_dtype": "bfloat16",
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+            "hidden_act": "silu",
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "initializer_range": 0.02,
+            "rope_scaling": null,
+            "use_cache": true,
+            "use_sliding_window": false,
+            "sliding_window": null,
+        }))
+    }
+
+    /// The sizes of a Qwen3-layout spec, read from its tensor shapes.
+    fn qwen3_arch(&self) -> Option<Qwen3Arch> {
+        let shape = |name: &str| {
+            self.tensors
+                .iter()
+                .find(|t| t.name == name)
+                .map(|t| t.shape.as_slice())
+        };
+        let (&[vocab, hidden], &[q_rows, _], &[kv_rows, _], &[head_dim], &[intermediate, _]) = (
+            shape("model.embed_tokens.weight")?,
+            shape("model.layers.0.self_attn.q_proj.weight")?,
+            shape("model.layers.0.self_attn.k_proj.weight")?,
+            shape("model.layers.0.self_attn.q_norm.weight")?,
+            shape("model.layers.0.mlp.gate_proj.weight")?,
+        ) else {
+            return None;
+        };
+        let layers = self
+            .tensors
+            .iter()
+            .filter(|t| t.name.ends_with(".input_layernorm.weight"))
+            .count() as u64;
+        if head_dim == 0 || q_rows % head_dim != 0 || kv_rows % head_dim != 0 {
+            return None;
+        }
+        Some(Qwen3Arch {
+            hidden,
+            layers,
+            intermediate,
+            vocab,
+            heads: q_rows / head_dim,
+            kv_heads: kv_rows / head_dim,
+            head_dim,
+        })
+    }
+
+    /// Named presets, all in the Qwen3 layout: `tiny` (~0.2 M parameters), `small` (~6 M),
+    /// `100m` (~0.1 B), `0.5b` (Qwen2.5-0.5B's sizes, ~0.5 B, 1 GB BF16), `1.5b`
+    /// (Qwen2.5-1.5B's, 3.1 GB).
     pub fn preset(name: &str) -> Option<Self> {
         Some(match name {
             "tiny" => Self::qwen_like(name, 64, 2, 176, 512, 4, 2),
@@ -462,5 +516,48 @@ mod tests {
         assert!((norm_changed as f64 / norm.len() as f64) < density);
         let other = generate_in_memory(&model, 1, &TrainConfig { seed: 4, ..cfg });
         assert_ne!(other[0], a[0], "another seed, other weights");
+    }
+
+    #[test]
+    fn presets_have_the_qwen3_layout_and_a_matching_config() {
+        let tiny = ModelSpec::preset("tiny").expect("preset");
+        let names: Vec<&str> = tiny.tensors.iter().map(|t| t.name.as_str()).collect();
+        assert!(!names.iter().any(|n| n.ends_with(".bias")), "no biases");
+        let q_norm = tiny
+            .tensors
+            .iter()
+            .find(|t| t.name == "model.layers.1.self_attn.k_norm.weight")
+            .expect("k_norm");
+        assert_eq!(
+            (q_norm.shape.as_slice(), q_norm.kind),
+            (&[16u64][..], Kind::Norm)
+        );
+        // 3 global tensors + 11 per layer.
+        assert_eq!(tiny.tensors.len(), 3 + 2 * 11);
+        for name in ModelSpec::PRESETS {
+            let spec = ModelSpec::preset(name).expect("preset");
+            let c = spec.qwen3_config_json().expect("config");
+            let hidden = c["hidden_size"].as_u64().expect("hidden");
+            let heads = c["num_attention_heads"].as_u64().expect("heads");
+            assert_eq!(c["head_dim"].as_u64(), Some(hidden / heads), "{name}");
+            assert_eq!(c["tie_word_embeddings"], serde_json::json!(false));
+            assert_eq!(c["model_type"], "qwen3");
+        }
+        let c = ModelSpec::preset("small")
+            .and_then(|s| s.qwen3_config_json())
+            .expect("config");
+        assert_eq!(c["max_position_embeddings"].as_u64(), Some(2048));
+        assert_eq!(c["num_hidden_layers"].as_u64(), Some(4));
+        assert_eq!(c["num_key_value_heads"].as_u64(), Some(2));
+        assert_eq!(c["intermediate_size"].as_u64(), Some(704));
+        assert_eq!(c["vocab_size"].as_u64(), Some(8192));
+        // Norm-kind q/k norms start near 1.0 like the other norms.
+        let w = generate_in_memory(&tiny, 0, &TrainConfig::default());
+        let qn = &w[0]["model.layers.0.self_attn.q_norm.weight"];
+        assert!(
+            qn.iter()
+                .map(|&b| f32::from_bits(u32::from(b) << 16))
+                .all(|x| (0.5..1.5).contains(&x))
+        );
     }
 }
