@@ -28,7 +28,7 @@ use anyhow::{Context, Result, bail};
 use ed25519_dalek::VerifyingKey;
 use quinn::{Connection, SendStream};
 use starling_checkpoint::deltafile::write_frames;
-use starling_proto::container::{DeltaAssembler, FrameKind, split_frames};
+use starling_proto::container::{DeltaAssembler, FrameKind};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::msg::{MAX_SEQS, Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::Metrics;
@@ -580,35 +580,14 @@ fn write_cache(dir: &Path, live: &LiveVersion) -> Result<()> {
 fn load_cache(dir: &Path, book: &VersionBook, trust: &TrustPolicy) -> Result<usize> {
     let mut n = 0;
     loop {
-        let v = book.latest() + 1;
-        let path = cache_path(dir, v);
+        let path = cache_path(dir, book.latest() + 1);
         let Ok(bytes) = std::fs::read(&path) else {
             return Ok(n);
         };
-        let delta = match starling_proto::container::read_delta(&bytes, trust) {
-            Ok(d) => d,
-            Err(e) => {
-                eprintln!("{}: {e}; ignoring the cache from here", path.display());
-                return Ok(n);
-            }
-        };
-        let m = &delta.manifest.manifest;
-        if m.version != v {
-            eprintln!(
-                "{} holds version {}; ignoring it",
-                path.display(),
-                m.version
-            );
+        if let Err(e) = book.load_delta(&bytes, trust) {
+            eprintln!("{}: {e}; ignoring the cache from here", path.display());
             return Ok(n);
         }
-        let live = book.begin(v, m.base_version, m.delta_id())?;
-        for f in split_frames(&bytes)? {
-            let w = WireFrame::parse(f.to_vec())?;
-            if w.kind != FrameKind::Trailer {
-                live.push(w);
-            }
-        }
-        book.complete(v)?;
         n += 1;
     }
 }

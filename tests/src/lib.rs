@@ -141,6 +141,40 @@ pub struct Testbed {
     pub relay_http: std::collections::BTreeMap<String, String>,
     pub procs: Procs,
     pub deadline: Instant,
+    hub_args: Vec<String>,
+    hub_env: Vec<(String, String)>,
+    hub_pid: u32,
+}
+
+/// The hub's `serve` command of a test bed rooted at `root`.
+fn hub_command(
+    root: &std::path::Path,
+    init: &std::path::Path,
+    listen: &str,
+    http: &str,
+    args: &[String],
+    env: &[(String, String)],
+) -> Command {
+    let mut hub = Command::new(bin("starling-hub"));
+    hub.args([
+        "serve",
+        "--listen",
+        listen,
+        "--model-id",
+        "tiny",
+        "--cluster",
+    ])
+    .arg(root.join("cluster"))
+    .arg("--store")
+    .arg(root.join("hub-store"))
+    .arg("--init")
+    .arg(init)
+    .args(["--http", http])
+    .args(args);
+    for (k, v) in env {
+        hub.env(k, v);
+    }
+    hub
 }
 
 impl Testbed {
@@ -198,25 +232,19 @@ impl Testbed {
         }
         let deadline = Instant::now() + Duration::from_secs(300);
         let mut procs = Procs(Vec::new());
-        let mut hub = Command::new(bin("starling-hub"));
-        hub.args([
-            "serve",
-            "--listen",
+        let hub_args: Vec<String> = hub_args.iter().map(|a| (*a).to_owned()).collect();
+        let hub_env: Vec<(String, String)> = hub_env
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect();
+        let mut hub = hub_command(
+            &root,
+            &steps[0],
             "127.0.0.1:0",
-            "--model-id",
-            "tiny",
-            "--cluster",
-        ])
-        .arg(&cluster)
-        .arg("--store")
-        .arg(root.join("hub-store"))
-        .arg("--init")
-        .arg(&steps[0])
-        .args(["--http", "127.0.0.1:0"])
-        .args(hub_args);
-        for (k, v) in hub_env {
-            hub.env(k, v);
-        }
+            "127.0.0.1:0",
+            &hub_args,
+            &hub_env,
+        );
         let (hub_out, hub_log) = spawn_with_log(&mut procs, &mut hub);
         let hub_http = wait_for(&hub_out, "http on ", deadline)
             .trim_start_matches("http on ")
@@ -235,9 +263,45 @@ impl Testbed {
             hub_log,
             links_out: Vec::new(),
             relay_http: std::collections::BTreeMap::new(),
-            procs,
             deadline,
+            hub_pid: procs.0.first().map(|c| c.id()).unwrap_or(0),
+            procs,
+            hub_args,
+            hub_env,
         }
+    }
+
+    /// Starts the hub again with the very command it ran with (same store, ledger, `--init`,
+    /// addresses), as its systemd unit's `Restart=on-failure` would; waits until it listens.
+    /// Its output replaces `hub_out` and `hub_log`.
+    pub fn restart_hub(&mut self) {
+        let mut hub = hub_command(
+            &self.root,
+            &self.steps[0],
+            &self.hub_addr,
+            &self.hub_http,
+            &self.hub_args,
+            &self.hub_env,
+        );
+        let (out, log) = spawn_with_log(&mut self.procs, &mut hub);
+        self.hub_pid = self.procs.0.last().map(|c| c.id()).unwrap_or(0);
+        wait_for(&out, "listening on ", self.deadline);
+        self.hub_out = out;
+        self.hub_log = log;
+    }
+
+    /// The hub's command with `init` as `--init` (for a start that must be refused).
+    pub fn hub_command_with_init(&self, init: &std::path::Path, extra: &[&str]) -> Command {
+        let mut args = self.hub_args.clone();
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        hub_command(
+            &self.root,
+            init,
+            &self.hub_addr,
+            &self.hub_http,
+            &args,
+            &self.hub_env,
+        )
     }
 
     /// A relay connected straight to the hub; returns its address and stdout lines.
@@ -382,6 +446,15 @@ impl Testbed {
                 blake3::hash(&le_bytes(w)),
                 "{actor}: tensor {name}"
             );
+        }
+    }
+
+    /// SIGKILLs the hub (the first one or the one [`Testbed::restart_hub`] started) and
+    /// reaps it.
+    pub fn kill_hub(&mut self) {
+        let pid = self.hub_pid;
+        if let Some(i) = self.procs.0.iter().position(|c| c.id() == pid) {
+            self.kill(i);
         }
     }
 

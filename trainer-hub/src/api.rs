@@ -22,6 +22,9 @@ use crate::serve::{Hub, publish};
 pub struct PublishRequest {
     /// A safetensors file or sharded directory readable by the hub.
     pub path: PathBuf,
+    /// The trainer's own step number, recorded with the version.
+    #[serde(default)]
+    pub step: Option<u64>,
 }
 
 /// `POST /v1/versions` answer.
@@ -69,7 +72,7 @@ async fn create(State(hub): State<Arc<Hub>>, Json(req): Json<PublishRequest>) ->
             format!("path must be absolute: {}", req.path.display()),
         );
     }
-    match publish(&hub, &req.path).await {
+    match publish(&hub, &req.path, req.step).await {
         Ok(Message::Published {
             version,
             changes,

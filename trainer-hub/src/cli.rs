@@ -12,8 +12,10 @@ use starling_checkpoint::deltafile::{
 };
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir, step_file};
+use starling_checkpoint::writer::AtomicFile;
 use starling_proto::manifest::{TrustPolicy, hex};
 use starling_proto::segment::Segment;
+use starling_transport::identity::Credentials;
 use starling_transport::link::LinkProfile;
 
 use crate::keys;
@@ -49,11 +51,12 @@ pub enum Command {
         #[arg(long, default_value = "starling")]
         name: String,
     },
-    /// Issue credentials for a relay or an actor into OUT (copy OUT to that machine).
+    /// Issue credentials for a relay, an actor or a trainer into OUT (copy OUT to that
+    /// machine). A trainer's also hold its HTTP token (`OUT/token`).
     Issue {
         #[arg(long, default_value = "cluster", env = "STARLING_HUB_CLUSTER_DIR")]
         dir: PathBuf,
-        /// relay or actor.
+        /// relay, actor or trainer.
         #[arg(long)]
         role: String,
         /// The peer's name (a DNS label), e.g. eu-west-relay or a100-07.
@@ -98,6 +101,11 @@ pub enum Command {
         /// Anchors kept on disk (deltas older than the oldest are deleted).
         #[arg(long, default_value_t = 2)]
         keep_anchors: usize,
+        /// The ledger (versions, actors, batches, jobs, leases, results): `sqlite:PATH` or
+        /// `postgres://…`. Default: `sqlite:STORE/ledger.db`. Restarting with the same ledger
+        /// resumes the run where it stopped.
+        #[arg(long, env = "STARLING_HUB_LEDGER")]
+        ledger: Option<String>,
         /// Close a segment once it holds this many KiB (the unit of forwarding, verifying
         /// and refetching).
         #[arg(long, default_value_t = 2048)]
@@ -118,6 +126,10 @@ pub enum Command {
         path: PathBuf,
         #[arg(long, default_value = "127.0.0.1:7443", env = "STARLING_HUB_ADDR")]
         hub: std::net::SocketAddr,
+        /// Trainer credentials (`issue --role trainer`); without them, the hub's own from
+        /// `--cluster` (on the hub's machine).
+        #[arg(long, env = "STARLING_TRAINER_CREDENTIALS")]
+        credentials: Option<PathBuf>,
         #[arg(long, default_value = "cluster", env = "STARLING_HUB_CLUSTER_DIR")]
         cluster: PathBuf,
         #[arg(long, default_value = "model", env = "STARLING_HUB_MODEL_ID")]
@@ -273,7 +285,10 @@ pub fn run(cli: Cli) -> Result<()> {
             segment_kib,
             peer_links,
             no_link_ceiling,
+            ledger,
         } => {
+            let ledger =
+                ledger.unwrap_or_else(|| format!("sqlite:{}", store.join("ledger.db").display()));
             let version = match init_version {
                 Some(v) => v,
                 None => Checkpoint::open(&init)
@@ -298,6 +313,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 segment_bytes: segment_kib.max(1) << 10,
                 peer_links: peer_links.into_iter().collect(),
                 link_ceiling: !no_link_ceiling,
+                ledger,
             };
             runtime()?.block_on(async {
                 tokio::select! {
@@ -309,12 +325,17 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Publish {
             path,
             hub,
+            credentials,
             cluster,
             model_id,
         } => {
-            let (version, changes, bytes) = runtime()?.block_on(crate::serve::publish_remote(
-                &cluster, hub, &model_id, &path,
-            ))?;
+            let creds = match &credentials {
+                Some(dir) => Credentials::load_peer(dir)
+                    .with_context(|| format!("load trainer credentials from {}", dir.display()))?,
+                None => Credentials::load_hub(&cluster).context("load hub credentials")?,
+            };
+            let (version, changes, bytes) =
+                runtime()?.block_on(crate::serve::publish_remote(&creds, hub, &model_id, &path))?;
             println!(
                 "published {} as version {version}: {changes} changes, {bytes} bytes",
                 path.display()
@@ -331,7 +352,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 dir.display()
             );
             println!(
-                "next: starling-hub issue --dir {} --role relay|actor --name NAME -o DIR",
+                "next: starling-hub issue --dir {} --role relay|actor|trainer --name NAME -o DIR",
                 dir.display()
             );
             Ok(())
@@ -419,6 +440,15 @@ fn generate(spec: &ModelSpec, steps: u32, lr: f32, seed: u64, out: &Path) -> Res
     let paths = generate_to_dir(spec, steps, &cfg, out, &|d| pb.set_position(d))
         .with_context(|| format!("generate checkpoints into {}", out.display()))?;
     pb.finish_and_clear();
+    // The model's HF-style config, so engines (built-in, vLLM) load the same files.
+    if let Some(config) = spec.qwen3_config_json() {
+        let path = out.join("config.json");
+        let mut f =
+            AtomicFile::create(&path).with_context(|| format!("create {}", path.display()))?;
+        f.write_all(serde_json::to_string_pretty(&config)?.as_bytes())?;
+        f.commit()
+            .with_context(|| format!("write {}", path.display()))?;
+    }
     eprintln!(
         "wrote {} checkpoints of model {} ({:.1} M parameters, {:.1} MB each) to {}",
         paths.len(),

@@ -6,5 +6,6 @@
 pub mod anchors;
 pub mod api;
 pub mod cli;
+mod durable;
 pub mod keys;
 pub mod serve;

@@ -22,7 +22,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use anyhow::{Context, Result, bail};
 use ed25519_dalek::SigningKey;
 use quinn::{Connection, SendStream};
-use starling_checkpoint::deltafile::{DiffOptions, checkpoint_digest, diff_checkpoints};
+use starling_checkpoint::deltafile::{DiffOptions, diff_checkpoints};
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::writer::AtomicFile;
 use starling_proto::container::{FrameKind, split_frames};
@@ -32,6 +32,9 @@ use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRo
 use starling_telemetry::Metrics;
 
 use crate::anchors::Anchors;
+use crate::durable;
+use starling_ledger::{Digest, Ledger, LedgerConfig};
+use starling_proto::manifest::TrustPolicy;
 use starling_transport::admit::admit;
 use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
 use starling_transport::ceiling::RateCeiling;
@@ -74,15 +77,17 @@ pub struct ServeConfig {
     pub peer_links: BTreeMap<String, LinkProfile>,
     /// Cap the window to each peer at its stated link (off: plain BBR, for comparison).
     pub link_ceiling: bool,
+    /// The ledger's URL (`sqlite:PATH` or `postgres://…`).
+    pub ledger: String,
 }
 
 #[derive(Debug)]
 struct State {
     version: u64,
     snapshot: PathBuf,
-    /// The snapshot's state digest once known: computed in the background at start, then
-    /// each manifest's post digest. Spares every diff a hash of every base element.
-    digest: Option<StateDigest>,
+    /// The snapshot's state digest: from the ledger at start, then each manifest's post
+    /// digest. Spares every diff a hash of every base element.
+    digest: StateDigest,
 }
 
 #[derive(Debug)]
@@ -93,6 +98,7 @@ pub(crate) struct Hub {
     book: Arc<VersionBook>,
     metrics: Metrics,
     anchors: Arc<Anchors>,
+    pub(crate) ledger: Arc<Ledger>,
 }
 
 /// Writes the anchor of `version` from `checkpoint` (off the async runtime).
@@ -126,15 +132,47 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
     Checkpoint::open(&cfg.init)
         .with_context(|| format!("open initial checkpoint {}", cfg.init.display()))?;
     std::fs::create_dir_all(cfg.store.join("deltas")).context("create store")?;
+    let ledger = Ledger::open(&cfg.ledger, LedgerConfig::default())
+        .await
+        .with_context(|| format!("open the ledger at {}", cfg.ledger))?;
+    let trust = TrustPolicy::Keys(vec![signing.verifying_key()]);
+    let resumed = durable::resume(
+        &ledger,
+        &cfg.store,
+        &cfg.model_id,
+        &cfg.init,
+        cfg.init_version,
+        &trust,
+    )
+    .await?;
+    // The newest `retain` deltas are served from the book; older ones through anchors.
+    let first = resumed
+        .first_delta
+        .max(resumed.version.saturating_sub(cfg.retain as u64));
+    let book = VersionBook::new(first, cfg.retain);
+    for v in first + 1..=resumed.version {
+        let path = durable::delta_path(&cfg.store, v);
+        let bytes = std::fs::read(&path).with_context(|| format!("read {}", path.display()))?;
+        book.load_delta(&bytes, &trust)
+            .with_context(|| format!("load {}", path.display()))?;
+    }
+    println!("base-digest {}", resumed.version);
+    if resumed.version != cfg.init_version {
+        eprintln!(
+            "resumed at version {} (snapshot {})",
+            resumed.version,
+            resumed.snapshot.display()
+        );
+    }
     let endpoint = server_endpoint(&creds, cfg.listen, &cfg.link).context("listen")?;
     let addr = endpoint.local_addr().context("local address")?;
     let hub = Arc::new(Hub {
         state: Mutex::new(State {
-            version: cfg.init_version,
-            snapshot: cfg.init.clone(),
-            digest: None,
+            version: resumed.version,
+            snapshot: resumed.snapshot,
+            digest: resumed.digest,
         }),
-        book: Arc::new(VersionBook::new(cfg.init_version, cfg.retain)),
+        book: Arc::new(book),
         metrics: Metrics::new(),
         anchors: Arc::new(Anchors::open(
             &cfg.store,
@@ -142,33 +180,12 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
             signing.clone(),
             cfg.keep_anchors,
         )?),
+        ledger: Arc::new(ledger),
         cfg,
         signing,
     });
+    if resumed_version(&hub).await == hub.cfg.init_version && !hub.anchors.has(hub.cfg.init_version)
     {
-        // The initial snapshot's digest, off the runtime; a publish that comes first simply
-        // computes it inside its diff.
-        let hub = hub.clone();
-        tokio::spawn(async move {
-            let (init, model) = (hub.cfg.init.clone(), hub.cfg.model_id.clone());
-            let digest = tokio::task::spawn_blocking(move || {
-                checkpoint_digest(&Checkpoint::open(&init)?, &model)
-            })
-            .await;
-            match digest {
-                Ok(Ok(d)) => {
-                    let mut state = hub.state.lock().await;
-                    if state.version == hub.cfg.init_version && state.digest.is_none() {
-                        state.digest = Some(d);
-                        println!("base-digest {}", hub.cfg.init_version);
-                    }
-                }
-                Ok(Err(e)) => eprintln!("digest of the initial checkpoint: {e}"),
-                Err(e) => eprintln!("digest of the initial checkpoint: {e}"),
-            }
-        });
-    }
-    if !hub.anchors.has(hub.cfg.init_version) {
         // A full-checkpoint copy: in the background, so the hub serves at once (until it is
         // written, a subscriber asking for an anchor is refused and asks again later).
         let (hub, init, v) = (hub.clone(), hub.cfg.init.clone(), hub.cfg.init_version);
@@ -178,7 +195,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
             }
         });
     }
-    hub.metrics.set_active(hub.cfg.init_version);
+    hub.metrics.set_active(resumed_version(&hub).await);
     if let Some(http) = hub.cfg.http {
         let (listener, at) = starling_telemetry::http::bind(http)
             .await
@@ -263,7 +280,7 @@ async fn serve_trainer(hub: Arc<Hub>, mut tx: SendStream, mut reader: MessageRea
             .await?;
             continue;
         };
-        let reply = match publish(&hub, Path::new(&path)).await {
+        let reply = match publish(&hub, Path::new(&path), None).await {
             Ok(r) => r,
             Err(e) => Message::Refuse {
                 reason: RefuseReason::Protocol,
@@ -275,23 +292,24 @@ async fn serve_trainer(hub: Arc<Hub>, mut tx: SendStream, mut reader: MessageRea
     Ok(())
 }
 
-pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path) -> Result<Message> {
+async fn resumed_version(hub: &Hub) -> u64 {
+    hub.state.lock().await.version
+}
+
+pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> Result<Message> {
     // One publish at a time: the state lock is held across the diff.
     let mut state = hub.state.lock().await;
     let base = state.version;
     let version = base + 1;
     let old = state.snapshot.clone();
     let new = path.to_owned();
-    let dest = hub
-        .cfg
-        .store
-        .join("deltas")
-        .join(format!("v{version:08}.sdc"));
+    let dest = durable::delta_path(&hub.cfg.store, version);
+    let source = durable::FileStamp::of(path)?;
     let created = now_ms();
     let mut opts = DiffOptions::new(&hub.cfg.model_id, base, version, created);
     opts.signing_key = Some(hub.signing.clone());
     opts.encoder.segment_target_bytes = hub.cfg.segment_bytes;
-    opts.pre_digest = state.digest;
+    opts.pre_digest = Some(state.digest);
     let id = delta_id(&hub.cfg.model_id, base, version, created);
     // Cut-through: subscribers get each frame the moment the encoder emits it. Store-and-
     // forward (for comparison): the version is offered once its file is durable.
@@ -350,11 +368,33 @@ pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path) -> Result<Message> {
             offer(&live, f);
         }
     }
+    // In the ledger before anyone hears of it: a version announced is a version recorded.
+    let meta = durable::VersionMeta {
+        source: Some(source),
+        delta: Some(dest.clone()),
+        changes: manifest.total_changes(),
+        bytes,
+        step,
+    };
+    let recorded = hub
+        .ledger
+        .publish_version(
+            durable::to_ledger_version(version)?,
+            Some(durable::to_ledger_version(base)?),
+            Digest(manifest.post_digest.to_bytes()),
+            &meta.to_text(),
+            durable::now(),
+        )
+        .await;
+    if let Err(e) = recorded {
+        hub.book.abort(version);
+        return Err(e).context("record the version in the ledger");
+    }
     hub.book.complete(version)?;
     hub.metrics.set_active(version);
     state.version = version;
     state.snapshot = path.to_owned();
-    state.digest = Some(manifest.post_digest);
+    state.digest = manifest.post_digest;
     drop(state);
     if hub.cfg.anchor_every > 0 && version % hub.cfg.anchor_every == 0 {
         // In the background: the next publish need not wait for a full-checkpoint write.
@@ -392,19 +432,24 @@ fn offer(live: &LiveVersion, frame: &[u8]) {
 
 /// `starling-hub publish`: asks a running hub to publish a checkpoint.
 pub async fn publish_remote(
-    cluster: &Path,
+    creds: &Credentials,
     hub_addr: SocketAddr,
     model_id: &str,
     path: &Path,
 ) -> Result<(u64, u64, u64)> {
-    let creds = Credentials::load_hub(cluster).context("load hub credentials")?;
+    if !matches!(creds.role, Role::Hub | Role::Trainer) {
+        bail!(
+            "{} credentials cannot publish: issue trainer credentials",
+            creds.role.as_str()
+        );
+    }
     let bind: SocketAddr = if hub_addr.is_ipv4() {
         "0.0.0.0:0"
     } else {
         "[::]:0"
     }
     .parse()?;
-    let ep = client_endpoint(&creds, bind, &LinkProfile::LAN)?;
+    let ep = client_endpoint(creds, bind, &LinkProfile::LAN)?;
     let conn = connect(&ep, hub_addr, Role::Hub, "hub").await?;
     let (mut tx, rx) = conn.open_bi().await?;
     let mut reader = MessageReader::new(rx);
@@ -413,7 +458,7 @@ pub async fn publish_remote(
         &Message::Hello {
             protocol: PROTOCOL_VERSION,
             role: MsgRole::Trainer,
-            name: "trainer".into(),
+            name: creds.name.clone(),
             region: String::new(),
             model_id: model_id.to_owned(),
             active: None,

@@ -58,11 +58,13 @@ pub async fn admit(
     else {
         return Err(AdmitError::NoHello);
     };
-    // The trainer publishes with the hub's own credentials.
+    // A trainer proves itself with trainer credentials, or (on the hub's own machine) with
+    // the hub's.
     let (cert_role, cert_name) = match role {
         MsgRole::Relay => (Role::Relay, name.as_str()),
         MsgRole::Actor => (Role::Actor, name.as_str()),
-        MsgRole::Trainer => (Role::Hub, "hub"),
+        MsgRole::Trainer if name == "hub" => (Role::Hub, "hub"),
+        MsgRole::Trainer => (Role::Trainer, name.as_str()),
     };
     let refusal = if protocol != PROTOCOL_VERSION {
         Some((

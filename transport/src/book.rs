@@ -215,6 +215,19 @@ pub enum BookError {
     Poisoned,
 }
 
+/// Why a stored delta file could not be added to a book.
+#[derive(Debug, Error)]
+pub enum LoadError {
+    #[error("unreadable delta: {0}")]
+    Decode(#[from] DecodeError),
+    #[error("delta does not verify: {0}")]
+    Verify(#[from] starling_proto::container::AssembleError),
+    #[error("the file holds version {found}, the book needs {expected}")]
+    WrongVersion { found: u64, expected: u64 },
+    #[error(transparent)]
+    Book(#[from] BookError),
+}
+
 #[derive(Debug)]
 struct BookState {
     latest: u64,
@@ -332,6 +345,33 @@ impl VersionBook {
         }
         self.changes.send_modify(|n| *n += 1);
         Ok(())
+    }
+
+    /// Adds a stored, complete delta file (`.sdc` bytes) as the next version, after verifying
+    /// it as a whole under `trust`. Returns its version.
+    pub fn load_delta(
+        &self,
+        bytes: &[u8],
+        trust: &starling_proto::manifest::TrustPolicy,
+    ) -> Result<u64, LoadError> {
+        let expected = self.latest() + 1;
+        let delta = starling_proto::container::read_delta(bytes, trust)?;
+        let m = &delta.manifest.manifest;
+        if m.version != expected {
+            return Err(LoadError::WrongVersion {
+                found: m.version,
+                expected,
+            });
+        }
+        let live = self.begin(expected, m.base_version, m.delta_id())?;
+        for f in starling_proto::container::split_frames(bytes)? {
+            let w = WireFrame::parse(f.to_vec())?;
+            if w.kind != FrameKind::Trailer {
+                live.push(w);
+            }
+        }
+        self.complete(expected)?;
+        Ok(expected)
     }
 
     /// Abandons an unfinished version (its producer failed); receivers drop it.

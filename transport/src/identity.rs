@@ -30,6 +30,9 @@ pub enum Role {
     Hub,
     Relay,
     Actor,
+    /// Publishes versions and submits rollout work (QUIC with its certificate, HTTP with
+    /// its token).
+    Trainer,
 }
 
 impl Role {
@@ -38,6 +41,7 @@ impl Role {
             Role::Hub => "hub",
             Role::Relay => "relay",
             Role::Actor => "actor",
+            Role::Trainer => "trainer",
         }
     }
 
@@ -46,6 +50,7 @@ impl Role {
             "hub" => Ok(Role::Hub),
             "relay" => Ok(Role::Relay),
             "actor" => Ok(Role::Actor),
+            "trainer" => Ok(Role::Trainer),
             other => Err(IdentityError::BadRole(other.to_owned())),
         }
     }
@@ -226,7 +231,50 @@ fn issue_leaf(
     Ok((cert.pem(), key.serialize_pem()))
 }
 
-/// Issues credentials for a relay or actor from the cluster in `cluster_dir` into `out`.
+/// Domain of the key trainer tokens are derived under (from the hub's signing seed).
+const TRAINER_TOKEN_CONTEXT: &str = "starling 2026 trainer token v1";
+
+/// The HTTP token of trainer `name`: `trainer.NAME.HEX`, where HEX is a BLAKE3 keyed hash of
+/// the name under a key derived from the hub's signing seed. The hub checks a token by
+/// recomputing it, so it stores none.
+pub fn trainer_token(signing_seed: &[u8; 32], name: &str) -> String {
+    let key = blake3::derive_key(TRAINER_TOKEN_CONTEXT, signing_seed);
+    let mac = blake3::keyed_hash(&key, name.as_bytes());
+    format!("trainer.{name}.{}", mac.to_hex())
+}
+
+/// The trainer a token was issued to, if it is genuine (checked in constant time).
+pub fn verify_trainer_token(signing_seed: &[u8; 32], token: &str) -> Option<String> {
+    let rest = token.strip_prefix("trainer.")?;
+    let (name, mac_hex) = rest.rsplit_once('.')?;
+    check_name(name).ok()?;
+    let key = blake3::derive_key(TRAINER_TOKEN_CONTEXT, signing_seed);
+    let expected = blake3::keyed_hash(&key, name.as_bytes());
+    let given = blake3::Hash::from_hex(mac_hex).ok()?;
+    // blake3::Hash's equality is constant-time.
+    (given == expected).then(|| name.to_owned())
+}
+
+fn read_signing_seed(cluster_dir: &Path) -> Result<[u8; 32], IdentityError> {
+    let path = cluster_dir.join("signing.key");
+    let text = read(&path)?;
+    let t = text.trim();
+    let bad = || IdentityError::NotACluster {
+        path: path.clone(),
+        detail: "signing.key must hold 64 hex characters".into(),
+    };
+    if t.len() != 64 || !t.is_ascii() {
+        return Err(bad());
+    }
+    let mut seed = [0u8; 32];
+    for (i, k) in seed.iter_mut().enumerate() {
+        *k = u8::from_str_radix(&t[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
+    }
+    Ok(seed)
+}
+
+/// Issues credentials for a relay, actor or trainer from the cluster in `cluster_dir` into
+/// `out`. A trainer's also hold its HTTP token (`token`).
 pub fn issue(cluster_dir: &Path, role: Role, name: &str, out: &Path) -> Result<(), IdentityError> {
     check_name(name)?;
     if role == Role::Hub {
@@ -259,7 +307,21 @@ pub fn issue(cluster_dir: &Path, role: Role, name: &str, out: &Path) -> Result<(
         )
         .unwrap_or_default(),
     )?;
+    if role == Role::Trainer {
+        let seed = read_signing_seed(cluster_dir)?;
+        write_secret(&out.join("token"), &(trainer_token(&seed, name) + "\n"))?;
+    }
     Ok(())
+}
+
+/// The HTTP token in a trainer's credentials directory.
+pub fn load_trainer_token(dir: &Path) -> Result<String, IdentityError> {
+    Ok(read(&dir.join("token"))?.trim().to_owned())
+}
+
+/// The hub's signing seed from its cluster directory (for checking trainer tokens).
+pub fn hub_signing_seed(cluster_dir: &Path) -> Result<[u8; 32], IdentityError> {
+    read_signing_seed(cluster_dir)
 }
 
 /// The hub's manifest-verification key from a credentials or cluster directory

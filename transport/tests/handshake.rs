@@ -240,3 +240,39 @@ fn identity_files_are_refused_when_wrong() {
         assert_eq!(mode, 0o600, "{f}");
     }
 }
+
+#[test]
+fn trainer_tokens_are_checked_without_being_stored() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let c = d.path().join("c");
+    init_cluster(&c, "prod-1", [7; 32]).expect("init");
+    let out = d.path().join("t1");
+    issue(&c, Role::Trainer, "t1", &out).expect("issue trainer");
+    let token = starling_transport::identity::load_trainer_token(&out).expect("token file");
+    let seed = starling_transport::identity::hub_signing_seed(&c).expect("seed");
+    use starling_transport::identity::verify_trainer_token as verify;
+    assert_eq!(verify(&seed, &token).as_deref(), Some("t1"));
+    // Another cluster's key, another name, a flipped character, garbage: refused.
+    assert_eq!(verify(&[8; 32], &token), None);
+    assert_eq!(verify(&seed, &token.replacen("t1", "t2", 1)), None);
+    let mut flipped = token.clone().into_bytes();
+    let last = flipped.len() - 1;
+    flipped[last] = if flipped[last] == b'0' { b'1' } else { b'0' };
+    assert_eq!(
+        verify(&seed, &String::from_utf8(flipped).expect("ascii")),
+        None
+    );
+    assert_eq!(verify(&seed, "trainer.t1."), None);
+    assert_eq!(verify(&seed, ""), None);
+    // The token is a secret.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(out.join("token"))
+        .expect("stat")
+        .permissions()
+        .mode()
+        & 0o777;
+    assert_eq!(mode, 0o600);
+    // And the certificate carries the trainer role.
+    let creds = starling_transport::identity::Credentials::load_peer(&out).expect("load");
+    assert_eq!((creds.role, creds.name.as_str()), (Role::Trainer, "t1"));
+}

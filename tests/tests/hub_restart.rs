@@ -1,0 +1,107 @@
+//! The hub as a durable control plane, with real processes: SIGKILLed after version 6 and
+//! restarted with the very same command (as its systemd unit does), it resumes at version 6
+//! from its ledger, numbers the next publish 7, and every actor activates it bit-identically —
+//! also when the trainer rewrote the file version 6 was published from (the hub rebuilds its
+//! snapshot from the store's anchor and deltas). An `--init` that contradicts the ledger is
+//! refused with both versions and digests named.
+
+use std::process::Stdio;
+
+use starling_tests::{Testbed, http_get, publish_to, wait_for};
+
+fn latest_version(tb: &Testbed) -> u64 {
+    let body = http_get(&tb.hub_http, "/v1/versions");
+    let v: serde_json::Value = serde_json::from_str(&body).expect("JSON");
+    v["latest"].as_u64().expect("latest")
+}
+
+#[test]
+fn a_restarted_hub_resumes_at_its_latest_version_and_actors_follow() {
+    let peers = [
+        ("relay", "r1"),
+        ("actor", "a1"),
+        ("actor", "a2"),
+        ("trainer", "t1"),
+    ];
+    let mut tb = Testbed::new(9, 11, &peers, &[]);
+    let dl = tb.deadline;
+    let (relay, _relay_out) = tb.relay("r1");
+    let a1 = tb.actor("a1", &[format!("r1@{relay}")]);
+    let a2 = tb.actor("a2", &[]);
+    for rx in [&a1, &a2] {
+        wait_for(rx, "active 0 ", dl);
+    }
+    for k in 1..=6 {
+        tb.publish(k);
+    }
+    for rx in [&a1, &a2] {
+        assert_eq!(wait_for(rx, "active 6 ", dl), tb.active_line(6));
+    }
+    assert_eq!(latest_version(&tb), 6);
+
+    // SIGKILL, then the same command: the hub resumes at 6 and the next publish is 7.
+    tb.kill_hub();
+    tb.restart_hub();
+    assert_eq!(latest_version(&tb), 6, "resumed from the ledger");
+    tb.publish(7);
+    assert_eq!(latest_version(&tb), 7);
+    for rx in [&a1, &a2] {
+        assert_eq!(wait_for(rx, "active 7 ", dl), tb.active_line(7));
+    }
+
+    // The trainer rewrites the file version 7 came from; a restarted hub must not diff the
+    // next version against it: it rebuilds version 7 from the anchor and the delta chain.
+    tb.kill_hub();
+    let seven = std::fs::read(&tb.steps[7]).expect("read step 7");
+    std::fs::copy(&tb.steps[2], &tb.steps[7]).expect("overwrite step 7");
+    tb.restart_hub();
+    std::fs::write(&tb.steps[7], &seven).expect("restore step 7 for the checks");
+    // Published with trainer credentials this time.
+    let mut publish = std::process::Command::new(starling_tests::bin("starling-hub"));
+    publish
+        .args([
+            "publish",
+            "--model-id",
+            "tiny",
+            "--hub",
+            &tb.hub_addr,
+            "--credentials",
+        ])
+        .arg(tb.root.join("t1"))
+        .arg(&tb.steps[8]);
+    starling_tests::run_ok(&mut publish);
+    for rx in [&a1, &a2] {
+        assert_eq!(wait_for(rx, "active 8 ", dl), tb.active_line(8));
+    }
+    tb.assert_store_is("a1", 8);
+    tb.assert_store_is("a2", 8);
+    let snapshot = tb.root.join("hub-store/snapshot/v00000007.safetensors");
+    assert!(
+        snapshot.exists(),
+        "the hub rebuilt version 7 into its store"
+    );
+
+    // A different initial checkpoint against this ledger is refused.
+    let out = tb
+        .hub_command_with_init(&tb.steps[1], &["--init-version", "0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run hub");
+    assert!(
+        !out.status.success(),
+        "a contradicting --init must be refused"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("contradicts the ledger")
+            && err.contains("version 0")
+            && err.contains("version 8"),
+        "{err}"
+    );
+    // Publishing continues on the running hub.
+    publish_to(&tb.hub_addr, &tb.cluster, &tb.steps[9]);
+    for rx in [&a1, &a2] {
+        assert_eq!(wait_for(rx, "active 9 ", dl), tb.active_line(9));
+    }
+}
