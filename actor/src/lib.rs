@@ -14,10 +14,14 @@
 //! (`Reception`); a source that dies is replaced by the next one with `Resume`, so the
 //! segments already staged are not sent again; an actor behind every source's retained deltas
 //! restores the hub's newest anchor (sealed, hashed, checked) and follows the chain from it.
-//! An inference engine is not attached yet (the engine trait and its safe points arrive with
-//! the rollout work).
+//!
+//! With an engine (`--engine builtin`), each activated version is loaded into it at the job
+//! boundary (the engine swaps versions between generation calls, see [`engine`]) and the
+//! rollout [`worker`] claims jobs from the hub, generates them and submits the results.
 
+pub mod engine;
 pub mod store;
+pub mod worker;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -40,7 +44,13 @@ use starling_transport::identity::{Credentials, Role, manifest_key};
 use starling_transport::link::LinkProfile;
 use starling_transport::reception::{Added, Reception};
 use starling_transport::upstream::{UpstreamEvent, subscribe};
+use std::sync::Arc;
+
+use engine::{BuiltinEngine, Engine};
+use starling_engine::ModelConfig;
 use store::{Layout, Store};
+use tokio::sync::watch;
+use worker::PipelineStatus;
 
 /// Where to subscribe: relays of the actor's region first, then the hub.
 #[derive(Debug, Clone)]
@@ -66,6 +76,23 @@ pub struct ActorConfig {
     pub link: LinkProfile,
     /// Where to serve `/metrics` (none: not served).
     pub http: Option<SocketAddr>,
+    /// Generate rollouts with this engine (none: hold weights only).
+    pub engine: Option<EngineSettings>,
+}
+
+/// The rollout engine and worker settings.
+#[derive(Debug, Clone)]
+pub struct EngineSettings {
+    /// The model's HF `config.json`.
+    pub model_config: PathBuf,
+    /// Sequences decoded together.
+    pub max_batch: u32,
+    /// Groups claimed per generation call.
+    pub claim: u32,
+    /// Stretch each generation call to this many times its compute time (≥ 1; benchmarks).
+    pub slowdown: f64,
+    /// A label for the hardware (reported to the hub).
+    pub hardware: String,
 }
 
 /// How many times in a row the actor may fail to reach any source before it gives up.
@@ -109,6 +136,10 @@ struct Pipeline<'a> {
     peer: String,
     /// An anchor was asked of the current upstream.
     anchor_asked: bool,
+    /// The engine each activated version is loaded into.
+    engine: Option<Arc<dyn Engine>>,
+    /// What the worker reports to the hub.
+    status: watch::Sender<PipelineStatus>,
 }
 
 /// Runs until every source failed too often or the process is stopped. Prints `active
@@ -143,6 +174,20 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         println!("http on {at}");
     }
     let loaded = Store::open(&cfg.store, &cfg.init, &cfg.model_id, &trust)?;
+    let (status, status_rx) = watch::channel(PipelineStatus::default());
+    let engine: Option<Arc<dyn Engine>> = match &cfg.engine {
+        None => None,
+        Some(e) => {
+            let config = ModelConfig::from_file(&e.model_config)
+                .with_context(|| format!("read {}", e.model_config.display()))?;
+            Some(Arc::new(BuiltinEngine::new(
+                config,
+                &cfg.model_id,
+                e.max_batch,
+                e.slowdown,
+            )?))
+        }
+    };
     if loaded.replayed > 0 {
         eprintln!("replayed {} journal entries", loaded.replayed);
     }
@@ -158,9 +203,37 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         retries: BTreeMap::new(),
         peer: String::new(),
         anchor_asked: false,
+        engine: engine.clone(),
+        status,
     };
     metrics.set_active(p.state.version());
+    p.load_engine()?;
     println!("active {} {}", p.state.version(), p.state.digest());
+    // The rollout worker lives as long as `run`.
+    let _worker = match (&engine, &cfg.engine) {
+        (Some(engine), Some(e)) => {
+            let hub = cfg
+                .sources
+                .iter()
+                .find(|s| s.role == Role::Hub)
+                .context("an actor with an engine needs the hub's address")?;
+            let wcfg = worker::WorkerConfig {
+                hub: hub.addr,
+                region: cfg.region.clone(),
+                model_id: cfg.model_id.clone(),
+                hardware: e.hardware.clone(),
+                claim: e.claim,
+            };
+            Some(AbortOnDrop(tokio::spawn(worker::run(
+                creds.clone(),
+                wcfg,
+                engine.clone(),
+                status_rx,
+                metrics.clone(),
+            ))))
+        }
+        _ => None,
+    };
 
     let mut failures = 0u32;
     for source in cfg.sources.iter().cycle() {
@@ -241,7 +314,32 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
     Ok(())
 }
 
+/// Aborts a task when dropped: the owner of the actor's background tasks.
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 impl Pipeline<'_> {
+    /// Loads the active version into the engine (at the job boundary: a generation call in
+    /// flight keeps the version it started with) and tells the worker.
+    fn load_engine(&mut self) -> Result<()> {
+        let (version, digest) = (self.state.version(), self.state.digest().to_bytes());
+        if let Some(engine) = &self.engine {
+            let weights = self.state.weights();
+            tokio::task::block_in_place(|| engine.load(weights, version, digest))?;
+        }
+        self.status.send_modify(|s| {
+            s.active = Some((version, digest));
+            s.staged = s.staged.filter(|&v| v > version);
+        });
+        Ok(())
+    }
+
     /// Handles one event.
     async fn handle(&mut self, ev: UpstreamEvent, control: &mut SendStream) -> Result<Outcome> {
         match ev {
@@ -366,6 +464,7 @@ impl Pipeline<'_> {
         self.pending.clear();
         self.commits.clear();
         self.metrics.set_active(seal.version);
+        self.load_engine()?;
         println!("restored anchor {}", seal.version);
         println!("active {} {}", self.state.version(), self.state.digest());
         Ok(())
@@ -419,6 +518,7 @@ impl Pipeline<'_> {
         }
         if p.reception.complete() {
             println!("staged {version}");
+            self.status.send_modify(|s| s.staged = Some(version));
         }
         p.raw.push(frame.bytes.clone());
         let staged = match &mut p.stager {
@@ -488,6 +588,7 @@ impl Pipeline<'_> {
                     self.metrics.set_active(next);
                     let frames: Vec<&[u8]> = raw.iter().map(Vec::as_slice).collect();
                     self.store.record(next, &frames, &self.state)?;
+                    self.load_engine()?;
                     println!("active {} {}", self.state.version(), self.state.digest());
                     let _ = send(
                         control,

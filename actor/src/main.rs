@@ -33,6 +33,25 @@ struct Args {
     /// Serve `/metrics` here.
     #[arg(long, env = "STARLING_ACTOR_HTTP")]
     http: Option<SocketAddr>,
+    /// Generate rollouts: `builtin` (the CPU engine) or `none` (hold weights only).
+    #[arg(long, default_value = "none", env = "STARLING_ACTOR_ENGINE")]
+    engine: String,
+    /// The model's HF config.json (default: config.json beside --init).
+    #[arg(long, env = "STARLING_ACTOR_MODEL_CONFIG")]
+    model_config: Option<PathBuf>,
+    /// Sequences the engine decodes together.
+    #[arg(long, default_value_t = 32, env = "STARLING_ACTOR_MAX_BATCH")]
+    max_batch: u32,
+    /// Groups claimed per generation call.
+    #[arg(long, default_value_t = 4, env = "STARLING_ACTOR_CLAIM")]
+    claim: u32,
+    /// Run the engine this many times slower than it can (≥ 1), to emulate slower hardware
+    /// in benchmarks.
+    #[arg(long, default_value_t = 1.0, env = "STARLING_ACTOR_ENGINE_SLOWDOWN")]
+    engine_slowdown: f64,
+    /// A label for this actor's hardware, reported to the hub.
+    #[arg(long, default_value = "cpu", env = "STARLING_ACTOR_HARDWARE")]
+    hardware: String,
 }
 
 fn main() -> std::process::ExitCode {
@@ -57,6 +76,25 @@ fn main() -> std::process::ExitCode {
         name: "hub".into(),
         addr: a.hub,
     });
+    let engine = match a.engine.as_str() {
+        "none" => None,
+        "builtin" => Some(starling_actor::EngineSettings {
+            model_config: a.model_config.clone().unwrap_or_else(|| {
+                a.init
+                    .parent()
+                    .map(|d| d.join("config.json"))
+                    .unwrap_or_else(|| PathBuf::from("config.json"))
+            }),
+            max_batch: a.max_batch,
+            claim: a.claim,
+            slowdown: a.engine_slowdown,
+            hardware: a.hardware.clone(),
+        }),
+        other => {
+            eprintln!("error: --engine {other:?} is not known: use builtin or none");
+            return std::process::ExitCode::from(2);
+        }
+    };
     let cfg = starling_actor::ActorConfig {
         credentials: a.credentials,
         sources,
@@ -66,6 +104,7 @@ fn main() -> std::process::ExitCode {
         model_id: a.model_id,
         link: starling_transport::link::LinkProfile::LAN,
         http: a.http,
+        engine,
     };
     starling_transport::service::run_service(starling_actor::run(cfg))
 }

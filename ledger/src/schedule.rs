@@ -29,11 +29,13 @@ pub struct ActorState {
 /// Where an actor stands with respect to a target version v.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Eligibility {
-    /// Active on v: gets work.
+    /// Active on v, or on a newer version (its results come from a version at least as new
+    /// as the batch's and never beyond the newest, so they are within any staleness bound):
+    /// gets work.
     OnVersion,
     /// Active on v−1 with D(v) staged: gets work and COMMIT(v).
     NeedsCommit,
-    /// Anything else (behind by more, D(v) not staged, silent, or ahead): no work, τ decays.
+    /// Anything else (behind by more, D(v) not staged, silent): no work, τ decays.
     Ineligible,
 }
 
@@ -42,7 +44,7 @@ pub fn eligibility(target: Version, actor: &ActorState) -> Eligibility {
     if !actor.alive {
         return Eligibility::Ineligible;
     }
-    if actor.active == Some(target) {
+    if actor.active.is_some_and(|a| a >= target) {
         return Eligibility::OnVersion;
     }
     if actor.active.is_some() && actor.active == target.previous() && actor.staged == Some(target) {
@@ -227,7 +229,8 @@ mod tests {
         );
         assert_eq!(
             eligibility(t, &actor("a", Some(11), None, 1.0)),
-            Eligibility::Ineligible
+            Eligibility::OnVersion,
+            "an actor ahead of the batch generates from a newer version, which is accepted"
         );
         assert_eq!(
             eligibility(t, &actor("a", None, Some(10), 1.0)),

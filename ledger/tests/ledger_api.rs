@@ -143,10 +143,17 @@ async fn scheduling_is_gated_by_version(l: &Ledger) {
     ));
     let counts = l.job_counts().await.unwrap();
     assert_eq!((counts.posted, counts.pending), (0, 101));
-    // Nobody is on v1's successor chain with v1 committed... v0 has no eligible actor.
-    let b0 = l.post_batch(v(0), &prompts(2), "{}", now).await.unwrap();
+    // Actors ahead of a batch's version generate it from a newer version (accepted within
+    // the staleness bound): a batch of v0 goes to every live actor.
+    let b0 = l.post_batch(v(0), &prompts(4), "{}", now).await.unwrap();
+    let a0 = l.schedule(b0, now).await.unwrap();
+    assert_eq!(a0.shares.len(), 4, "{a0:?}");
+    assert!(a0.shares.iter().all(|s| !s.commit));
+    // Once every actor has gone silent, nobody is eligible.
+    let later = at(10 * 60_000);
+    let b1 = l.post_batch(v(3), &prompts(2), "{}", later).await.unwrap();
     assert!(matches!(
-        l.schedule(b0, now).await,
+        l.schedule(b1, later).await,
         Err(ScheduleError::NoEligibleActors(_))
     ));
     l.check_invariants().await.unwrap();

@@ -24,6 +24,7 @@ pub mod encode;
 pub mod error;
 pub mod manifest;
 pub mod msg;
+pub mod rollout;
 pub mod segment;
 pub mod wire;
 

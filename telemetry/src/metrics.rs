@@ -14,6 +14,10 @@
 //! | `starling_transfer_seconds` | histogram, 10 ms .. 327.68 s | |
 //! | `starling_apply_seconds` | histogram, 100 µs .. 26.2 s | |
 //! | `starling_control_rtt_seconds` | histogram, 100 µs .. 13.1 s | |
+//! | `starling_jobs_leased_total`, `starling_leases_expired_total` | counter | |
+//! | `starling_results_accepted_total` | counter | |
+//! | `starling_results_refused_total` | counter | `reason` (a fixed set of codes) |
+//! | `starling_rollout_tokens_total` | counter | |
 //!
 //! A per-peer family appears in the exposition once it has its first series.
 //!
@@ -87,6 +91,12 @@ struct PeerLabel {
     peer: String,
 }
 
+/// The label set of refusal counts: a reason code from a fixed, small set.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: String,
+}
+
 /// The peer names that have their own series: at most `cap` of them, first come first served.
 #[derive(Debug)]
 struct PeerNames {
@@ -136,6 +146,11 @@ struct Inner {
     transfer: Histogram,
     apply: Histogram,
     control_rtt: Histogram,
+    jobs_leased: Counter,
+    leases_expired: Counter,
+    results_accepted: Counter,
+    results_refused: Family<ReasonLabel, Counter>,
+    rollout_tokens: Counter,
 }
 
 impl Metrics {
@@ -158,6 +173,11 @@ impl Metrics {
             transfer: Buckets::TRANSFER.histogram(),
             apply: Buckets::APPLY.histogram(),
             control_rtt: Buckets::CONTROL_RTT.histogram(),
+            jobs_leased: Counter::default(),
+            leases_expired: Counter::default(),
+            results_accepted: Counter::default(),
+            results_refused: Family::default(),
+            rollout_tokens: Counter::default(),
         };
         Self {
             inner: Arc::new(inner.registered()),
@@ -212,6 +232,32 @@ impl Metrics {
     /// A control message was answered after `rtt`.
     pub fn observe_control_rtt(&self, rtt: Duration) {
         self.inner.control_rtt.observe(rtt.as_secs_f64());
+    }
+
+    /// Jobs leased to actors.
+    pub fn leased(&self, jobs: u64) {
+        self.inner.jobs_leased.inc_by(jobs);
+    }
+
+    /// Leases that expired (their jobs returned to the pool or failed).
+    pub fn expired(&self, leases: u64) {
+        self.inner.leases_expired.inc_by(leases);
+    }
+
+    /// A result accepted, with the tokens it generated.
+    pub fn accepted(&self, tokens: u64) {
+        self.inner.results_accepted.inc();
+        self.inner.rollout_tokens.inc_by(tokens);
+    }
+
+    /// A result refused, by reason code (callers pass codes from a fixed set).
+    pub fn refused(&self, reason: &str) {
+        self.inner
+            .results_refused
+            .get_or_create(&ReasonLabel {
+                reason: reason.to_owned(),
+            })
+            .inc();
     }
 
     /// Every family in the OpenMetrics text exposition format, ending in `# EOF`.
@@ -288,6 +334,31 @@ impl Inner {
             "Round-trip time of control messages",
             Unit::Seconds,
             self.control_rtt.clone(),
+        );
+        r.register(
+            "jobs_leased",
+            "Rollout jobs (groups) leased to actors",
+            self.jobs_leased.clone(),
+        );
+        r.register(
+            "leases_expired",
+            "Leases that expired before a result was accepted",
+            self.leases_expired.clone(),
+        );
+        r.register(
+            "results_accepted",
+            "Rollout results (groups) accepted, exactly once per job",
+            self.results_accepted.clone(),
+        );
+        r.register(
+            "results_refused",
+            "Rollout results refused, by reason",
+            self.results_refused.clone(),
+        );
+        r.register(
+            "rollout_tokens",
+            "Tokens generated in accepted rollouts",
+            self.rollout_tokens.clone(),
         );
         self
     }

@@ -201,8 +201,11 @@ impl Testbed {
             lr,
             ..TrainConfig::default()
         };
-        let steps = generate_to_dir(&spec, versions, &cfg, &dir.path().join("ckpt"), &|_| {})
-            .expect("generate");
+        let ckpt = dir.path().join("ckpt");
+        let steps = generate_to_dir(&spec, versions, &cfg, &ckpt, &|_| {}).expect("generate");
+        if let Some(config) = spec.qwen3_config_json() {
+            std::fs::write(ckpt.join("config.json"), config.to_string()).expect("config.json");
+        }
         Self::with_checkpoints(dir, steps, peers, hub_env, hub_args)
     }
 
@@ -388,6 +391,16 @@ impl Testbed {
 
     /// Starts an actor that tries `relays` (NAME@ADDR) before the hub.
     pub fn actor(&mut self, name: &str, relays: &[String]) -> mpsc::Receiver<String> {
+        self.actor_with(name, relays, &[])
+    }
+
+    /// An actor with extra arguments (an engine, a region).
+    pub fn actor_with(
+        &mut self,
+        name: &str,
+        relays: &[String],
+        extra: &[&str],
+    ) -> mpsc::Receiver<String> {
         let mut cmd = Command::new(bin("starling-actor"));
         cmd.args([
             "--model-id",
@@ -404,6 +417,7 @@ impl Testbed {
         for r in relays {
             cmd.args(["--relay", r]);
         }
+        cmd.args(extra);
         spawn(&mut self.procs, &mut cmd)
     }
 
@@ -458,6 +472,33 @@ impl Testbed {
         }
     }
 
+    /// SIGKILLs the one process of this test bed whose command line contains `needle` (an
+    /// actor's store path, `--region NAME --credentials`), and reaps it.
+    pub fn kill_matching(&mut self, needle: &str) {
+        let matches: Vec<usize> = self
+            .procs
+            .0
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| {
+                std::fs::read(format!("/proc/{}/cmdline", p.id()))
+                    .map(|c| {
+                        String::from_utf8_lossy(&c)
+                            .replace('\0', " ")
+                            .contains(needle)
+                    })
+                    .unwrap_or(false)
+            })
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(
+            matches.len(),
+            1,
+            "processes matching {needle:?}: {matches:?}"
+        );
+        self.kill(matches[0]);
+    }
+
     /// SIGKILLs the process started `index`-th (0 is the hub) and reaps it.
     pub fn kill(&mut self, index: usize) {
         let mut p = self.procs.0.remove(index);
@@ -495,6 +536,80 @@ pub fn http_get(addr: &str, path: &str) -> String {
     let (head, body) = out.split_once("\r\n\r\n").expect("HTTP answer");
     assert!(head.starts_with("HTTP/1.1 200"), "GET {path}: {head}");
     body.to_owned()
+}
+
+/// A plain HTTP/1.1 request over a real socket with an optional bearer token and JSON body;
+/// returns the status code and the body.
+pub fn http_request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: Option<&str>,
+) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).expect("connect");
+    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
+    if let Some(t) = token {
+        req.push_str(&format!("Authorization: Bearer {t}\r\n"));
+    }
+    let body = body.unwrap_or("");
+    if !body.is_empty() {
+        req.push_str("Content-Type: application/json\r\n");
+    }
+    req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
+    s.write_all(req.as_bytes()).expect("send request");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read answer");
+    let (head, body) = out.split_once("\r\n\r\n").expect("HTTP answer");
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .expect("status code");
+    // Chunked answers (axum streams JSON bodies without a length): join the chunks.
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_owned()
+    };
+    (status, body)
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((len, rest)) = s.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(len.trim(), 16) else {
+            break;
+        };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// A fresh PostgreSQL database on the server named by `STARLING_TEST_POSTGRES_URL`, as a
+/// URL for `--ledger` (none when the variable is unset: the caller skips, saying so).
+pub fn postgres_database(test: &str) -> Option<String> {
+    let admin = std::env::var("STARLING_TEST_POSTGRES_URL").ok()?;
+    let name = format!(
+        "starling_e2e_{}_{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.subsec_nanos())
+            .unwrap_or(0)
+    );
+    run_ok(Command::new("psql").args([&admin, "-q", "-c", &format!("CREATE DATABASE {name}")]));
+    println!("{test}: PostgreSQL database {name}");
+    let (base, _) = admin.rsplit_once('/').expect("a URL with a database");
+    Some(format!("{base}/{name}"))
 }
 
 /// The value of one Prometheus sample line (`NAME{LABELS} VALUE`), if present.

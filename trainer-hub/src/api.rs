@@ -1,24 +1,100 @@
-//! The hub's HTTP API for the trainer: `POST /v1/versions` publishes a checkpoint (a path on
-//! the hub's machine, as with `starling-hub publish`), `GET /v1/versions` says what is
-//! published. Served next to `/metrics` by `starling_telemetry::http`.
+//! The hub's HTTP API for the trainer (`docs/api.md`): publish a version, list versions,
+//! submit a batch of prompt groups, read its status, stream its accepted results by cursor
+//! (long-poll), cancel it. Served next to `/metrics` by `starling_telemetry::http`.
 //!
-//! The HTTP listener has no TLS or authentication of its own: bind it to loopback or the
-//! training cluster's private network (the QUIC side is where remote peers come in).
+//! Every error is a JSON body `{"code", "message"}` with a stable code and a sentence that
+//! says what to fix. Routes that change state or return rollouts need the trainer token
+//! (`Authorization: Bearer …`, from `starling-hub issue --role trainer`); the listener has no
+//! TLS of its own: bind it to loopback or the training cluster's private network.
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Duration;
 
-use axum::extract::State;
-use axum::http::StatusCode;
-use axum::routing::get;
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use starling_ledger::{BatchId, CancelError, PostError, ReadError, Version};
+use starling_proto::manifest::hex;
 use starling_proto::msg::Message;
 
+use crate::durable::{VersionMeta, now};
+use crate::rollouts::{BatchRequest, StoredResult, expand};
 use crate::serve::{Hub, publish};
+
+/// The largest request body (a batch of prompt groups as JSON).
+const MAX_BODY: usize = 64 << 20;
+/// Most results one poll returns.
+const MAX_LIMIT: u32 = 1024;
+/// Longest a poll waits.
+const MAX_WAIT_MS: u64 = 30_000;
+
+/// An API error: status, stable code, sentence.
+#[derive(Debug)]
+pub(crate) struct ApiError {
+    status: StatusCode,
+    code: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    pub(crate) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            code,
+            message: message.into(),
+        }
+    }
+
+    fn internal(what: &str, e: impl std::fmt::Display) -> Self {
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+            format!("{what}: {e}"),
+        )
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (
+            self.status,
+            Json(json!({"code": self.code, "message": self.message})),
+        )
+            .into_response()
+    }
+}
+
+impl From<JsonRejection> for ApiError {
+    fn from(r: JsonRejection) -> Self {
+        let status = r.status();
+        let code = if status == StatusCode::PAYLOAD_TOO_LARGE {
+            "too_large"
+        } else {
+            "bad_request"
+        };
+        ApiError::new(
+            if code == "too_large" {
+                status
+            } else {
+                StatusCode::BAD_REQUEST
+            },
+            code,
+            r.body_text(),
+        )
+    }
+}
+
+type Reply<T> = Result<T, ApiError>;
 
 /// `POST /v1/versions` body.
 #[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct PublishRequest {
     /// A safetensors file or sharded directory readable by the hub.
     pub path: PathBuf,
@@ -27,65 +103,362 @@ pub struct PublishRequest {
     pub step: Option<u64>,
 }
 
-/// `POST /v1/versions` answer.
-#[derive(Debug, Serialize)]
-pub struct Published {
-    pub version: u64,
-    pub changes: u64,
-    pub bytes: u64,
-}
-
-/// `GET /v1/versions` answer.
-#[derive(Debug, Serialize)]
-pub struct Versions {
-    /// The newest version whose delta is durable.
-    pub latest: u64,
-    /// The oldest version still served as a delta.
-    pub oldest_retained: u64,
-}
-
-#[derive(Debug, Serialize)]
-struct ApiError {
-    error: String,
-}
-
-type Reply<T> = Result<Json<T>, (StatusCode, Json<ApiError>)>;
-
 pub(crate) fn router(hub: Arc<Hub>) -> Router {
     Router::new()
         .route("/v1/versions", get(list).post(create))
+        .route("/v1/batches", post(submit_batch))
+        .route("/v1/batches/{id}", get(batch_status))
+        .route("/v1/batches/{id}/results", get(results))
+        .route("/v1/batches/{id}/cancel", post(cancel))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(hub)
 }
 
-async fn list(State(hub): State<Arc<Hub>>) -> Json<Versions> {
-    Json(Versions {
-        latest: hub.book().latest(),
-        oldest_retained: hub.book().oldest(),
-    })
+async fn not_found() -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        "no such route; see docs/api.md",
+    )
 }
 
-async fn create(State(hub): State<Arc<Hub>>, Json(req): Json<PublishRequest>) -> Reply<Published> {
-    let fail = |code, error: String| Err((code, Json(ApiError { error })));
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "this route does not take that method; see docs/api.md",
+    )
+}
+
+/// Checks the trainer token; returns the trainer's name.
+fn authorize(hub: &Hub, headers: &HeaderMap) -> Reply<String> {
+    let token = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "send the trainer token as `Authorization: Bearer <token>` (starling-hub issue --role trainer)",
+            )
+        })?;
+    starling_transport::identity::verify_trainer_token(&hub.trainer_seed, token.trim()).ok_or_else(
+        || {
+            ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                "the trainer token is not valid for this cluster",
+            )
+        },
+    )
+}
+
+async fn list(State(hub): State<Arc<Hub>>) -> Reply<Json<Value>> {
+    let records = hub
+        .ledger
+        .latest_versions(64)
+        .await
+        .map_err(|e| ApiError::internal("read versions", e))?;
+    let versions: Vec<Value> = records
+        .iter()
+        .map(|r| {
+            let m = VersionMeta::parse(&r.meta);
+            json!({
+                "version": r.version.number(),
+                "base": r.base.map(Version::number),
+                "digest": hex(&r.digest.0),
+                "changes": m.changes,
+                "bytes": m.bytes,
+                "step": m.step,
+                "created_at_ms": r.created_at.millis(),
+            })
+        })
+        .collect();
+    Ok(Json(json!({
+        "latest": hub.book().latest(),
+        "oldest_retained": hub.book().oldest(),
+        "versions": versions,
+    })))
+}
+
+async fn create(
+    State(hub): State<Arc<Hub>>,
+    headers: HeaderMap,
+    req: Result<Json<PublishRequest>, JsonRejection>,
+) -> Reply<(StatusCode, Json<Value>)> {
+    authorize(&hub, &headers)?;
+    let Json(req) = req?;
     if !req.path.is_absolute() {
-        return fail(
+        return Err(ApiError::new(
             StatusCode::BAD_REQUEST,
+            "bad_request",
             format!("path must be absolute: {}", req.path.display()),
-        );
+        ));
+    }
+    if let Err(e) = starling_checkpoint::safetensors::Checkpoint::open(&req.path) {
+        return Err(ApiError::new(
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "unreadable_checkpoint",
+            format!("{}: {e}", req.path.display()),
+        ));
     }
     match publish(&hub, &req.path, req.step).await {
         Ok(Message::Published {
             version,
             changes,
             bytes,
-        }) => Ok(Json(Published {
-            version,
-            changes,
-            bytes,
+        }) => {
+            let digest = hub.digest_hex().await;
+            Ok((
+                StatusCode::CREATED,
+                Json(json!({
+                    "version": version,
+                    "base": version.saturating_sub(1),
+                    "changes": changes,
+                    "bytes": bytes,
+                    "digest": digest,
+                    "step": req.step,
+                })),
+            ))
+        }
+        Ok(other) => Err(ApiError::internal("publish", format!("{other:?}"))),
+        Err(e) => {
+            let text = format!("{e:#}");
+            if text.contains("layout") || text.contains("shape") || text.contains("tensor") {
+                Err(ApiError::new(StatusCode::CONFLICT, "layout_mismatch", text))
+            } else {
+                Err(ApiError::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "unreadable_checkpoint",
+                    text,
+                ))
+            }
+        }
+    }
+}
+
+async fn submit_batch(
+    State(hub): State<Arc<Hub>>,
+    headers: HeaderMap,
+    req: Result<Json<BatchRequest>, JsonRejection>,
+) -> Reply<(StatusCode, Json<Value>)> {
+    authorize(&hub, &headers)?;
+    let Json(req) = req?;
+    let groups = expand(&req, hub.limits)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.code, e.message))?;
+    if groups.len() > hub.ledger.config().max_batch_size {
+        return Err(ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "too_large",
+            format!(
+                "{} groups; a batch holds at most {}",
+                groups.len(),
+                hub.ledger.config().max_batch_size
+            ),
+        ));
+    }
+    let latest = hub.book().latest();
+    let version = req.version.unwrap_or(latest);
+    let v = Version::new(version)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.to_string()))?;
+    let max_staleness = req
+        .max_staleness
+        .unwrap_or(starling_ledger::DEFAULT_MAX_STALENESS);
+    let prompts: Vec<Vec<u8>> = groups.iter().map(|g| g.to_bytes()).collect();
+    let sampling = serde_json::to_string(&groups[0].sampling).unwrap_or_default();
+    let batch = hub
+        .ledger
+        .post_batch_bounded(v, &prompts, &sampling, max_staleness, now())
+        .await
+        .map_err(|e| match e {
+            PostError::UnknownVersion(_) | PostError::NotCommitted(_) => ApiError::new(
+                StatusCode::CONFLICT,
+                "unknown_version",
+                format!("version {version} is not published (latest is {latest})"),
+            ),
+            PostError::TooLarge(..) | PostError::PromptTooLarge { .. } => {
+                ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "too_large", e.to_string())
+            }
+            other => ApiError::internal("post batch", other),
+        })?;
+    let samples: u64 = groups.iter().map(|g| u64::from(g.n)).sum();
+    Ok((
+        StatusCode::CREATED,
+        Json(json!({
+            "batch": batch.raw(),
+            "version": version,
+            "groups": groups.len(),
+            "samples": samples,
+            "max_staleness": max_staleness,
         })),
-        Ok(other) => fail(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("unexpected {other:?}"),
-        ),
-        Err(e) => fail(StatusCode::UNPROCESSABLE_ENTITY, format!("{e:#}")),
+    ))
+}
+
+fn batch_id(raw: &str) -> Reply<BatchId> {
+    raw.parse::<i64>()
+        .ok()
+        .filter(|&n| n > 0)
+        .map(BatchId::from_raw)
+        .ok_or_else(|| {
+            ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!("{raw:?} is not a batch id"),
+            )
+        })
+}
+
+fn not_found_batch(id: BatchId) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        format!("no batch {}", id.raw()),
+    )
+}
+
+async fn status_json(hub: &Hub, id: BatchId) -> Reply<(Value, bool)> {
+    let s = match hub.ledger.batch_status(id).await {
+        Ok(s) => s,
+        Err(ReadError::NotFound) => return Err(not_found_batch(id)),
+        Err(e) => return Err(ApiError::internal("read batch", e)),
+    };
+    let j = &s.jobs;
+    let finished = j.done + j.failed == j.total();
+    let state = if s.cancelled_at.is_some() {
+        "cancelled"
+    } else if !s.scheduled {
+        "posted"
+    } else if finished {
+        "done"
+    } else {
+        "running"
+    };
+    let refused: serde_json::Map<String, Value> = s
+        .refusals
+        .iter()
+        .map(|(k, n)| (k.clone(), json!(n)))
+        .collect();
+    Ok((
+        json!({
+            "batch": id.raw(),
+            "version": s.version.number(),
+            "state": state,
+            "max_staleness": s.max_staleness,
+            "groups": {"total": j.total(), "posted": j.posted, "pending": j.pending,
+                       "leased": j.leased, "done": j.done, "failed": j.failed},
+            "refused": refused,
+            "created_at_ms": s.created_at.millis(),
+        }),
+        finished || s.cancelled_at.is_some(),
+    ))
+}
+
+async fn batch_status(
+    State(hub): State<Arc<Hub>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Reply<Json<Value>> {
+    authorize(&hub, &headers)?;
+    let id = batch_id(&id)?;
+    Ok(Json(status_json(&hub, id).await?.0))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ResultsQuery {
+    after: Option<i64>,
+    limit: Option<u32>,
+    wait_ms: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+struct ResultOut {
+    cursor: i64,
+    job: i64,
+    batch: i64,
+    actor: String,
+    attempt: u32,
+    version: u64,
+    accepted_at_ms: i64,
+    #[serde(flatten)]
+    stored: StoredResult,
+}
+
+async fn results(
+    State(hub): State<Arc<Hub>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    query: Result<Query<ResultsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Reply<Json<Value>> {
+    authorize(&hub, &headers)?;
+    let id = batch_id(&id)?;
+    let Query(q) =
+        query.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.body_text()))?;
+    let after = q.after.unwrap_or(0);
+    let limit = q.limit.unwrap_or(64).clamp(1, MAX_LIMIT);
+    let wait = Duration::from_millis(q.wait_ms.unwrap_or(0).min(MAX_WAIT_MS));
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let (_, finished) = status_json(&hub, id).await?;
+        let rows = hub
+            .ledger
+            .results_after(id, after, limit)
+            .await
+            .map_err(|e| ApiError::internal("read results", e))?;
+        if !rows.is_empty() || finished || tokio::time::Instant::now() >= deadline {
+            let cursor = rows.last().map_or(after, |r| r.cursor);
+            let done = finished && rows.len() < limit as usize;
+            let out: Vec<ResultOut> = rows
+                .into_iter()
+                .filter_map(|r| {
+                    let stored: StoredResult = serde_json::from_slice(&r.payload).ok()?;
+                    Some(ResultOut {
+                        cursor: r.cursor,
+                        job: r.job.raw(),
+                        batch: id.raw(),
+                        actor: r.actor.as_str().to_owned(),
+                        attempt: r.attempt,
+                        version: r.version.number(),
+                        accepted_at_ms: r.accepted_at.millis(),
+                        stored,
+                    })
+                })
+                .collect();
+            return Ok(Json(
+                json!({"results": out, "cursor": cursor, "done": done}),
+            ));
+        }
+        // Accepted results land in the ledger; poll it at a short interval until one does.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn cancel(
+    State(hub): State<Arc<Hub>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Reply<Json<Value>> {
+    authorize(&hub, &headers)?;
+    let id = batch_id(&id)?;
+    let (_, finished) = status_json(&hub, id).await?;
+    if finished {
+        return Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "batch_finished",
+            format!("batch {} already finished", id.raw()),
+        ));
+    }
+    match hub.ledger.cancel_batch(id, now()).await {
+        Ok(n) => Ok(Json(json!({"batch": id.raw(), "cancelled": n}))),
+        Err(CancelError::UnknownBatch(_)) => Err(not_found_batch(id)),
+        Err(CancelError::AlreadyCancelled(_)) => Err(ApiError::new(
+            StatusCode::CONFLICT,
+            "batch_finished",
+            format!("batch {} is already cancelled", id.raw()),
+        )),
+        Err(e) => Err(ApiError::internal("cancel batch", e)),
     }
 }

@@ -106,6 +106,17 @@ pub enum Command {
         /// resumes the run where it stopped.
         #[arg(long, env = "STARLING_HUB_LEDGER")]
         ledger: Option<String>,
+        /// A lease's length before any completion was observed (seconds); afterwards
+        /// 2.5 × the median completion time, clamped to [--lease-floor, 600 s].
+        #[arg(long, default_value_t = 120.0)]
+        lease_initial: f64,
+        /// The shortest lease (seconds).
+        #[arg(long, default_value_t = 10.0)]
+        lease_floor: f64,
+        /// An actor silent this long (seconds) gets no new work and its reserved share goes
+        /// back to the shared pool.
+        #[arg(long, default_value_t = 60.0)]
+        actor_timeout: f64,
         /// Close a segment once it holds this many KiB (the unit of forwarding, verifying
         /// and refetching).
         #[arg(long, default_value_t = 2048)]
@@ -286,7 +297,25 @@ pub fn run(cli: Cli) -> Result<()> {
             peer_links,
             no_link_ceiling,
             ledger,
+            lease_initial,
+            lease_floor,
+            actor_timeout,
         } => {
+            let secs = |name: &str, v: f64| {
+                if v.is_finite() && v > 0.0 && v < 1e7 {
+                    Ok(std::time::Duration::from_secs_f64(v))
+                } else {
+                    Err(anyhow::anyhow!(
+                        "--{name} must be a positive number of seconds"
+                    ))
+                }
+            };
+            let mut ledger_config = starling_ledger::LedgerConfig::default();
+            ledger_config.lease.initial = secs("lease-initial", lease_initial)?;
+            ledger_config.lease.floor = secs("lease-floor", lease_floor)?;
+            ledger_config.lease.ceiling =
+                ledger_config.lease.ceiling.max(ledger_config.lease.floor);
+            ledger_config.actor_timeout = secs("actor-timeout", actor_timeout)?;
             let ledger =
                 ledger.unwrap_or_else(|| format!("sqlite:{}", store.join("ledger.db").display()));
             let version = match init_version {
@@ -314,6 +343,8 @@ pub fn run(cli: Cli) -> Result<()> {
                 peer_links: peer_links.into_iter().collect(),
                 link_ceiling: !no_link_ceiling,
                 ledger,
+                ledger_config,
+                schedule_tick: std::time::Duration::from_millis(100),
             };
             runtime()?.block_on(async {
                 tokio::select! {

@@ -7,5 +7,8 @@ pub mod anchors;
 pub mod api;
 pub mod cli;
 mod durable;
+mod jobs;
 pub mod keys;
+mod rollouts;
 pub mod serve;
+pub mod verify;

@@ -33,6 +33,7 @@ use starling_telemetry::Metrics;
 
 use crate::anchors::Anchors;
 use crate::durable;
+use crate::rollouts::ModelLimits;
 use starling_ledger::{Digest, Ledger, LedgerConfig};
 use starling_proto::manifest::TrustPolicy;
 use starling_transport::admit::admit;
@@ -41,7 +42,7 @@ use starling_transport::ceiling::RateCeiling;
 use starling_transport::endpoint::{
     accept_capped, client_endpoint, connect, server_config, server_endpoint,
 };
-use starling_transport::fanout::{FanoutConfig, serve_subscriber};
+use starling_transport::fanout::{FanoutConfig, serve_subscription};
 use starling_transport::framed::{MessageReader, send};
 use starling_transport::identity::{Credentials, Role};
 use starling_transport::link::LinkProfile;
@@ -79,6 +80,10 @@ pub struct ServeConfig {
     pub link_ceiling: bool,
     /// The ledger's URL (`sqlite:PATH` or `postgres://…`).
     pub ledger: String,
+    /// Lease sizing, attempts, actor timeout.
+    pub ledger_config: LedgerConfig,
+    /// How often posted batches are scheduled and expired leases swept.
+    pub schedule_tick: std::time::Duration,
 }
 
 #[derive(Debug)]
@@ -99,6 +104,48 @@ pub(crate) struct Hub {
     metrics: Metrics,
     anchors: Arc<Anchors>,
     pub(crate) ledger: Arc<Ledger>,
+    /// The key trainer tokens are checked with.
+    pub(crate) trainer_seed: [u8; 32],
+    /// What prompts must fit (vocabulary, context).
+    pub(crate) limits: ModelLimits,
+}
+
+/// Aborts a task when dropped: the owner of a background loop of `serve`.
+#[derive(Debug)]
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// The model's vocabulary and context, from `config.json` beside the initial checkpoint, else
+/// from the embedding's shape (with no context limit).
+fn model_limits(init: &Path) -> Result<ModelLimits> {
+    let dir = if init.is_dir() {
+        init.to_owned()
+    } else {
+        init.parent().map(Path::to_owned).unwrap_or_default()
+    };
+    let config = dir.join("config.json");
+    if config.exists() {
+        let c = starling_engine::ModelConfig::from_file(&config)
+            .with_context(|| format!("read {}", config.display()))?;
+        return Ok(ModelLimits {
+            vocab: u32::try_from(c.vocab_size).unwrap_or(u32::MAX),
+            context: u32::try_from(c.max_position_embeddings).unwrap_or(u32::MAX),
+        });
+    }
+    let c = Checkpoint::open(init).with_context(|| format!("open {}", init.display()))?;
+    let vocab = c
+        .tensor("model.embed_tokens.weight")
+        .and_then(|t| t.shape.first().copied())
+        .unwrap_or(u64::from(u32::MAX));
+    Ok(ModelLimits {
+        vocab: u32::try_from(vocab).unwrap_or(u32::MAX),
+        context: u32::MAX,
+    })
 }
 
 /// Writes the anchor of `version` from `checkpoint` (off the async runtime).
@@ -123,6 +170,11 @@ impl Hub {
     pub(crate) fn book(&self) -> &VersionBook {
         &self.book
     }
+
+    /// The state digest of the newest version, in hex.
+    pub(crate) async fn digest_hex(&self) -> String {
+        starling_proto::manifest::hex(&self.state.lock().await.digest.to_bytes())
+    }
 }
 
 /// Runs the hub until the process is stopped. Prints `listening on ADDR` once ready.
@@ -132,7 +184,10 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
     Checkpoint::open(&cfg.init)
         .with_context(|| format!("open initial checkpoint {}", cfg.init.display()))?;
     std::fs::create_dir_all(cfg.store.join("deltas")).context("create store")?;
-    let ledger = Ledger::open(&cfg.ledger, LedgerConfig::default())
+    let trainer_seed =
+        starling_transport::identity::hub_signing_seed(&cfg.cluster).context("load signing key")?;
+    let limits = model_limits(&cfg.init)?;
+    let ledger = Ledger::open(&cfg.ledger, cfg.ledger_config.clone())
         .await
         .with_context(|| format!("open the ledger at {}", cfg.ledger))?;
     let trust = TrustPolicy::Keys(vec![signing.verifying_key()]);
@@ -181,9 +236,16 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
             cfg.keep_anchors,
         )?),
         ledger: Arc::new(ledger),
+        trainer_seed,
+        limits,
         cfg,
         signing,
     });
+    let _scheduler = AbortOnDrop(tokio::spawn(crate::jobs::run_scheduler(
+        hub.ledger.clone(),
+        hub.metrics.clone(),
+        hub.cfg.schedule_tick,
+    )));
     if resumed_version(&hub).await == hub.cfg.init_version && !hub.anchors.has(hub.cfg.init_version)
     {
         // A full-checkpoint copy: in the background, so the hub serves at once (until it is
@@ -232,7 +294,8 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
 }
 
 async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling) -> Result<()> {
-    let latest = hub.state.lock().await.version;
+    // The book, not the publish lock: admission never waits for an encode to finish.
+    let latest = hub.book.latest();
     let serves = [MsgRole::Relay, MsgRole::Actor, MsgRole::Trainer];
     let Some(a) = admit(&conn, "hub", &hub.cfg.model_id, &serves, latest).await? else {
         return Ok(());
@@ -240,6 +303,30 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
     if a.role == MsgRole::Trainer {
         return serve_trainer(hub, a.control, a.reader).await;
     }
+    let mut reader = a.reader;
+    // An actor's first message says whether this connection subscribes to versions or
+    // carries rollout work (`docs/api.md`).
+    let after = match reader.next().await? {
+        Some(Message::Subscribe { after_version }) => after_version,
+        Some(Message::Work {
+            engine,
+            hardware,
+            max_batch,
+        }) if a.role == MsgRole::Actor => {
+            let label = format!("{engine}/{hardware}/batch {max_batch}");
+            return crate::jobs::serve_worker(
+                hub.ledger.clone(),
+                hub.metrics.clone(),
+                a.control,
+                reader,
+                a.name,
+                a.region,
+                label,
+            )
+            .await;
+        }
+        other => bail!("expected Subscribe (or Work from an actor), got {other:?}"),
+    };
     // The operator's statement for this peer wins over the peer's own; `*` fills in for
     // peers that state none. A stated link can only lower the sending rate, never raise it.
     let named = hub.cfg.peer_links.get(&a.name).copied();
@@ -253,14 +340,15 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
         stripes: hub.cfg.stripes,
         anchors: Some(hub.anchors.clone()),
     };
-    serve_subscriber(
+    serve_subscription(
         hub.book.clone(),
         conn,
         a.control,
-        a.reader,
+        reader,
         a.name,
         fanout,
         hub.metrics.clone(),
+        after,
     )
     .await?;
     Ok(())

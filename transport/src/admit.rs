@@ -21,6 +21,8 @@ pub struct Admitted {
     pub reader: MessageReader,
     pub role: MsgRole,
     pub name: String,
+    /// The region the peer says it is in.
+    pub region: String,
     /// The link the peer says it receives over.
     pub link: Option<LinkProfile>,
 }
@@ -51,6 +53,7 @@ pub async fn admit(
         protocol,
         role,
         name,
+        region,
         model_id: theirs,
         link,
         ..
@@ -103,6 +106,7 @@ pub async fn admit(
         reader,
         role,
         name,
+        region,
         link: link.map(LinkProfile::from_stated),
     }))
 }

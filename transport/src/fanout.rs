@@ -95,6 +95,22 @@ pub async fn serve_subscriber(
         Some(Message::Subscribe { after_version }) => after_version,
         other => return Err(FanoutError::NoSubscribe(format!("{other:?}"))),
     };
+    serve_subscription(book, conn, control, reader, name, cfg, metrics, after).await
+}
+
+/// [`serve_subscriber`] once its `Subscribe { after_version: after }` was read (by a server
+/// that reads a connection's first message itself to tell subscriptions from other work).
+#[allow(clippy::too_many_arguments)]
+pub async fn serve_subscription(
+    book: Arc<VersionBook>,
+    conn: Connection,
+    control: SendStream,
+    mut reader: MessageReader,
+    name: String,
+    cfg: FanoutConfig,
+    metrics: Metrics,
+    after: u64,
+) -> Result<(), FanoutError> {
     let _ = control.set_priority(CONTROL_PRIORITY);
     let anchors = cfg.anchors.clone();
     let ctl = spawn_control_writer(control);

@@ -1,0 +1,241 @@
+//! The actor's inference engines behind one trait, and the built-in one.
+//!
+//! An [`Engine`] is loaded with a committed version at a safe point, generates a batch of jobs
+//! (each a group of `n` samples of one prompt), fingerprints what it holds, and says what it
+//! can do. The actor loads a version only after the whole delta verified and committed, and
+//! every `generate` call works on the version it found loaded when it started — the engine
+//! swaps versions between calls, never inside one — so generation never sees half-applied
+//! weights and every sample is tagged with the version that produced all of its tokens.
+//!
+//! [`BuiltinEngine`] runs `starling_engine`'s Qwen3 decoder on the CPU from the actor's BF16
+//! weights. It rebuilds its model from the committed weights at each load (O(model), fine
+//! for the small models it exists for; the vLLM engine applies sparse changes in place). A
+//! `slowdown` factor stretches each generation call, so benchmarks can run actors at chosen
+//! relative speeds on one machine.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use starling_engine::{
+    FinishReason as EngineFinish, GenRequest, GenerateOptions, Model, ModelConfig, Sampling,
+};
+use starling_proto::apply::full_digest;
+use starling_proto::rollout::{FinishReason, JobResult, JobSpec, Sample, VersionSpan};
+
+/// What an engine can do.
+#[derive(Debug, Clone)]
+pub struct Capabilities {
+    /// Its kind (`builtin`, `vllm`).
+    pub engine: String,
+    /// Sequences it decodes together.
+    pub max_batch: u32,
+}
+
+/// The weights an engine generates with: their version and state digest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fingerprint {
+    pub version: u64,
+    pub digest: [u8; 16],
+}
+
+/// An inference engine the actor drives.
+pub trait Engine: Send + Sync + 'static {
+    /// What it can do.
+    fn capabilities(&self) -> Capabilities;
+    /// Loads committed `version` (digest `digest`) from the actor's weights, replacing the
+    /// loaded one for every later `generate` call. On error the previous version stays.
+    fn load(
+        &self,
+        weights: &BTreeMap<String, Vec<u16>>,
+        version: u64,
+        digest: [u8; 16],
+    ) -> Result<()>;
+    /// Generates every job with the version loaded when the call starts.
+    fn generate(&self, jobs: &[JobSpec]) -> Result<Vec<JobResult>>;
+    /// The version loaded now, proven from the weights it holds (none before a load).
+    fn fingerprint(&self) -> Option<Fingerprint>;
+}
+
+#[derive(Debug)]
+struct Loaded {
+    model: Model,
+    fingerprint: Fingerprint,
+}
+
+/// The built-in CPU engine.
+#[derive(Debug)]
+pub struct BuiltinEngine {
+    config: ModelConfig,
+    model_id: String,
+    max_batch: u32,
+    slowdown: f64,
+    loaded: RwLock<Option<Arc<Loaded>>>,
+}
+
+impl BuiltinEngine {
+    /// An engine for the model described by `config` (HF `config.json`), not loaded yet.
+    /// `slowdown` ≥ 1 stretches each generation call to that many times its compute time.
+    pub fn new(config: ModelConfig, model_id: &str, max_batch: u32, slowdown: f64) -> Result<Self> {
+        config.validate().context("model config")?;
+        if !(slowdown.is_finite() && slowdown >= 1.0) {
+            bail!("the engine slowdown must be a number ≥ 1, not {slowdown}");
+        }
+        Ok(Self {
+            config,
+            model_id: model_id.to_owned(),
+            max_batch: max_batch.max(1),
+            slowdown,
+            loaded: RwLock::new(None),
+        })
+    }
+
+    fn current(&self) -> Option<Arc<Loaded>> {
+        self.loaded.read().ok().and_then(|l| l.clone())
+    }
+}
+
+/// The seed of a group's samples: the batch's seed mixed with the group's index, so groups
+/// sharing a seed still differ and a sample is reproducible from (seed, group, index).
+pub fn group_seed(seed: u64, group: u32) -> u64 {
+    let mut z = seed ^ (u64::from(group).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The engine requests of a job: its `n` samples.
+pub fn requests(job: &JobSpec) -> Vec<GenRequest> {
+    let s = &job.sampling;
+    let sampling = Sampling {
+        temperature: s.temperature,
+        top_p: s.top_p,
+        top_k: s.top_k,
+        max_new_tokens: s.max_new_tokens,
+        stop_token_ids: s.stop_token_ids.clone(),
+        seed: group_seed(s.seed, job.group),
+    };
+    (0..job.n)
+        .map(|i| GenRequest {
+            prompt: job.prompt.clone(),
+            sampling: sampling.clone(),
+            sample_index: i,
+        })
+        .collect()
+}
+
+impl Engine for BuiltinEngine {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            engine: "builtin".into(),
+            max_batch: self.max_batch,
+        }
+    }
+
+    fn load(
+        &self,
+        weights: &BTreeMap<String, Vec<u16>>,
+        version: u64,
+        digest: [u8; 16],
+    ) -> Result<()> {
+        let shapes: BTreeMap<String, Vec<usize>> =
+            self.config.tensor_shapes().into_iter().collect();
+        let lookup = |name: &str| -> Option<(&[usize], &[u16])> {
+            let bits = weights.get(name)?;
+            let shape = shapes.get(name)?;
+            Some((shape.as_slice(), bits.as_slice()))
+        };
+        let model = Model::from_bf16(self.config.clone(), lookup)
+            .with_context(|| format!("load version {version} into the built-in engine"))?;
+        // Prove what was loaded: the digest of the bits the model was built from.
+        let names: Vec<String> = weights.keys().cloned().collect();
+        let held = full_digest(&self.model_id, weights, &names).to_bytes();
+        if held != digest {
+            bail!("version {version}: the weights handed to the engine do not match their digest");
+        }
+        let loaded = Arc::new(Loaded {
+            model,
+            fingerprint: Fingerprint {
+                version,
+                digest: held,
+            },
+        });
+        match self.loaded.write() {
+            Ok(mut slot) => *slot = Some(loaded),
+            Err(p) => *p.into_inner() = Some(loaded),
+        }
+        Ok(())
+    }
+
+    fn generate(&self, jobs: &[JobSpec]) -> Result<Vec<JobResult>> {
+        // The version for the whole call: taken once, at the job boundary.
+        let Some(loaded) = self.current() else {
+            bail!("no version loaded");
+        };
+        let started = Instant::now();
+        let mut reqs = Vec::new();
+        for j in jobs {
+            reqs.extend(requests(j));
+        }
+        let opts = GenerateOptions {
+            max_batch: self.max_batch as usize,
+        };
+        let outs = loaded.model.generate(&reqs, opts).context("generate")?;
+        let compute = started.elapsed();
+        if self.slowdown > 1.0 {
+            std::thread::sleep(compute.mul_f64(self.slowdown - 1.0));
+        }
+        let elapsed = started.elapsed();
+        let fp = loaded.fingerprint;
+        let mut outs = outs.into_iter();
+        let total: u64 = jobs.iter().map(|j| u64::from(j.n)).sum::<u64>().max(1);
+        let mut results = Vec::with_capacity(jobs.len());
+        for j in jobs {
+            let samples: Vec<Sample> = outs
+                .by_ref()
+                .take(j.n as usize)
+                .map(|o| {
+                    let len = u32::try_from(o.tokens.len()).unwrap_or(u32::MAX);
+                    Sample {
+                        spans: if len > 0 {
+                            vec![VersionSpan {
+                                version: fp.version,
+                                start: 0,
+                                end: len,
+                            }]
+                        } else {
+                            Vec::new()
+                        },
+                        finish: match o.finish {
+                            EngineFinish::Stop => FinishReason::Stop,
+                            EngineFinish::Length => FinishReason::Length,
+                        },
+                        ttft_us: micros(o.prefill_time.mul_f64(self.slowdown)),
+                        decode_us: micros(o.decode_time.mul_f64(self.slowdown)),
+                        tokens: o.tokens,
+                        logprobs: o.logprobs,
+                    }
+                })
+                .collect();
+            results.push(JobResult {
+                job: j.job,
+                attempt: j.attempt,
+                version: fp.version,
+                digest: fp.digest,
+                // The call's time, shared in proportion to the job's samples (the ledger's τ).
+                elapsed_us: micros(elapsed.mul_f64(f64::from(j.n) / total as f64)),
+                samples,
+            });
+        }
+        Ok(results)
+    }
+
+    fn fingerprint(&self) -> Option<Fingerprint> {
+        self.current().map(|l| l.fingerprint)
+    }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}

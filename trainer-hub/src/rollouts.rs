@@ -1,0 +1,428 @@
+//! Rollout work as the hub sees it: the trainer's batch request, its validation against the
+//! model, the group spec stored in the ledger's job row, the conversion to the wire job an
+//! actor gets (without the reference answer), and the judging of an actor's result before the
+//! ledger's exactly-once acceptance (shape checks, rewards by the group's verifier).
+//!
+//! Formats (see `docs/api.md`): the ledger's job `prompt` column holds a [`GroupSpec`] as
+//! JSON; the ledger's result `payload` holds a [`StoredResult`] as JSON — what the trainer's
+//! result stream returns. Both are hub-private: actors speak `proto::rollout`.
+
+use serde::{Deserialize, Serialize};
+use starling_proto::rollout::{FinishReason, JobResult, JobSpec, SamplingParams};
+
+use crate::verify::Verifier;
+
+/// What the hub knows of the model, to validate prompts.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ModelLimits {
+    pub(crate) vocab: u32,
+    /// Prompt + new tokens must fit.
+    pub(crate) context: u32,
+}
+
+/// Sampling parameters (`docs/api.md`); every key optional in requests.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct Sampling {
+    pub(crate) temperature: f32,
+    pub(crate) top_p: f32,
+    pub(crate) top_k: u32,
+    pub(crate) max_new_tokens: u32,
+    pub(crate) stop_token_ids: Vec<u32>,
+    pub(crate) seed: u64,
+}
+
+impl Default for Sampling {
+    fn default() -> Self {
+        Sampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: 0,
+            max_new_tokens: 64,
+            stop_token_ids: vec![starling_engine::ByteTokenizer::EOS],
+            seed: 0,
+        }
+    }
+}
+
+/// A partial [`Sampling`]: the keys a request sets.
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct SamplingPatch {
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    top_k: Option<u32>,
+    max_new_tokens: Option<u32>,
+    stop_token_ids: Option<Vec<u32>>,
+    seed: Option<u64>,
+}
+
+impl Sampling {
+    fn patched(&self, p: &SamplingPatch) -> Sampling {
+        Sampling {
+            temperature: p.temperature.unwrap_or(self.temperature),
+            top_p: p.top_p.unwrap_or(self.top_p),
+            top_k: p.top_k.unwrap_or(self.top_k),
+            max_new_tokens: p.max_new_tokens.unwrap_or(self.max_new_tokens),
+            stop_token_ids: p
+                .stop_token_ids
+                .clone()
+                .unwrap_or_else(|| self.stop_token_ids.clone()),
+            seed: p.seed.unwrap_or(self.seed),
+        }
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(format!("temperature {} must be ≥ 0", self.temperature));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(format!("top_p {} must be in (0, 1]", self.top_p));
+        }
+        if self.max_new_tokens == 0 {
+            return Err("max_new_tokens must be at least 1".into());
+        }
+        if self.max_new_tokens as usize > starling_proto::rollout::MAX_NEW_TOKENS {
+            return Err(format!(
+                "max_new_tokens {} is above the limit of {}",
+                self.max_new_tokens,
+                starling_proto::rollout::MAX_NEW_TOKENS
+            ));
+        }
+        if self.stop_token_ids.len() > starling_proto::rollout::MAX_STOP_TOKENS {
+            return Err(format!(
+                "{} stop tokens, at most {}",
+                self.stop_token_ids.len(),
+                starling_proto::rollout::MAX_STOP_TOKENS
+            ));
+        }
+        Ok(())
+    }
+
+    fn wire(&self) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature,
+            top_p: self.top_p,
+            top_k: self.top_k,
+            max_new_tokens: self.max_new_tokens,
+            stop_token_ids: self.stop_token_ids.clone(),
+            seed: self.seed,
+        }
+    }
+}
+
+/// `POST /v1/batches` body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct BatchRequest {
+    pub(crate) version: Option<u64>,
+    pub(crate) max_staleness: Option<u64>,
+    #[serde(default)]
+    pub(crate) sampling: SamplingPatch,
+    pub(crate) groups: Vec<GroupRequest>,
+}
+
+/// One group of a batch request.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct GroupRequest {
+    prompt: Option<String>,
+    prompt_ids: Option<Vec<u32>>,
+    n: u32,
+    verifier: String,
+    #[serde(default)]
+    answer: String,
+    sampling: Option<SamplingPatch>,
+}
+
+/// A group as stored in the ledger's job row.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) struct GroupSpec {
+    pub(crate) group: u32,
+    pub(crate) prompt_ids: Vec<u32>,
+    pub(crate) n: u32,
+    pub(crate) sampling: Sampling,
+    pub(crate) verifier: String,
+    pub(crate) answer: String,
+}
+
+/// Why a batch request is refused (the API's error code and sentence).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Invalid {
+    pub(crate) code: &'static str,
+    pub(crate) message: String,
+}
+
+fn invalid(code: &'static str, message: String) -> Invalid {
+    Invalid { code, message }
+}
+
+/// Checks a batch request against the model and expands it into group specs.
+pub(crate) fn expand(req: &BatchRequest, model: ModelLimits) -> Result<Vec<GroupSpec>, Invalid> {
+    if req.groups.is_empty() {
+        return Err(invalid("invalid_batch", "the batch has no groups".into()));
+    }
+    let base = Sampling::default().patched(&req.sampling);
+    let mut out = Vec::with_capacity(req.groups.len());
+    for (i, g) in req.groups.iter().enumerate() {
+        let bad = |m: String| invalid("invalid_batch", format!("group {i}: {m}"));
+        if g.n == 0 {
+            return Err(bad("n must be at least 1".into()));
+        }
+        if g.n as usize > starling_proto::rollout::MAX_SAMPLES {
+            return Err(bad(format!(
+                "n = {} is above the limit of {}",
+                g.n,
+                starling_proto::rollout::MAX_SAMPLES
+            )));
+        }
+        if Verifier::parse(&g.verifier).is_none() {
+            return Err(invalid(
+                "unknown_verifier",
+                format!(
+                    "group {i} names verifier {:?}; this hub knows {}",
+                    g.verifier,
+                    Verifier::NAMES.join(", ")
+                ),
+            ));
+        }
+        let prompt_ids = match (&g.prompt, &g.prompt_ids) {
+            (Some(text), None) => starling_engine::ByteTokenizer.encode(text),
+            (None, Some(ids)) => ids.clone(),
+            _ => return Err(bad("give exactly one of prompt and prompt_ids".into())),
+        };
+        if prompt_ids.is_empty() {
+            return Err(bad("the prompt is empty".into()));
+        }
+        if let Some(t) = prompt_ids.iter().find(|&&t| t >= model.vocab) {
+            return Err(bad(format!(
+                "token id {t} is outside the vocabulary of {}",
+                model.vocab
+            )));
+        }
+        let sampling = match &g.sampling {
+            Some(p) => base.patched(p),
+            None => base.clone(),
+        };
+        sampling.check().map_err(bad)?;
+        let need = prompt_ids.len() as u64 + u64::from(sampling.max_new_tokens);
+        if prompt_ids.len() > starling_proto::rollout::MAX_PROMPT_TOKENS
+            || need > u64::from(model.context)
+        {
+            return Err(invalid(
+                "prompt_too_long",
+                format!(
+                    "group {i}: {} prompt tokens + {} new tokens exceed the model's context of {}",
+                    prompt_ids.len(),
+                    sampling.max_new_tokens,
+                    model.context
+                ),
+            ));
+        }
+        out.push(GroupSpec {
+            group: u32::try_from(i).unwrap_or(u32::MAX),
+            prompt_ids,
+            n: g.n,
+            sampling,
+            verifier: g.verifier.clone(),
+            answer: g.answer.clone(),
+        });
+    }
+    Ok(out)
+}
+
+impl GroupSpec {
+    pub(crate) fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    pub(crate) fn parse(bytes: &[u8]) -> Option<GroupSpec> {
+        serde_json::from_slice(bytes).ok()
+    }
+
+    /// The job an actor gets: everything but the answer and the verifier.
+    pub(crate) fn wire(&self, job: &starling_ledger::ClaimedJob) -> JobSpec {
+        JobSpec {
+            job: u64::try_from(job.id.raw()).unwrap_or(0),
+            version: job.version.number(),
+            attempt: job.attempt,
+            lease_expires_ms: u64::try_from(job.lease_expires.millis()).unwrap_or(0),
+            group: self.group,
+            prompt: self.prompt_ids.clone(),
+            n: self.n,
+            sampling: self.sampling.wire(),
+        }
+    }
+}
+
+/// One version span of a stored sample.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) struct Span {
+    pub(crate) version: u64,
+    pub(crate) start: u32,
+    pub(crate) end: u32,
+}
+
+/// One sample as the trainer reads it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct StoredSample {
+    pub(crate) tokens: Vec<u32>,
+    pub(crate) logprobs: Vec<f32>,
+    pub(crate) finish: String,
+    pub(crate) versions: Vec<Span>,
+    pub(crate) reward: f32,
+    pub(crate) ttft_ms: f64,
+    pub(crate) tokens_per_s: f64,
+}
+
+/// An accepted group as stored in the ledger's result payload.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct StoredResult {
+    pub(crate) group: u32,
+    pub(crate) prompt_ids: Vec<u32>,
+    pub(crate) samples: Vec<StoredSample>,
+}
+
+/// Checks an actor's result against its group and scores it. `Err` is a refusal code and
+/// sentence (the lease stays; the group is re-offered if no valid result comes).
+pub(crate) fn judge_result(
+    spec: &GroupSpec,
+    r: &JobResult,
+) -> Result<(StoredResult, u32), Invalid> {
+    let bad = |m: String| invalid("invalid_result", format!("job {}: {m}", r.job));
+    if r.samples.len() != spec.n as usize {
+        return Err(bad(format!(
+            "{} samples for a group of n = {}",
+            r.samples.len(),
+            spec.n
+        )));
+    }
+    let verifier = Verifier::parse(&spec.verifier).unwrap_or(Verifier::None);
+    let mut samples = Vec::with_capacity(r.samples.len());
+    let mut tokens = 0u32;
+    for (i, s) in r.samples.iter().enumerate() {
+        if s.tokens.len() > spec.sampling.max_new_tokens as usize {
+            return Err(bad(format!(
+                "sample {i} has {} tokens, more than max_new_tokens {}",
+                s.tokens.len(),
+                spec.sampling.max_new_tokens
+            )));
+        }
+        if s.spans.iter().any(|sp| sp.version < r.version) {
+            return Err(bad(format!(
+                "sample {i} has tokens from a version older than the {} it claims",
+                r.version
+            )));
+        }
+        if s.finish == FinishReason::Aborted {
+            return Err(bad(format!("sample {i} was aborted")));
+        }
+        tokens = tokens.saturating_add(u32::try_from(s.tokens.len()).unwrap_or(u32::MAX));
+        let decode_s = s.decode_us as f64 / 1e6;
+        samples.push(StoredSample {
+            tokens: s.tokens.clone(),
+            logprobs: s.logprobs.clone(),
+            finish: s.finish.as_str().to_owned(),
+            versions: s
+                .spans
+                .iter()
+                .map(|sp| Span {
+                    version: sp.version,
+                    start: sp.start,
+                    end: sp.end,
+                })
+                .collect(),
+            reward: verifier.reward(&s.tokens, &spec.sampling.stop_token_ids, &spec.answer),
+            ttft_ms: s.ttft_us as f64 / 1e3,
+            tokens_per_s: if decode_s > 0.0 {
+                s.tokens.len() as f64 / decode_s
+            } else {
+                0.0
+            },
+        });
+    }
+    Ok((
+        StoredResult {
+            group: spec.group,
+            prompt_ids: spec.prompt_ids.clone(),
+            samples,
+        },
+        tokens,
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MODEL: ModelLimits = ModelLimits {
+        vocab: 300,
+        context: 64,
+    };
+
+    fn req(json: &str) -> BatchRequest {
+        serde_json::from_str(json).expect("request JSON")
+    }
+
+    #[test]
+    fn a_batch_expands_with_defaults_and_per_group_overrides() {
+        let r = req(r#"{"sampling": {"temperature": 0.5, "max_new_tokens": 8},
+            "groups": [{"prompt": "ab", "n": 2, "verifier": "exact_match", "answer": "ba"},
+                       {"prompt_ids": [5, 6], "n": 1, "verifier": "none", "sampling": {"seed": 9}}]}"#);
+        let g = expand(&r, MODEL).expect("valid");
+        assert_eq!(g[0].prompt_ids, starling_engine::ByteTokenizer.encode("ab"));
+        assert_eq!(
+            (g[0].sampling.temperature, g[0].sampling.max_new_tokens),
+            (0.5, 8)
+        );
+        assert_eq!((g[1].sampling.seed, g[1].sampling.temperature), (9, 0.5));
+        assert_eq!((g[1].group, g[1].n), (1, 1));
+        let back = GroupSpec::parse(&g[0].to_bytes()).expect("round trip");
+        assert_eq!(back.answer, "ba");
+    }
+
+    #[test]
+    fn bad_batches_are_refused_with_their_reason() {
+        let code = |json: &str| expand(&req(json), MODEL).err().map(|e| e.code);
+        assert_eq!(code(r#"{"groups": []}"#), Some("invalid_batch"));
+        let g = |body: &str| format!(r#"{{"groups": [{body}]}}"#);
+        assert_eq!(
+            code(&g(r#"{"prompt": "a", "n": 0, "verifier": "none"}"#)),
+            Some("invalid_batch")
+        );
+        assert_eq!(
+            code(&g(r#"{"prompt": "a", "n": 1, "verifier": "regex"}"#)),
+            Some("unknown_verifier")
+        );
+        assert_eq!(
+            code(&g(r#"{"prompt": "", "n": 1, "verifier": "none"}"#)),
+            Some("invalid_batch")
+        );
+        assert_eq!(
+            code(&g(
+                r#"{"prompt": "a", "prompt_ids": [4], "n": 1, "verifier": "none"}"#
+            )),
+            Some("invalid_batch")
+        );
+        assert_eq!(
+            code(&g(r#"{"prompt_ids": [300], "n": 1, "verifier": "none"}"#)),
+            Some("invalid_batch")
+        );
+        assert_eq!(
+            code(&g(
+                r#"{"prompt": "a", "n": 1, "verifier": "none", "sampling": {"top_p": 0}}"#
+            )),
+            Some("invalid_batch")
+        );
+        assert_eq!(
+            code(&g(
+                r#"{"prompt": "a", "n": 1, "verifier": "none", "sampling": {"max_new_tokens": 64}}"#
+            )),
+            Some("prompt_too_long")
+        );
+        assert!(
+            serde_json::from_str::<BatchRequest>(r#"{"groups": [], "typo": 1}"#).is_err(),
+            "unknown keys are refused"
+        );
+    }
+}
