@@ -377,13 +377,14 @@ mod tests {
     fn every_family_is_described() {
         // A per-peer family is left out of the exposition until it has a series.
         let empty = Metrics::new().encode();
-        assert_eq!(lines_with(&empty, "# TYPE ").len(), 5);
+        assert_eq!(lines_with(&empty, "# TYPE ").len(), 9);
         assert!(!empty.contains("starling_bytes_sent"));
 
         let m = Metrics::new();
         m.sent("relay-eu", 0, 0);
         m.received("hub", 0, 0);
         m.refetch("hub");
+        m.refused("digest");
         let text = m.encode();
         let types = lines_with(&text, "# TYPE ");
         assert_eq!(
@@ -399,8 +400,14 @@ mod tests {
                 "# TYPE starling_transfer_seconds histogram",
                 "# TYPE starling_apply_seconds histogram",
                 "# TYPE starling_control_rtt_seconds histogram",
+                "# TYPE starling_jobs_leased counter",
+                "# TYPE starling_leases_expired counter",
+                "# TYPE starling_results_accepted counter",
+                "# TYPE starling_results_refused counter",
+                "# TYPE starling_rollout_tokens counter",
             ]
         );
+        assert!(text.contains("\nstarling_results_refused_total{reason=\"digest\"} 1\n"));
         assert_eq!(lines_with(&text, "# HELP ").len(), types.len());
         assert_eq!(
             lines_with(&text, "# UNIT "),

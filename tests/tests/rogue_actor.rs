@@ -1,0 +1,255 @@
+//! A hostile or broken actor against the real hub: this test speaks the job protocol itself
+//! with a cluster's actor credentials and submits what an honest actor never would — a job
+//! it does not hold, the wrong weight digest, a version nobody published, the wrong number of
+//! samples, a duplicate, a result after its lease expired, garbage bytes. Each is refused
+//! with its reason, counted in `/metrics` and in the batch's status, and the ledger's
+//! invariants hold; the honest result is accepted exactly once.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use starling_proto::apply::full_digest;
+use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_proto::rollout::{FinishReason, JobResult, JobSpec, Sample, Verdict, VersionSpan};
+use starling_tests::{Testbed, http_request, metric};
+use starling_transport::endpoint::{client_endpoint, connect};
+use starling_transport::framed::{MessageReader, send};
+use starling_transport::identity::{Credentials, Role};
+use starling_transport::link::LinkProfile;
+
+struct Rogue {
+    _ep: quinn::Endpoint,
+    conn: quinn::Connection,
+    tx: quinn::SendStream,
+    rx: MessageReader,
+}
+
+impl Rogue {
+    async fn connect(tb: &Testbed, name: &str, active: (u64, [u8; 16])) -> Rogue {
+        let creds = Credentials::load_peer(&tb.root.join(name)).expect("credentials");
+        let bind: SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let ep = client_endpoint(&creds, bind, &LinkProfile::LAN).expect("endpoint");
+        let hub: SocketAddr = tb.hub_addr.parse().expect("hub addr");
+        let conn = connect(&ep, hub, Role::Hub, "hub").await.expect("connect");
+        let (mut tx, rx) = conn.open_bi().await.expect("stream");
+        let mut rx = MessageReader::new(rx);
+        let hello = Message::Hello {
+            protocol: PROTOCOL_VERSION,
+            role: MsgRole::Actor,
+            name: name.into(),
+            region: "nowhere".into(),
+            model_id: "tiny".into(),
+            active: Some(active),
+            link: None,
+        };
+        send(&mut tx, &hello).await.expect("hello");
+        assert!(matches!(rx.next().await, Ok(Some(Message::Welcome { .. }))));
+        let work = Message::Work {
+            engine: "rogue".into(),
+            hardware: "none".into(),
+            max_batch: 1,
+        };
+        send(&mut tx, &work).await.expect("work");
+        let beat = Message::Heartbeat {
+            active: Some(active),
+            staged: None,
+        };
+        send(&mut tx, &beat).await.expect("heartbeat");
+        Rogue {
+            _ep: ep,
+            conn,
+            tx,
+            rx,
+        }
+    }
+
+    async fn ask(&mut self, m: Message) -> Message {
+        send(&mut self.tx, &m).await.expect("send");
+        self.rx.next().await.expect("answer").expect("an answer")
+    }
+
+    async fn claim(&mut self, max: u32) -> Vec<JobSpec> {
+        match self.ask(Message::Claim { max }).await {
+            Message::Jobs { jobs } => jobs,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    async fn submit(&mut self, r: JobResult) -> Verdict {
+        match self.ask(Message::Submit { results: vec![r] }).await {
+            Message::Verdicts { mut verdicts } => verdicts.remove(0).1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+
+/// A well-formed result for `job` claiming `version` with `digest`, `n` samples.
+fn result(job: &JobSpec, version: u64, digest: [u8; 16], n: u32) -> JobResult {
+    let sample = Sample {
+        tokens: vec![50, 51, 2],
+        logprobs: vec![-0.5, -0.25, -0.125],
+        finish: FinishReason::Stop,
+        spans: vec![VersionSpan {
+            version,
+            start: 0,
+            end: 3,
+        }],
+        ttft_us: 100,
+        decode_us: 1_000,
+    };
+    JobResult {
+        job: job.job,
+        attempt: job.attempt,
+        version,
+        digest,
+        elapsed_us: 2_000,
+        samples: vec![sample; n as usize],
+    }
+}
+
+fn code(v: &Verdict) -> &str {
+    match v {
+        Verdict::Accepted => "accepted",
+        Verdict::Refused { code, .. } => code,
+    }
+}
+
+#[test]
+fn a_rogue_actor_is_refused_with_reasons_and_the_ledger_stays_consistent() {
+    let peers = [("actor", "rogue"), ("trainer", "t1")];
+    let tb = Testbed::with_model(
+        "tiny",
+        1e-4,
+        1,
+        3,
+        &peers,
+        &[],
+        &["--lease-initial", "2", "--lease-floor", "1"],
+    );
+    let w = tb.weights(0);
+    let names: Vec<String> = w.keys().cloned().collect();
+    let d0 = full_digest("tiny", &w, &names).to_bytes();
+    let token = starling_transport::identity::load_trainer_token(&tb.root.join("t1"))
+        .expect("trainer token");
+    let groups: Vec<Value> = (0..6)
+        .map(|i| json!({"prompt": format!("{i}+1="), "n": 2, "verifier": "numeric", "answer": (i + 1).to_string()}))
+        .collect();
+    let body = json!({"groups": groups, "sampling": {"max_new_tokens": 8}}).to_string();
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let mut rogue = Rogue::connect(&tb, "rogue", (0, d0)).await;
+        // Let the heartbeat land before the batch is scheduled.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let (status, answer) = http_request(
+            &tb.hub_http,
+            "POST",
+            "/v1/batches",
+            Some(&token),
+            Some(&body),
+        );
+        assert_eq!(status, 201, "{answer}");
+        let batch: Value = serde_json::from_str(&answer).expect("json");
+        let batch = batch["batch"].as_u64().expect("batch");
+        let mut jobs = Vec::new();
+        for _ in 0..50 {
+            jobs = rogue.claim(6).await;
+            if !jobs.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert_eq!(jobs.len(), 6, "the only actor gets the whole batch");
+        let mut got = BTreeMap::new();
+        let mut ghost = result(&jobs[0], 0, d0, 2);
+        ghost.job = 9_999_999;
+        got.insert("unknown job", code(&rogue.submit(ghost).await).to_owned());
+        got.insert(
+            "wrong digest",
+            code(&rogue.submit(result(&jobs[0], 0, [7; 16], 2)).await).to_owned(),
+        );
+        got.insert(
+            "unpublished version",
+            code(&rogue.submit(result(&jobs[0], 5, d0, 2)).await).to_owned(),
+        );
+        got.insert(
+            "wrong n",
+            code(&rogue.submit(result(&jobs[0], 0, d0, 1)).await).to_owned(),
+        );
+        got.insert(
+            "honest",
+            code(&rogue.submit(result(&jobs[1], 0, d0, 2)).await).to_owned(),
+        );
+        got.insert(
+            "twice",
+            code(&rogue.submit(result(&jobs[1], 0, d0, 2)).await).to_owned(),
+        );
+        // Past its lease (2 s initially): the sweep returns the job to the pool.
+        tokio::time::sleep(Duration::from_millis(3_000)).await;
+        got.insert(
+            "expired",
+            code(&rogue.submit(result(&jobs[2], 0, d0, 2)).await).to_owned(),
+        );
+        let want: BTreeMap<&str, String> = [
+            ("unknown job", "unknown_job"),
+            ("wrong digest", "digest"),
+            ("unpublished version", "unknown_version"),
+            ("wrong n", "invalid_result"),
+            ("honest", "accepted"),
+            ("twice", "duplicate"),
+            ("expired", "lease_expired"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k, v.to_owned()))
+        .collect();
+        assert_eq!(got, want);
+
+        // Refusals are counted per reason, in /metrics and in the batch's status.
+        let m = tb.hub_metrics();
+        for reason in [
+            "unknown_job",
+            "digest",
+            "unknown_version",
+            "invalid_result",
+            "duplicate",
+            "lease_expired",
+        ] {
+            let series = format!("starling_results_refused_total{{reason=\"{reason}\"}}");
+            assert_eq!(metric(&m, &series), Some(1.0), "{series}");
+        }
+        assert_eq!(metric(&m, "starling_results_accepted_total"), Some(1.0));
+        let (_, status) = http_request(
+            &tb.hub_http,
+            "GET",
+            &format!("/v1/batches/{batch}"),
+            Some(&token),
+            None,
+        );
+        let status: Value = serde_json::from_str(&status).expect("json");
+        assert_eq!(status["groups"]["done"], 1, "{status}");
+        assert_eq!(status["refused"]["digest"], 1, "{status}");
+        assert_eq!(status["refused"]["lease_expired"], 1, "{status}");
+
+        // Garbage on the stream: the hub drops this connection and carries on.
+        rogue
+            .tx
+            .write_all(&[0xFF; 64])
+            .await
+            .expect("write garbage");
+        let closed = tokio::time::timeout(Duration::from_secs(5), rogue.conn.closed()).await;
+        assert!(
+            closed.is_ok(),
+            "the hub closes a connection that sends garbage"
+        );
+        let (s, _) = http_request(&tb.hub_http, "GET", "/v1/versions", None, None);
+        assert_eq!(s, 200, "the hub still serves");
+    });
+    let url = format!("sqlite:{}", tb.root.join("hub-store/ledger.db").display());
+    rt.block_on(async {
+        let l = starling_ledger::Ledger::open(&url, starling_ledger::LedgerConfig::default())
+            .await
+            .expect("open ledger");
+        l.check_invariants().await.expect("invariants");
+    });
+}
