@@ -63,6 +63,8 @@ pub struct LedgerConfig {
     pub max_expire_per_sweep: usize,
     /// PostgreSQL connection pool size (SQLite always uses one writer connection).
     pub postgres_pool_size: u32,
+    /// How batches are split (Algorithm 1's proportional split; uniform for comparison).
+    pub split: crate::schedule::Split,
 }
 
 impl Default for LedgerConfig {
@@ -81,6 +83,7 @@ impl Default for LedgerConfig {
             max_sampling_bytes: 64 << 10,
             max_expire_per_sweep: 100_000,
             postgres_pool_size: 16,
+            split: crate::schedule::Split::Proportional,
         }
     }
 }

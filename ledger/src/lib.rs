@@ -273,8 +273,12 @@ impl Ledger {
         batch: BatchId,
         now: Timestamp,
     ) -> Result<Assignment, ScheduleError> {
-        let (alpha, timeout) = (self.config.alpha, self.config.actor_timeout);
-        on_store!(self, s => s.schedule(batch, now, alpha, timeout))
+        let (alpha, timeout, split) = (
+            self.config.alpha,
+            self.config.actor_timeout,
+            self.config.split,
+        );
+        on_store!(self, s => s.schedule(batch, now, alpha, timeout, split))
     }
 
     /// Leases up to `max` jobs to `actor`: first from its own share of scheduled batches, then

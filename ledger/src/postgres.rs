@@ -205,6 +205,7 @@ impl PgStore {
         now: Timestamp,
         alpha: f64,
         actor_timeout: Duration,
+        split: schedule::Split,
     ) -> Result<Assignment, ScheduleError> {
         let mut tx = self.pool.begin().await?;
         let row = sqlx::query(PG_BATCH_FOR_UPDATE)
@@ -224,7 +225,7 @@ impl PgStore {
             .fetch_all(&mut *tx)
             .await?;
         let actors = sql::actor_states(&rows, now, actor_timeout)?;
-        let plan = schedule::plan(version, size, &actors, alpha)?;
+        let plan = schedule::plan(version, size, &actors, alpha, split)?;
         for (id, tau) in &plan.decayed {
             sqlx::query(sql::SET_TAU)
                 .bind(id.as_str())

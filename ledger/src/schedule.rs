@@ -73,6 +73,16 @@ pub struct Plan {
     pub decayed: Vec<(ActorId, f64)>,
 }
 
+/// How a batch is split over the eligible actors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Split {
+    /// In proportion to each actor's throughput estimate τ (Algorithm 1).
+    #[default]
+    Proportional,
+    /// Evenly, whatever τ says: the baseline the benchmarks compare Algorithm 1 against.
+    Uniform,
+}
+
 /// No actor may run the target version, so the batch cannot be placed without dropping prompts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("no actor is on {0} or on its predecessor with it staged")]
@@ -88,6 +98,7 @@ pub fn plan(
     batch_size: u32,
     actors: &[ActorState],
     alpha: f64,
+    split: Split,
 ) -> Result<Plan, NoEligibleActors> {
     let mut eligible: Vec<(&ActorState, bool)> = Vec::new();
     let mut decayed = Vec::new();
@@ -109,7 +120,7 @@ pub fn plan(
         }
     };
     let total: f64 = eligible.iter().map(|(a, _)| weight(a)).sum();
-    let even = !(total.is_finite() && total > 0.0);
+    let even = split == Split::Uniform || !(total.is_finite() && total > 0.0);
     let b = f64::from(batch_size);
     let mut parts: Vec<(usize, u32, f64)> = eligible
         .iter()
@@ -200,7 +211,7 @@ mod tests {
             actor("h100", Some(7), None, 5000.0),
             actor("a100", Some(7), None, 2500.0),
         ];
-        let p = plan(v(7), 300, &actors, 0.5).expect("eligible");
+        let p = plan(v(7), 300, &actors, 0.5, Split::Proportional).expect("eligible");
         assert_eq!(
             counts(&p),
             vec![("h100".into(), 200, false), ("a100".into(), 100, false)]
@@ -252,7 +263,7 @@ mod tests {
             actor("b", Some(3), None, 1.0),
             actor("c", Some(2), Some(3), 1.0),
         ];
-        let p = plan(v(3), 10, &actors, 0.5).expect("eligible");
+        let p = plan(v(3), 10, &actors, 0.5, Split::Proportional).expect("eligible");
         // 10/3 each = 3.33: floors give 9, one prompt left, ties broken by id.
         assert_eq!(
             counts(&p),
@@ -269,7 +280,7 @@ mod tests {
                 actor("c", Some(3), None, 1e300),
                 actor("d", Some(3), None, f64::NAN),
             ];
-            let p = plan(v(3), b, &weird, 0.5).expect("eligible");
+            let p = plan(v(3), b, &weird, 0.5, Split::Proportional).expect("eligible");
             assert_eq!(p.shares.iter().map(|s| s.count).sum::<u32>(), b, "B = {b}");
         }
     }
@@ -280,12 +291,12 @@ mod tests {
             actor("fast", Some(5), None, 300.0),
             actor("behind", Some(3), None, 400.0),
         ];
-        let p = plan(v(5), 64, &actors, 0.25).expect("eligible");
+        let p = plan(v(5), 64, &actors, 0.25, Split::Proportional).expect("eligible");
         assert_eq!(counts(&p), vec![("fast".into(), 64, false)]);
         assert_eq!(p.decayed.len(), 1);
         assert_eq!(p.decayed[0].0.as_str(), "behind");
         assert!((p.decayed[0].1 - 100.0).abs() < 1e-9);
-        assert_eq!(plan(v(9), 64, &actors, 0.5), Err(NoEligibleActors(v(9))));
+        assert_eq!(plan(v(9), 64, &actors, 0.5, Split::Proportional), Err(NoEligibleActors(v(9))));
     }
 
     #[test]
@@ -294,9 +305,9 @@ mod tests {
             actor("a", Some(1), None, 0.0),
             actor("b", Some(0), Some(1), 0.0),
         ];
-        let p = plan(v(1), 5, &actors, 0.5).expect("eligible");
+        let p = plan(v(1), 5, &actors, 0.5, Split::Proportional).expect("eligible");
         assert_eq!(p.shares.iter().map(|s| s.count).sum::<u32>(), 5);
-        let p = plan(v(1), 0, &actors, 0.5).expect("eligible");
+        let p = plan(v(1), 0, &actors, 0.5, Split::Proportional).expect("eligible");
         assert_eq!(
             counts(&p),
             vec![("a".into(), 0, false), ("b".into(), 0, true)]
@@ -309,5 +320,24 @@ mod tests {
         assert!((tau - (0.75 * 100.0 + 0.25 * 300.0)).abs() < 1e-9);
         assert!((settle(f64::NAN, 0.5, 10, 1_000) - 10.0).abs() < 1e-9);
         assert!(settle(1.0, 0.5, 10, 0).is_finite());
+    }
+
+    #[test]
+    fn a_uniform_split_ignores_tau() {
+        let actors = [
+            actor("a", Some(3), None, 100.0),
+            actor("b", Some(3), None, 200.0),
+            actor("c", Some(3), None, 300.0),
+        ];
+        let counts = |split| -> Vec<u32> {
+            plan(v(3), 60, &actors, 0.5, split)
+                .expect("eligible")
+                .shares
+                .iter()
+                .map(|s| s.count)
+                .collect()
+        };
+        assert_eq!(counts(Split::Proportional), [10, 20, 30]);
+        assert_eq!(counts(Split::Uniform), [20, 20, 20]);
     }
 }

@@ -228,6 +228,7 @@ impl SqliteStore {
         now: Timestamp,
         alpha: f64,
         actor_timeout: Duration,
+        split: schedule::Split,
     ) -> Result<Assignment, ScheduleError> {
         let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
         let row = sqlx::query(sql::BATCH_BY_ID)
@@ -247,7 +248,7 @@ impl SqliteStore {
             .fetch_all(&mut *tx)
             .await?;
         let actors = sql::actor_states(&rows, now, actor_timeout)?;
-        let plan = schedule::plan(version, size, &actors, alpha)?;
+        let plan = schedule::plan(version, size, &actors, alpha, split)?;
         for (id, tau) in &plan.decayed {
             sqlx::query(sql::SET_TAU)
                 .bind(id.as_str())

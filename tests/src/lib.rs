@@ -622,3 +622,77 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
             .ok()
     })
 }
+
+/// A client of the hub's job protocol with an actor's credentials (tests and benchmarks
+/// play actors with it: honest, hostile, or a load generator).
+#[derive(Debug)]
+pub struct WorkClient {
+    _ep: quinn::Endpoint,
+    pub conn: quinn::Connection,
+    pub tx: quinn::SendStream,
+    rx: starling_transport::framed::MessageReader,
+}
+
+impl WorkClient {
+    /// Connects as actor `name` (credentials in the test bed), says `Work` and a heartbeat.
+    pub async fn connect(tb: &Testbed, name: &str, active: (u64, [u8; 16])) -> WorkClient {
+        let creds = starling_transport::identity::Credentials::load_peer(&tb.root.join(name)).expect("credentials");
+        let bind: std::net::SocketAddr = "127.0.0.1:0".parse().expect("addr");
+        let ep = starling_transport::endpoint::client_endpoint(&creds, bind, &starling_transport::link::LinkProfile::LAN).expect("endpoint");
+        let hub: std::net::SocketAddr = tb.hub_addr.parse().expect("hub addr");
+        let conn = starling_transport::endpoint::connect(&ep, hub, starling_transport::identity::Role::Hub, "hub").await.expect("connect");
+        let (mut tx, rx) = conn.open_bi().await.expect("stream");
+        let mut rx = starling_transport::framed::MessageReader::new(rx);
+        let hello = starling_proto::msg::Message::Hello {
+            protocol: starling_proto::msg::PROTOCOL_VERSION,
+            role: starling_proto::msg::Role::Actor,
+            name: name.into(),
+            region: "nowhere".into(),
+            model_id: "tiny".into(),
+            active: Some(active),
+            link: None,
+        };
+        starling_transport::framed::send(&mut tx, &hello).await.expect("hello");
+        assert!(matches!(rx.next().await, Ok(Some(starling_proto::msg::Message::Welcome { .. }))));
+        let work = starling_proto::msg::Message::Work {
+            engine: "rogue".into(),
+            hardware: "none".into(),
+            max_batch: 1,
+        };
+        starling_transport::framed::send(&mut tx, &work).await.expect("work");
+        let beat = starling_proto::msg::Message::Heartbeat {
+            active: Some(active),
+            staged: None,
+        };
+        starling_transport::framed::send(&mut tx, &beat).await.expect("heartbeat");
+        WorkClient {
+            _ep: ep,
+            conn,
+            tx,
+            rx,
+        }
+    }
+
+    /// Sends `m` and reads the answer.
+    pub async fn ask(&mut self, m: starling_proto::msg::Message) -> starling_proto::msg::Message {
+        starling_transport::framed::send(&mut self.tx, &m).await.expect("send");
+        self.rx.next().await.expect("answer").expect("an answer")
+    }
+
+    /// Claims up to `max` jobs.
+    pub async fn claim(&mut self, max: u32) -> Vec<starling_proto::rollout::JobSpec> {
+        match self.ask(starling_proto::msg::Message::Claim { max }).await {
+            starling_proto::msg::Message::Jobs { jobs } => jobs,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    /// Submits one result; returns its verdict.
+    pub async fn submit(&mut self, r: starling_proto::rollout::JobResult) -> starling_proto::rollout::Verdict {
+        match self.ask(starling_proto::msg::Message::Submit { results: vec![r] }).await {
+            starling_proto::msg::Message::Verdicts { mut verdicts } => verdicts.remove(0).1,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+}
+

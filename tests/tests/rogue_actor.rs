@@ -6,84 +6,12 @@
 //! invariants hold; the honest result is accepted exactly once.
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::time::Duration;
 
 use serde_json::{Value, json};
 use starling_proto::apply::full_digest;
-use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_proto::rollout::{FinishReason, JobResult, JobSpec, Sample, Verdict, VersionSpan};
-use starling_tests::{Testbed, http_request, metric};
-use starling_transport::endpoint::{client_endpoint, connect};
-use starling_transport::framed::{MessageReader, send};
-use starling_transport::identity::{Credentials, Role};
-use starling_transport::link::LinkProfile;
-
-struct Rogue {
-    _ep: quinn::Endpoint,
-    conn: quinn::Connection,
-    tx: quinn::SendStream,
-    rx: MessageReader,
-}
-
-impl Rogue {
-    async fn connect(tb: &Testbed, name: &str, active: (u64, [u8; 16])) -> Rogue {
-        let creds = Credentials::load_peer(&tb.root.join(name)).expect("credentials");
-        let bind: SocketAddr = "127.0.0.1:0".parse().expect("addr");
-        let ep = client_endpoint(&creds, bind, &LinkProfile::LAN).expect("endpoint");
-        let hub: SocketAddr = tb.hub_addr.parse().expect("hub addr");
-        let conn = connect(&ep, hub, Role::Hub, "hub").await.expect("connect");
-        let (mut tx, rx) = conn.open_bi().await.expect("stream");
-        let mut rx = MessageReader::new(rx);
-        let hello = Message::Hello {
-            protocol: PROTOCOL_VERSION,
-            role: MsgRole::Actor,
-            name: name.into(),
-            region: "nowhere".into(),
-            model_id: "tiny".into(),
-            active: Some(active),
-            link: None,
-        };
-        send(&mut tx, &hello).await.expect("hello");
-        assert!(matches!(rx.next().await, Ok(Some(Message::Welcome { .. }))));
-        let work = Message::Work {
-            engine: "rogue".into(),
-            hardware: "none".into(),
-            max_batch: 1,
-        };
-        send(&mut tx, &work).await.expect("work");
-        let beat = Message::Heartbeat {
-            active: Some(active),
-            staged: None,
-        };
-        send(&mut tx, &beat).await.expect("heartbeat");
-        Rogue {
-            _ep: ep,
-            conn,
-            tx,
-            rx,
-        }
-    }
-
-    async fn ask(&mut self, m: Message) -> Message {
-        send(&mut self.tx, &m).await.expect("send");
-        self.rx.next().await.expect("answer").expect("an answer")
-    }
-
-    async fn claim(&mut self, max: u32) -> Vec<JobSpec> {
-        match self.ask(Message::Claim { max }).await {
-            Message::Jobs { jobs } => jobs,
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-
-    async fn submit(&mut self, r: JobResult) -> Verdict {
-        match self.ask(Message::Submit { results: vec![r] }).await {
-            Message::Verdicts { mut verdicts } => verdicts.remove(0).1,
-            other => panic!("unexpected {other:?}"),
-        }
-    }
-}
+use starling_tests::{Testbed, WorkClient, http_request, metric};
 
 /// A well-formed result for `job` claiming `version` with `digest`, `n` samples.
 fn result(job: &JobSpec, version: u64, digest: [u8; 16], n: u32) -> JobResult {
@@ -139,7 +67,7 @@ fn a_rogue_actor_is_refused_with_reasons_and_the_ledger_stays_consistent() {
     let body = json!({"groups": groups, "sampling": {"max_new_tokens": 8}}).to_string();
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(async {
-        let mut rogue = Rogue::connect(&tb, "rogue", (0, d0)).await;
+        let mut rogue = WorkClient::connect(&tb, "rogue", (0, d0)).await;
         // Let the heartbeat land before the batch is scheduled.
         tokio::time::sleep(Duration::from_millis(300)).await;
         let (status, answer) = http_request(

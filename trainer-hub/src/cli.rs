@@ -117,6 +117,10 @@ pub enum Command {
         /// back to the shared pool.
         #[arg(long, default_value_t = 60.0)]
         actor_timeout: f64,
+        /// Split batches evenly over the eligible actors instead of in proportion to their
+        /// measured throughput (the baseline benchmarks compare against).
+        #[arg(long)]
+        uniform_split: bool,
         /// Close a segment once it holds this many KiB (the unit of forwarding, verifying
         /// and refetching).
         #[arg(long, default_value_t = 2048)]
@@ -300,6 +304,7 @@ pub fn run(cli: Cli) -> Result<()> {
             lease_initial,
             lease_floor,
             actor_timeout,
+            uniform_split,
         } => {
             let secs = |name: &str, v: f64| {
                 if v.is_finite() && v > 0.0 && v < 1e7 {
@@ -316,6 +321,9 @@ pub fn run(cli: Cli) -> Result<()> {
             ledger_config.lease.ceiling =
                 ledger_config.lease.ceiling.max(ledger_config.lease.floor);
             ledger_config.actor_timeout = secs("actor-timeout", actor_timeout)?;
+            if uniform_split {
+                ledger_config.split = starling_ledger::schedule::Split::Uniform;
+            }
             let ledger =
                 ledger.unwrap_or_else(|| format!("sqlite:{}", store.join("ledger.db").display()));
             let version = match init_version {
