@@ -296,7 +296,10 @@ mod tests {
         assert_eq!(p.decayed.len(), 1);
         assert_eq!(p.decayed[0].0.as_str(), "behind");
         assert!((p.decayed[0].1 - 100.0).abs() < 1e-9);
-        assert_eq!(plan(v(9), 64, &actors, 0.5, Split::Proportional), Err(NoEligibleActors(v(9))));
+        assert_eq!(
+            plan(v(9), 64, &actors, 0.5, Split::Proportional),
+            Err(NoEligibleActors(v(9)))
+        );
     }
 
     #[test]

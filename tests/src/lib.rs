@@ -636,11 +636,24 @@ pub struct WorkClient {
 impl WorkClient {
     /// Connects as actor `name` (credentials in the test bed), says `Work` and a heartbeat.
     pub async fn connect(tb: &Testbed, name: &str, active: (u64, [u8; 16])) -> WorkClient {
-        let creds = starling_transport::identity::Credentials::load_peer(&tb.root.join(name)).expect("credentials");
+        let creds = starling_transport::identity::Credentials::load_peer(&tb.root.join(name))
+            .expect("credentials");
         let bind: std::net::SocketAddr = "127.0.0.1:0".parse().expect("addr");
-        let ep = starling_transport::endpoint::client_endpoint(&creds, bind, &starling_transport::link::LinkProfile::LAN).expect("endpoint");
+        let ep = starling_transport::endpoint::client_endpoint(
+            &creds,
+            bind,
+            &starling_transport::link::LinkProfile::LAN,
+        )
+        .expect("endpoint");
         let hub: std::net::SocketAddr = tb.hub_addr.parse().expect("hub addr");
-        let conn = starling_transport::endpoint::connect(&ep, hub, starling_transport::identity::Role::Hub, "hub").await.expect("connect");
+        let conn = starling_transport::endpoint::connect(
+            &ep,
+            hub,
+            starling_transport::identity::Role::Hub,
+            "hub",
+        )
+        .await
+        .expect("connect");
         let (mut tx, rx) = conn.open_bi().await.expect("stream");
         let mut rx = starling_transport::framed::MessageReader::new(rx);
         let hello = starling_proto::msg::Message::Hello {
@@ -652,19 +665,28 @@ impl WorkClient {
             active: Some(active),
             link: None,
         };
-        starling_transport::framed::send(&mut tx, &hello).await.expect("hello");
-        assert!(matches!(rx.next().await, Ok(Some(starling_proto::msg::Message::Welcome { .. }))));
+        starling_transport::framed::send(&mut tx, &hello)
+            .await
+            .expect("hello");
+        assert!(matches!(
+            rx.next().await,
+            Ok(Some(starling_proto::msg::Message::Welcome { .. }))
+        ));
         let work = starling_proto::msg::Message::Work {
             engine: "rogue".into(),
             hardware: "none".into(),
             max_batch: 1,
         };
-        starling_transport::framed::send(&mut tx, &work).await.expect("work");
+        starling_transport::framed::send(&mut tx, &work)
+            .await
+            .expect("work");
         let beat = starling_proto::msg::Message::Heartbeat {
             active: Some(active),
             staged: None,
         };
-        starling_transport::framed::send(&mut tx, &beat).await.expect("heartbeat");
+        starling_transport::framed::send(&mut tx, &beat)
+            .await
+            .expect("heartbeat");
         WorkClient {
             _ep: ep,
             conn,
@@ -675,7 +697,9 @@ impl WorkClient {
 
     /// Sends `m` and reads the answer.
     pub async fn ask(&mut self, m: starling_proto::msg::Message) -> starling_proto::msg::Message {
-        starling_transport::framed::send(&mut self.tx, &m).await.expect("send");
+        starling_transport::framed::send(&mut self.tx, &m)
+            .await
+            .expect("send");
         self.rx.next().await.expect("answer").expect("an answer")
     }
 
@@ -688,11 +712,16 @@ impl WorkClient {
     }
 
     /// Submits one result; returns its verdict.
-    pub async fn submit(&mut self, r: starling_proto::rollout::JobResult) -> starling_proto::rollout::Verdict {
-        match self.ask(starling_proto::msg::Message::Submit { results: vec![r] }).await {
+    pub async fn submit(
+        &mut self,
+        r: starling_proto::rollout::JobResult,
+    ) -> starling_proto::rollout::Verdict {
+        match self
+            .ask(starling_proto::msg::Message::Submit { results: vec![r] })
+            .await
+        {
             starling_proto::msg::Message::Verdicts { mut verdicts } => verdicts.remove(0).1,
             other => panic!("unexpected {other:?}"),
         }
     }
 }
-

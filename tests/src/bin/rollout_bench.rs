@@ -69,7 +69,9 @@ fn main() -> Result<()> {
             "## makespan: 3 actors at slowdowns {:?}, {} groups × {} samples × ≤{} tokens\n",
             a.slowdowns, a.groups, a.n, a.max_new_tokens
         );
-        println!("| split | batch | makespan s | ideal s | makespan / ideal | shares (slow→fast) |");
+        println!(
+            "| split | batch | makespan s | ideal s | makespan / ideal | shares (slow→fast) |"
+        );
         println!("|---|---|---|---|---|---|");
         let mut summary = Vec::new();
         for uniform in [false, true] {
@@ -81,7 +83,11 @@ fn main() -> Result<()> {
             r.sort_by(f64::total_cmp);
             println!(
                 "{}: median makespan / ideal {:.3} (min {:.3}, max {:.3})",
-                if uniform { "uniform split" } else { "Algorithm 1" },
+                if uniform {
+                    "uniform split"
+                } else {
+                    "Algorithm 1"
+                },
                 r[r.len() / 2],
                 r[0],
                 r[r.len() - 1]
@@ -321,7 +327,11 @@ fn jobs(a: &Args, postgres: Option<String>) -> Result<()> {
     })?;
     println!(
         "| {} | {done} | {} | {} | {secs:.2} | {:.0} |",
-        if postgres.is_some() { "PostgreSQL" } else { "SQLite" },
+        if postgres.is_some() {
+            "PostgreSQL"
+        } else {
+            "SQLite"
+        },
         a.clients,
         a.per_claim,
         f64::from(done) / secs
