@@ -15,19 +15,25 @@ pub enum Verifier {
     /// 1 if the first number in the completion equals the answer as a number (within 1e-6,
     /// relative for large values), else 0.
     Numeric,
+    /// Partial credit: the share of the answer's characters that the trimmed completion has at
+    /// the same positions, over the longer of the two lengths (so extra characters cost too);
+    /// 1 exactly when the two are equal. For toy tasks whose exact-match reward is too sparse
+    /// to learn from (the demo's digit reversal).
+    CharMatch,
     /// Always 0: the trainer computes its own reward.
     None,
 }
 
 impl Verifier {
     /// Every verifier's name, for error messages.
-    pub const NAMES: [&'static str; 3] = ["exact_match", "numeric", "none"];
+    pub const NAMES: [&'static str; 4] = ["exact_match", "numeric", "char_match", "none"];
 
     /// The verifier called `name`.
     pub fn parse(name: &str) -> Option<Verifier> {
         match name {
             "exact_match" => Some(Verifier::ExactMatch),
             "numeric" => Some(Verifier::Numeric),
+            "char_match" => Some(Verifier::CharMatch),
             "none" => Some(Verifier::None),
             _ => None,
         }
@@ -37,6 +43,7 @@ impl Verifier {
         match self {
             Verifier::ExactMatch => "exact_match",
             Verifier::Numeric => "numeric",
+            Verifier::CharMatch => "char_match",
             Verifier::None => "none",
         }
     }
@@ -53,16 +60,30 @@ impl Verifier {
 
     /// The reward of decoded completion text against `answer`.
     pub fn reward_text(self, text: &str, answer: &str) -> f32 {
+        if self == Verifier::CharMatch {
+            return char_match(text.trim(), answer.trim());
+        }
         let hit = match self {
             Verifier::ExactMatch => text.trim() == answer.trim(),
             Verifier::Numeric => match (first_number(text), answer.trim().parse::<f64>()) {
                 (Some(got), Ok(want)) => (got - want).abs() <= 1e-6 * want.abs().max(1.0),
                 _ => false,
             },
-            Verifier::None => false,
+            Verifier::CharMatch | Verifier::None => false,
         };
         if hit { 1.0 } else { 0.0 }
     }
+}
+
+/// Matching characters at equal positions over the longer length (1 for two empty strings).
+fn char_match(text: &str, answer: &str) -> f32 {
+    let (t, a): (Vec<char>, Vec<char>) = (text.chars().collect(), answer.chars().collect());
+    let longer = t.len().max(a.len());
+    if longer == 0 {
+        return 1.0;
+    }
+    let same = t.iter().zip(&a).filter(|(x, y)| x == y).count();
+    same as f32 / longer as f32
 }
 
 /// The first decimal number in `text` (optional sign, digits, optional fraction).
@@ -122,6 +143,18 @@ mod tests {
         assert_eq!(v.reward_text("no number", "42"), 0.0);
         assert_eq!(v.reward_text("42", "not a number"), 0.0);
         assert_eq!(v.reward_text("a-b 5", "5"), 1.0);
+    }
+
+    #[test]
+    fn char_match_gives_partial_credit_by_position() {
+        let v = Verifier::CharMatch;
+        assert_eq!(v.reward_text("4321", "4321"), 1.0);
+        assert_eq!(v.reward_text(" 4321 ", "4321"), 1.0);
+        assert_eq!(v.reward_text("4301", "4321"), 0.75);
+        assert_eq!(v.reward_text("43", "4321"), 0.5);
+        assert_eq!(v.reward_text("432100", "4321"), 4.0 / 6.0);
+        assert_eq!(v.reward_text("1234", "4321"), 0.0);
+        assert_eq!(v.reward_text("", "4321"), 0.0);
     }
 
     #[test]
