@@ -1,4 +1,4 @@
-//! `starling-actor`: parses the command line and runs the actor until the hub goes away or
+//! `starling-actor`'s command line: parses it and runs the actor until the hub goes away or
 //! the process is stopped.
 
 use std::net::SocketAddr;
@@ -54,8 +54,15 @@ struct Args {
     hardware: String,
 }
 
-fn main() -> std::process::ExitCode {
-    let a = Args::parse();
+/// Parses `args` (the first is the program name) and runs until the process is stopped.
+/// The `starling-actor` binary calls it; `starling-hub demo` runs the same in child processes of
+/// its own binary, so `cargo run -p starling-hub -- demo` needs no other binary.
+pub fn main_from<I, T>(args: I) -> std::process::ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let a = Args::parse_from(args);
     let mut sources = Vec::new();
     for r in &a.relays {
         let parsed = r
@@ -65,20 +72,20 @@ fn main() -> std::process::ExitCode {
             eprintln!("error: --relay {r:?} is not NAME@ADDR");
             return std::process::ExitCode::from(2);
         };
-        sources.push(starling_actor::Source {
+        sources.push(crate::Source {
             role: starling_transport::identity::Role::Relay,
             name: name.to_owned(),
             addr,
         });
     }
-    sources.push(starling_actor::Source {
+    sources.push(crate::Source {
         role: starling_transport::identity::Role::Hub,
         name: "hub".into(),
         addr: a.hub,
     });
     let engine = match a.engine.as_str() {
         "none" => None,
-        "builtin" => Some(starling_actor::EngineSettings {
+        "builtin" => Some(crate::EngineSettings {
             model_config: a.model_config.clone().unwrap_or_else(|| {
                 a.init
                     .parent()
@@ -95,7 +102,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::from(2);
         }
     };
-    let cfg = starling_actor::ActorConfig {
+    let cfg = crate::ActorConfig {
         credentials: a.credentials,
         sources,
         init: a.init,
@@ -106,5 +113,5 @@ fn main() -> std::process::ExitCode {
         http: a.http,
         engine,
     };
-    starling_transport::service::run_service(starling_actor::run(cfg))
+    starling_transport::service::run_service(crate::run(cfg))
 }

@@ -19,6 +19,7 @@
 //! boundary (the engine swaps versions between generation calls, see [`engine`]) and the
 //! rollout [`worker`] claims jobs from the hub, generates them and submits the results.
 
+pub mod cli;
 pub mod engine;
 pub mod store;
 pub mod worker;

@@ -1,4 +1,4 @@
-//! `starling-relay`: parses the command line and runs the relay.
+//! `starling-relay`'s command line: parses it and runs the relay.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -53,9 +53,16 @@ struct Args {
     print_rtt: bool,
 }
 
-fn main() -> std::process::ExitCode {
-    let a = Args::parse();
-    let cfg = starling_relay::RelayConfig {
+/// Parses `args` (the first is the program name) and runs until the process is stopped.
+/// The `starling-relay` binary calls it; `starling-hub demo` runs the same in child processes of
+/// its own binary, so `cargo run -p starling-hub -- demo` needs no other binary.
+pub fn main_from<I, T>(args: I) -> std::process::ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let a = Args::parse_from(args);
+    let cfg = crate::RelayConfig {
         credentials: a.credentials,
         hub: a.hub,
         listen: a.listen,
@@ -74,5 +81,5 @@ fn main() -> std::process::ExitCode {
         ping: Duration::from_millis(a.ping_ms.max(1)),
         print_rtt: a.print_rtt,
     };
-    starling_transport::service::run_service(starling_relay::run(cfg))
+    starling_transport::service::run_service(crate::run(cfg))
 }

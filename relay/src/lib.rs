@@ -18,6 +18,8 @@
 //! - Complete versions are also written to a disk cache (`.sdc` files), so a restarted relay
 //!   serves its region's laggards without refetching over the WAN.
 
+pub mod cli;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};

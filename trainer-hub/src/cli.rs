@@ -442,6 +442,23 @@ pub fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// Parses `args` (the first is the program name) and runs the command; errors are printed
+/// with their causes. The `starling-hub` binary calls it, and so does `starling hub …`.
+pub fn main_from<I, T>(args: I) -> std::process::ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = Cli::parse_from(args);
+    match run(cli) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 fn runtime() -> Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -1,15 +1,5 @@
-//! `starling-hub`: parses the command line and runs it; errors are reported with their
-//! causes and a non-zero exit code.
-
-use clap::Parser;
+//! `starling-hub`: see [`starling_hub::cli`].
 
 fn main() -> std::process::ExitCode {
-    let cli = starling_hub::cli::Cli::parse();
-    match starling_hub::cli::run(cli) {
-        Ok(()) => std::process::ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
-        }
-    }
+    starling_hub::cli::main_from(std::env::args_os())
 }
