@@ -1,0 +1,238 @@
+//! A small blocking client of the hub's trainer HTTP API (`docs/api.md`): publish a version,
+//! submit a batch, long-poll its accepted results, read its status, cancel it.
+//!
+//! It speaks plain HTTP/1.1 over one TCP connection per request (`Connection: close`): the
+//! trainer makes a handful of requests per optimizer step, so connection reuse would save
+//! nothing measurable, and a dependency-free client keeps the trainer's build small. The hub's
+//! error bodies (`{"error": {"code", "message"}}`) become [`HubError::Refused`] with the code and
+//! sentence intact.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::Value;
+
+/// Why a request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum HubError {
+    #[error("cannot reach the hub at {addr}: {source}")]
+    Unreachable {
+        addr: String,
+        source: std::io::Error,
+    },
+    #[error("the hub refused ({status} {code}): {message}")]
+    Refused {
+        status: u16,
+        code: String,
+        message: String,
+    },
+    #[error("malformed answer from the hub: {0}")]
+    Malformed(String),
+}
+
+/// The hub's answer to a publish.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Published {
+    pub version: u64,
+    pub base: u64,
+    pub changes: u64,
+    pub bytes: u64,
+    pub digest: String,
+}
+
+/// The hub's answer to a batch submission.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Submitted {
+    pub batch: u64,
+    pub version: u64,
+}
+
+/// One accepted sample.
+#[derive(Debug, Clone, Deserialize)]
+pub struct SampleOut {
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub reward: f32,
+    #[serde(default)]
+    pub tokens_per_s: f64,
+}
+
+/// One accepted group.
+#[derive(Debug, Clone, Deserialize)]
+pub struct GroupOut {
+    pub cursor: u64,
+    pub group: u32,
+    pub actor: String,
+    pub version: u64,
+    pub prompt_ids: Vec<u32>,
+    pub samples: Vec<SampleOut>,
+}
+
+/// One page of a batch's results.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ResultsPage {
+    pub results: Vec<GroupOut>,
+    pub cursor: u64,
+    pub done: bool,
+}
+
+/// A client bound to one hub and trainer token.
+#[derive(Debug, Clone)]
+pub struct HubClient {
+    addr: String,
+    token: String,
+    timeout: Duration,
+}
+
+impl HubClient {
+    /// `addr` is the hub's `--http` address (`host:port`); `token` the trainer's token.
+    pub fn new(addr: impl Into<String>, token: impl Into<String>) -> Self {
+        Self {
+            addr: addr.into(),
+            token: token.into(),
+            timeout: Duration::from_secs(120),
+        }
+    }
+
+    /// Publishes the checkpoint at `path` (which the hub reads) as the next version.
+    pub fn publish(&self, path: &std::path::Path, step: u64) -> Result<Published, HubError> {
+        let body = serde_json::json!({"path": path, "step": step});
+        self.json("POST", "/v1/versions", Some(&body))
+    }
+
+    /// Submits a batch (the JSON of `POST /v1/batches`).
+    pub fn submit(&self, batch: &Value) -> Result<Submitted, HubError> {
+        self.json("POST", "/v1/batches", Some(batch))
+    }
+
+    /// Accepted groups after `cursor`, waiting up to `wait_ms` for one.
+    pub fn results(&self, batch: u64, after: u64, wait_ms: u64) -> Result<ResultsPage, HubError> {
+        let path =
+            format!("/v1/batches/{batch}/results?after={after}&limit=1024&wait_ms={wait_ms}");
+        self.json("GET", &path, None)
+    }
+
+    /// The batch's status document.
+    pub fn status(&self, batch: u64) -> Result<Value, HubError> {
+        self.json("GET", &format!("/v1/batches/{batch}"), None)
+    }
+
+    /// `GET /v1/versions`.
+    pub fn versions(&self) -> Result<Value, HubError> {
+        self.json("GET", "/v1/versions", None)
+    }
+
+    fn json<T: serde::de::DeserializeOwned>(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<T, HubError> {
+        let (status, text) = self.request(method, path, body)?;
+        if !(200..300).contains(&status) {
+            let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
+            let e = &v["error"];
+            return Err(HubError::Refused {
+                status,
+                code: e["code"].as_str().unwrap_or("unknown").to_owned(),
+                message: e["message"].as_str().unwrap_or(text.trim()).to_owned(),
+            });
+        }
+        serde_json::from_str(&text).map_err(|e| HubError::Malformed(format!("{path}: {e}")))
+    }
+
+    fn request(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+    ) -> Result<(u16, String), HubError> {
+        let io = |source| HubError::Unreachable {
+            addr: self.addr.clone(),
+            source,
+        };
+        let mut s = TcpStream::connect(&self.addr).map_err(io)?;
+        s.set_read_timeout(Some(self.timeout)).map_err(io)?;
+        let payload = body.map(Value::to_string).unwrap_or_default();
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nhost: {}\r\nauthorization: Bearer {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+            self.addr,
+            self.token,
+            payload.len()
+        );
+        s.write_all(head.as_bytes()).map_err(io)?;
+        s.write_all(payload.as_bytes()).map_err(io)?;
+        let mut raw = Vec::new();
+        s.read_to_end(&mut raw).map_err(io)?;
+        parse_response(&raw)
+    }
+}
+
+/// Status and body of a complete `Connection: close` response (`Content-Length` or read to EOF;
+/// chunked bodies are decoded).
+fn parse_response(raw: &[u8]) -> Result<(u16, String), HubError> {
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .ok_or_else(|| HubError::Malformed("no header terminator".into()))?;
+    let head = String::from_utf8_lossy(&raw[..split]);
+    let mut lines = head.lines();
+    let status = lines
+        .next()
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|s| s.parse::<u16>().ok())
+        .ok_or_else(|| HubError::Malformed(format!("status line of {head:?}")))?;
+    let chunked = lines.any(|l| {
+        let l = l.to_ascii_lowercase();
+        l.starts_with("transfer-encoding:") && l.contains("chunked")
+    });
+    let body = &raw[split + 4..];
+    let body = if chunked {
+        dechunk(body)?
+    } else {
+        body.to_vec()
+    };
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
+}
+
+fn dechunk(mut b: &[u8]) -> Result<Vec<u8>, HubError> {
+    let mut out = Vec::new();
+    loop {
+        let eol = b
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .ok_or_else(|| HubError::Malformed("chunk size line".into()))?;
+        let size_text = String::from_utf8_lossy(&b[..eol]);
+        let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+            .map_err(|_| HubError::Malformed(format!("chunk size {size_text:?}")))?;
+        b = &b[eol + 2..];
+        if size == 0 {
+            return Ok(out);
+        }
+        if b.len() < size + 2 {
+            return Err(HubError::Malformed("truncated chunk".into()));
+        }
+        out.extend_from_slice(&b[..size]);
+        b = &b[size + 2..];
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_plain_and_chunked_responses() {
+        let (s, b) =
+            parse_response(b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\n{}").expect("plain");
+        assert_eq!((s, b.as_str()), (201, "{}"));
+        let (s, b) = parse_response(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n3\r\n\":1\r\n1\r\n}\r\n0\r\n\r\n",
+        )
+        .expect("chunked");
+        assert_eq!((s, b.as_str()), (200, "{\"a\":1}"));
+        assert!(parse_response(b"garbage").is_err());
+    }
+}
