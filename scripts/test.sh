@@ -5,6 +5,12 @@
 # installs (Debian's package, when root and missing) and starts on a free loopback port, then
 # stops on exit. Set STARLING_TEST_POSTGRES_URL yourself to use your own server instead, or
 # STARLING_SKIP_POSTGRES=1 to skip PostgreSQL entirely.
+#
+# After the cargo tests, the Python SDK's tests (sdk/python/run_tests.sh) run against the
+# release binaries just built, in a virtualenv under /var/tmp that they create on first use
+# (pytest and a CPU-usable torch from PyPI: about a minute on a fresh machine). torch is
+# required (STARLING_SDK_REQUIRE_TORCH=1): its tests fail rather than skip without it. Set
+# STARLING_SKIP_PYTHON=1 to skip the Python tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,3 +55,12 @@ fi
 # them all first.
 cargo build --workspace --bins --release
 cargo test --workspace --all-targets --release "$@"
+
+if [[ "${STARLING_SKIP_PYTHON:-0}" != 1 ]]; then
+    # The binaries of the build above: cargo's target directory (CARGO_TARGET_DIR, a config
+    # file's build.target-dir, or target/), as cargo itself resolves it.
+    target_dir=$(cargo metadata --format-version 1 --no-deps \
+        | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
+    echo "== Python SDK (sdk/python/run_tests.sh, binaries in $target_dir/release)"
+    STARLING_BIN_DIR="$target_dir/release" STARLING_SDK_REQUIRE_TORCH=1 sdk/python/run_tests.sh
+fi
