@@ -121,6 +121,11 @@ pub enum Command {
         /// measured throughput (the baseline benchmarks compare against).
         #[arg(long)]
         uniform_split: bool,
+        /// Ship every version as a full checkpoint (each tensor's new BF16 bits, as byte
+        /// planes + zstd-1) instead of a sparse delta: the baseline `starling demo
+        /// --full-broadcast` compares against. Same path, segments and verification.
+        #[arg(long)]
+        full_broadcast: bool,
         /// Close a segment once it holds this many KiB (the unit of forwarding, verifying
         /// and refetching).
         #[arg(long, default_value_t = 2048)]
@@ -305,6 +310,7 @@ pub fn run(cli: Cli) -> Result<()> {
             lease_floor,
             actor_timeout,
             uniform_split,
+            full_broadcast,
         } => {
             let secs = |name: &str, v: f64| {
                 if v.is_finite() && v > 0.0 && v < 1e7 {
@@ -348,6 +354,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 anchor_every,
                 keep_anchors,
                 segment_bytes: segment_kib.max(1) << 10,
+                full_broadcast,
                 peer_links: peer_links.into_iter().collect(),
                 link_ceiling: !no_link_ceiling,
                 ledger,

@@ -73,6 +73,8 @@ pub struct ServeConfig {
     pub keep_anchors: usize,
     /// Target size of a segment.
     pub segment_bytes: usize,
+    /// Code every changed tensor range densely (the full new bits), never sparsely.
+    pub full_broadcast: bool,
     /// The stated link to each peer by name (`*`: every other peer), for the sender's
     /// window ceiling (`starling_transport::ceiling`).
     pub peer_links: BTreeMap<String, LinkProfile>,
@@ -397,6 +399,11 @@ pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> R
     let mut opts = DiffOptions::new(&hub.cfg.model_id, base, version, created);
     opts.signing_key = Some(hub.signing.clone());
     opts.encoder.segment_target_bytes = hub.cfg.segment_bytes;
+    if hub.cfg.full_broadcast {
+        opts.encoder.choice = starling_proto::segment::CodecChoice::only_dense(
+            starling_proto::codec::DenseCodec::PlanesZstd,
+        );
+    }
     opts.pre_digest = Some(state.digest);
     let id = delta_id(&hub.cfg.model_id, base, version, created);
     // Cut-through: subscribers get each frame the moment the encoder emits it. Store-and-
