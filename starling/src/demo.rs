@@ -52,6 +52,14 @@ pub(crate) struct DemoArgs {
     pub(crate) warm_steps: u32,
     #[arg(long, default_value_t = 1)]
     pub(crate) seed: u64,
+    /// Ship each version as a full BF16 checkpoint (dense, byte planes + zstd-1) instead of
+    /// a delta: the baseline.
+    #[arg(long, conflicts_with = "no_transfer")]
+    pub(crate) full_broadcast: bool,
+    /// No emulated WAN: relays and actors reach the hub over plain loopback, so a version
+    /// costs what a local copy costs (the ideal delta mode is measured against).
+    #[arg(long)]
+    pub(crate) no_transfer: bool,
     /// The hub's HTTP port (0: any free port).
     #[arg(long, default_value_t = 0)]
     pub(crate) http_port: u16,
@@ -121,22 +129,29 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
         })?;
         addr
     };
+    let mut hub_args: Vec<String> = vec!["serve".into()];
+    if a.full_broadcast {
+        hub_args.push("--full-broadcast".into());
+    }
     let mut hub = Proc::start(
         "hub",
         "hub",
         &[
-            "serve".into(),
-            "--cluster".into(),
-            path(&cluster.dir),
-            "--init".into(),
-            path(&init),
-            "--store".into(),
-            path(&out.join("hub-store")),
-            "--listen".into(),
-            quic.to_string(),
-            "--http".into(),
-            http.to_string(),
-        ],
+            hub_args,
+            vec![
+                "--cluster".into(),
+                path(&cluster.dir),
+                "--init".into(),
+                path(&init),
+                "--store".into(),
+                path(&out.join("hub-store")),
+                "--listen".into(),
+                quic.to_string(),
+                "--http".into(),
+                http.to_string(),
+            ],
+        ]
+        .concat(),
         &out.join("logs/hub.log"),
     )?;
     let token = std::fs::read_to_string(cluster.dir.join("trainer/token"))
@@ -155,9 +170,14 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
     let mut actor_http = Vec::new();
     let mut region_actors: BTreeMap<&str, Vec<String>> = BTreeMap::new();
     for (i, r) in regions.iter().enumerate() {
-        let link = r.start_link(quic, a.seed * 100 + i as u64 * 2)?;
-        let wan = link.local_addr();
-        links.push(link);
+        let wan = if a.no_transfer {
+            quic
+        } else {
+            let link = r.start_link(quic, a.seed * 100 + i as u64 * 2)?;
+            let addr = link.local_addr();
+            links.push((r.name, link));
+            addr
+        };
         let relay_addr = free_udp_port()?;
         procs.push(Proc::start(
             &format!("relay {}", r.name),
@@ -213,12 +233,19 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
                 &out.join(format!("logs/{name}.log")),
             )?);
         }
+        let link = if a.no_transfer {
+            "loopback (no WAN emulation)".to_owned()
+        } else {
+            format!(
+                "{} Mbit/s, RTT {} ms, loss {}%",
+                r.rate_mbit,
+                r.rtt_ms,
+                r.loss * 100.0
+            )
+        };
         println!(
-            "   region {}: link {} Mbit/s, RTT {} ms, loss {}%; actors {}",
+            "   region {}: link {link}; actors {}",
             r.name,
-            r.rate_mbit,
-            r.rtt_ms,
-            r.loss * 100.0,
             r.actors
                 .iter()
                 .map(|(n, s)| format!("{n} (speed {s})"))
@@ -303,8 +330,7 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
     drop(hub);
     let link_stats: Vec<_> = links
         .into_iter()
-        .zip(&regions)
-        .map(|(l, r)| (r.name, l.shutdown()))
+        .map(|(name, l)| (name, l.shutdown()))
         .collect();
 
     // 4. Summary and plot.
@@ -421,8 +447,15 @@ fn summarize(
             )
         })
         .collect();
+    let mode = if a.full_broadcast {
+        "full-broadcast"
+    } else if a.no_transfer {
+        "no-transfer"
+    } else {
+        "delta"
+    };
     json!({
-        "mode": "delta",
+        "mode": mode,
         "model": {"parameters": config.parameter_count(), "bf16_bytes": full_bf16_bytes, "config": config},
         "task": "digit reversal (char_match reward)",
         "settings": {"steps": a.steps, "groups": a.groups, "samples_per_group": a.samples,
@@ -459,7 +492,7 @@ fn panels(
             })
             .collect();
         transfer.push(Series {
-            label: format!("{name}: publish to last actor active (s)"),
+            label: format!("{name}: publish to all actors active"),
             color,
             points: pts,
         });
