@@ -104,7 +104,15 @@ async fn transfer(dir: &Path, ceiling: bool) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_capped_sender_leaves_the_bottleneck_queue_alone_where_plain_bbr_overflows_it() {
     let capped = transfer(tempfile::tempdir().expect("tempdir").path(), true).await;
-    let plain = transfer(tempfile::tempdir().expect("tempdir").path(), false).await;
+    // Plain BBR's overflow is the premise of the comparison; on a loaded 2-core machine one
+    // run in a few happens to stay under the queue limit, so the premise gets three tries.
+    let mut plain = 0;
+    for _ in 0..3 {
+        plain = transfer(tempfile::tempdir().expect("tempdir").path(), false).await;
+        if plain > 0 {
+            break;
+        }
+    }
     eprintln!("queue drops: capped {capped}, plain BBR {plain}");
     // Capped runs drop nothing unless a scheduling stall of the user-space link (2 cores, a
     // busy test machine) lets its queue grow; plain BBR drops 80-700 packets per run.
