@@ -49,6 +49,11 @@ struct Args {
     /// in benchmarks.
     #[arg(long, default_value_t = 1.0, env = "STARLING_ACTOR_ENGINE_SLOWDOWN")]
     engine_slowdown: f64,
+    /// No weight transfer: read version V's full checkpoint from DIR/vVVVVVVVV.safetensors
+    /// (a shared filesystem) instead of receiving deltas; relays are not used. The baseline
+    /// that benchmarks measure delta distribution against; not for production.
+    #[arg(long, env = "STARLING_ACTOR_WEIGHTS_DIR")]
+    weights_dir: Option<PathBuf>,
     /// A label for this actor's hardware, reported to the hub.
     #[arg(long, default_value = "cpu", env = "STARLING_ACTOR_HARDWARE")]
     hardware: String,
@@ -112,6 +117,7 @@ where
         link: starling_transport::link::LinkProfile::LAN,
         http: a.http,
         engine,
+        weights_dir: a.weights_dir,
     };
     starling_transport::service::run_service(crate::run(cfg))
 }

@@ -21,6 +21,7 @@
 
 pub mod cli;
 pub mod engine;
+pub mod shared_dir;
 pub mod store;
 pub mod worker;
 
@@ -79,6 +80,9 @@ pub struct ActorConfig {
     pub http: Option<SocketAddr>,
     /// Generate rollouts with this engine (none: hold weights only).
     pub engine: Option<EngineSettings>,
+    /// Read each version's full checkpoint from this directory instead of receiving deltas
+    /// (the no-transfer baseline, [`shared_dir`]); relays are not used.
+    pub weights_dir: Option<PathBuf>,
 }
 
 /// The rollout engine and worker settings.
@@ -174,7 +178,6 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         });
         println!("http on {at}");
     }
-    let loaded = Store::open(&cfg.store, &cfg.init, &cfg.model_id, &trust)?;
     let (status, status_rx) = watch::channel(PipelineStatus::default());
     let engine: Option<Arc<dyn Engine>> = match &cfg.engine {
         None => None,
@@ -189,6 +192,20 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
             )?))
         }
     };
+    if let Some(dir) = &cfg.weights_dir {
+        let _worker = start_worker(&cfg, &creds, &engine, status_rx, &metrics)?;
+        return shared_dir::SharedDir {
+            dir: dir.clone(),
+            init: &cfg.init,
+            model_id: &cfg.model_id,
+            engine,
+            status,
+            metrics: &metrics,
+        }
+        .follow()
+        .await;
+    }
+    let loaded = Store::open(&cfg.store, &cfg.init, &cfg.model_id, &trust)?;
     if loaded.replayed > 0 {
         eprintln!("replayed {} journal entries", loaded.replayed);
     }
@@ -211,30 +228,7 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
     p.load_engine()?;
     println!("active {} {}", p.state.version(), p.state.digest());
     // The rollout worker lives as long as `run`.
-    let _worker = match (&engine, &cfg.engine) {
-        (Some(engine), Some(e)) => {
-            let hub = cfg
-                .sources
-                .iter()
-                .find(|s| s.role == Role::Hub)
-                .context("an actor with an engine needs the hub's address")?;
-            let wcfg = worker::WorkerConfig {
-                hub: hub.addr,
-                region: cfg.region.clone(),
-                model_id: cfg.model_id.clone(),
-                hardware: e.hardware.clone(),
-                claim: e.claim,
-            };
-            Some(AbortOnDrop(tokio::spawn(worker::run(
-                creds.clone(),
-                wcfg,
-                engine.clone(),
-                status_rx,
-                metrics.clone(),
-            ))))
-        }
-        _ => None,
-    };
+    let _worker = start_worker(&cfg, &creds, &engine, status_rx, &metrics)?;
 
     let mut failures = 0u32;
     for source in cfg.sources.iter().cycle() {
@@ -313,6 +307,38 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Starts the rollout worker when the actor has an engine; it runs until the handle drops.
+fn start_worker(
+    cfg: &ActorConfig,
+    creds: &Credentials,
+    engine: &Option<Arc<dyn Engine>>,
+    status_rx: watch::Receiver<PipelineStatus>,
+    metrics: &Metrics,
+) -> Result<Option<AbortOnDrop>> {
+    let (Some(engine), Some(e)) = (engine, &cfg.engine) else {
+        return Ok(None);
+    };
+    let hub = cfg
+        .sources
+        .iter()
+        .find(|s| s.role == Role::Hub)
+        .context("an actor with an engine needs the hub's address")?;
+    let wcfg = worker::WorkerConfig {
+        hub: hub.addr,
+        region: cfg.region.clone(),
+        model_id: cfg.model_id.clone(),
+        hardware: e.hardware.clone(),
+        claim: e.claim,
+    };
+    Ok(Some(AbortOnDrop(tokio::spawn(worker::run(
+        creds.clone(),
+        wcfg,
+        engine.clone(),
+        status_rx,
+        metrics.clone(),
+    )))))
 }
 
 /// Aborts a task when dropped: the owner of the actor's background tasks.

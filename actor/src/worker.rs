@@ -6,7 +6,7 @@
 //! down. The worker says `Work`, then loops: `Claim` → `Jobs`; wait until the engine holds at
 //! least each job's version (an actor scheduled with COMMIT(v) pending activates v first);
 //! generate on a blocking thread; `Submit` → `Verdicts`. A heartbeat task reports the
-//! engine's version and the staged one every second; its handle is owned by the connection
+//! engine's version and the staged one every second and at once when either changes; its handle is owned by the connection
 //! loop and aborted with it. A lost connection is retried after a pause; the ledger's leases
 //! take care of jobs that were in flight (they expire and are re-offered).
 //!
@@ -62,6 +62,27 @@ pub async fn run(
             eprintln!("worker: {e:#}; reconnecting");
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+/// `starling_worker_connected`: 1 from the first answered claim until the session ends.
+struct ConnectedGauge<'a> {
+    metrics: &'a Metrics,
+    set: bool,
+}
+
+impl ConnectedGauge<'_> {
+    fn set(&mut self) {
+        if !self.set {
+            self.metrics.set_worker_connected(true);
+            self.set = true;
+        }
+    }
+}
+
+impl Drop for ConnectedGauge<'_> {
+    fn drop(&mut self) {
+        self.metrics.set_worker_connected(false);
     }
 }
 
@@ -127,6 +148,10 @@ async fn session(
     )
     .await?;
     println!("worker connected");
+    let mut connected = ConnectedGauge {
+        metrics,
+        set: false,
+    };
     let _heartbeat = AbortOnDrop(tokio::spawn(heartbeat(
         tx.clone(),
         engine.clone(),
@@ -149,6 +174,9 @@ async fn session(
             Some(Message::Jobs { jobs }) => jobs,
             other => bail!("unexpected answer to Claim: {other:?}"),
         };
+        // The hub answered a claim sent after `Work` and the first heartbeat on the same
+        // stream, so it has registered this worker and knows its version.
+        connected.set();
         if jobs.is_empty() {
             tokio::time::sleep(Duration::from_millis(100)).await;
             continue;
@@ -192,11 +220,22 @@ async fn wait_for_version(engine: &Arc<dyn Engine>, jobs: &[JobSpec]) {
 async fn heartbeat(
     tx: Arc<Mutex<SendStream>>,
     engine: Arc<dyn Engine>,
-    status: watch::Receiver<PipelineStatus>,
+    mut status: watch::Receiver<PipelineStatus>,
 ) {
     let mut timer = tokio::time::interval(Duration::from_secs(1));
+    let mut watching = true;
     loop {
-        timer.tick().await;
+        // Every second, and at once when the pipeline stages or activates a version: the
+        // hub decides who is eligible for a batch from the last heartbeat, and a view up to a
+        // second old would leave an actor that already holds the batch's version out of it.
+        tokio::select! {
+            _ = timer.tick() => {}
+            changed = status.changed(), if watching => {
+                if changed.is_err() {
+                    watching = false;
+                }
+            }
+        }
         let active = engine.fingerprint().map(|f| (f.version, f.digest));
         let staged = status.borrow().staged;
         let m = Message::Heartbeat { active, staged };

@@ -5,7 +5,15 @@
 //! Invariants of [`plan`]: the counts sum to exactly the batch size (largest-remainder
 //! rounding, so no prompt is dropped); ineligible actors get nothing and appear in
 //! `decayed` with τ·α; every eligible actor appears in `shares` (even with a count of zero, so
-//! that it still receives its COMMIT). No I/O, no clock: the SQL layer feeds it rows.
+//! that it still receives its COMMIT); and when the batch has at least one prompt per eligible
+//! actor, every eligible actor gets at least one. No I/O, no clock: the SQL layer feeds it rows.
+//!
+//! The one-prompt floor is ours, not the paper's: τ is only ever updated when an actor settles
+//! work, so an actor whose τ decayed (it was excluded once, say it registered a moment after a
+//! batch was split) or started low would round to zero prompts in every later batch and never
+//! be measured again — starved for the rest of the run. One prompt per batch costs a fast
+//! cluster almost nothing and lets τ climb back by the EMA. The floor is taken from the
+//! actors with the largest counts, so proportions are otherwise kept.
 
 use std::cmp::Ordering;
 
@@ -157,6 +165,19 @@ pub fn plan(
         remainder -= 1;
         k += 1;
     }
+    // The one-prompt floor (module docs): each actor at zero takes one from the largest share.
+    if batch_size as usize >= parts.len() {
+        while let Some(zero) = parts.iter().position(|p| p.1 == 0) {
+            let Some(richest) = (0..parts.len()).max_by_key(|&i| parts[i].1) else {
+                break;
+            };
+            if parts[richest].1 < 2 {
+                break;
+            }
+            parts[richest].1 -= 1;
+            parts[zero].1 += 1;
+        }
+    }
     let shares = parts
         .iter()
         .map(|&(i, count, _)| Share {
@@ -283,6 +304,27 @@ mod tests {
             let p = plan(v(3), b, &weird, 0.5, Split::Proportional).expect("eligible");
             assert_eq!(p.shares.iter().map(|s| s.count).sum::<u32>(), b, "B = {b}");
         }
+    }
+
+    #[test]
+    fn every_eligible_actor_gets_a_prompt_so_a_low_tau_can_recover() {
+        let actors = [
+            actor("fast", Some(3), None, 26_000.0),
+            actor("mid", Some(3), None, 9_700.0),
+            actor("decayed", Some(3), None, 500.0),
+        ];
+        // 32 × 500 / 36 200 = 0.44: plain largest-remainder rounding gives it nothing.
+        let p = plan(v(3), 32, &actors, 0.5, Split::Proportional).expect("eligible");
+        assert_eq!(
+            p.shares.iter().map(|s| s.count).collect::<Vec<_>>(),
+            [22, 9, 1]
+        );
+        // Fewer prompts than actors: no floor, and nothing is dropped.
+        let p = plan(v(3), 2, &actors, 0.5, Split::Proportional).expect("eligible");
+        assert_eq!(
+            p.shares.iter().map(|s| s.count).collect::<Vec<_>>(),
+            [1, 1, 0]
+        );
     }
 
     #[test]

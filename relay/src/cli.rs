@@ -28,8 +28,8 @@ struct Args {
     #[arg(long, default_value_t = 0)]
     from_version: u64,
     /// WAN rate to the hub in Mbit/s (sizes receive windows to the bandwidth-delay product).
-    #[arg(long, default_value_t = 1000)]
-    wan_mbit: u64,
+    #[arg(long, default_value_t = 1000.0)]
+    wan_mbit: f64,
     /// WAN round-trip time to the hub in milliseconds.
     #[arg(long, default_value_t = 50)]
     wan_rtt_ms: u64,
@@ -62,6 +62,13 @@ where
     T: Into<std::ffi::OsString> + Clone,
 {
     let a = Args::parse_from(args);
+    if !(a.wan_mbit.is_finite() && a.wan_mbit > 0.0) {
+        eprintln!(
+            "error: --wan-mbit must be a positive number of Mbit/s, not {}",
+            a.wan_mbit
+        );
+        return std::process::ExitCode::from(2);
+    }
     let cfg = crate::RelayConfig {
         credentials: a.credentials,
         hub: a.hub,
@@ -70,7 +77,7 @@ where
         model_id: a.model_id,
         from_version: a.from_version,
         wan: LinkProfile {
-            rate_bps: a.wan_mbit * 1_000_000,
+            rate_bps: (a.wan_mbit * 1e6) as u64,
             rtt: Duration::from_millis(a.wan_rtt_ms),
         },
         lan: LinkProfile::LAN,

@@ -20,11 +20,15 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use serde_json::json;
-use starling_engine::random_bf16;
+use starling_actor::shared_dir::version_file_name;
+use starling_engine::{Bf16Tensors, random_bf16};
 use starling_trainer::optim::warm_start;
+use starling_trainer::policy::write_bf16;
 use starling_trainer::{HubClient, Policy, ReverseDigits, StepReport, TrainConfig, Trainer};
 
-use crate::links::{Region, demo_regions};
+use starling_netem::ProxyStats;
+
+use crate::links::{Region, demo_regions, override_rates};
 use crate::plot::{Panel, Series, render_png};
 use crate::procs::{Proc, run_once};
 use crate::watch::Watcher;
@@ -54,22 +58,56 @@ pub(crate) struct DemoArgs {
     pub(crate) seed: u64,
     /// Ship each version as a full BF16 checkpoint (dense, byte planes + zstd-1) instead of
     /// a delta: the baseline.
-    #[arg(long, conflicts_with = "no_transfer")]
+    #[arg(long, conflicts_with_all = ["no_transfer", "compare"])]
     pub(crate) full_broadcast: bool,
-    /// No emulated WAN: relays and actors reach the hub over plain loopback, so a version
-    /// costs what a local copy costs (the ideal delta mode is measured against).
-    #[arg(long)]
+    /// No weight transfer: every actor reads each version's checkpoint from a shared
+    /// directory the trainer links it into (no relays); jobs still cross the emulated links.
+    /// The ideal delta mode is measured against.
+    #[arg(long, conflicts_with = "compare")]
     pub(crate) no_transfer: bool,
+    /// Run every mode (delta, no-transfer, full-broadcast) in turn, `--rounds` times, from the
+    /// same initial checkpoint, each in a subdirectory of the output; then compare them.
+    #[arg(long)]
+    pub(crate) compare: bool,
+    /// Rounds of `--compare` (modes interleaved, so drift on a noisy machine hits all).
+    #[arg(long, default_value_t = 1, requires = "compare")]
+    pub(crate) rounds: u32,
+    /// Override a region's link rate: NAME=MBIT (repeatable or comma-separated: eu=4,ap=1).
+    #[arg(long, value_delimiter = ',')]
+    pub(crate) link_mbit: Vec<String>,
     /// The hub's HTTP port (0: any free port).
     #[arg(long, default_value_t = 0)]
     pub(crate) http_port: u16,
+}
+
+/// How weights reach the actors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// Deltas through the relays (Starling).
+    Delta,
+    /// Every version from a shared directory: no bytes on any link.
+    NoTransfer,
+    /// Full BF16 checkpoints through the relays.
+    FullBroadcast,
+}
+
+impl Mode {
+    pub(crate) const ALL: [Mode; 3] = [Mode::Delta, Mode::NoTransfer, Mode::FullBroadcast];
+
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Mode::Delta => "delta",
+            Mode::NoTransfer => "no-transfer",
+            Mode::FullBroadcast => "full-broadcast",
+        }
+    }
 }
 
 struct Cluster {
     dir: PathBuf,
 }
 
-/// Runs the demo.
+/// Runs the demo (or, with `--compare`, every mode in turn).
 pub(crate) fn run(a: &DemoArgs) -> Result<()> {
     if a.out.exists() {
         bail!(
@@ -77,20 +115,17 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
             a.out.display()
         );
     }
-    for d in ["logs", "model", "checkpoints"] {
-        std::fs::create_dir_all(a.out.join(d))
-            .with_context(|| format!("create {}", a.out.join(d).display()))?;
-    }
+    let mut regions = demo_regions();
+    override_rates(&mut regions, &a.link_mbit)?;
+    std::fs::create_dir_all(&a.out).with_context(|| format!("create {}", a.out.display()))?;
     let out = a
         .out
         .canonicalize()
         .with_context(|| format!("resolve {}", a.out.display()))?;
-    let regions = demo_regions();
-    let t_start = Instant::now();
 
-    // 1. The initial policy.
+    // 1. The initial policy: a supervised warm start from random weights, cast to BF16 (the
+    //    checkpoint RL starts from, as a real post-training run starts from a BF16 release).
     let config = starling_trainer::demo_model_config();
-    let task = ReverseDigits::default();
     println!(
         "== Starling demo: GRPO on digit reversal with a {:.2} M-parameter Qwen3 ({} steps, {} groups x {} samples)",
         config.parameter_count() as f64 / 1e6,
@@ -100,7 +135,14 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
     );
     let policy = Policy::from_bf16(config.clone(), &random_bf16(&config, a.seed))?;
     let t = Instant::now();
-    let losses = warm_start(&policy, &task, a.warm_steps, 32, 3e-3, a.seed)?;
+    let losses = warm_start(
+        &policy,
+        &ReverseDigits::default(),
+        a.warm_steps,
+        32,
+        3e-3,
+        a.seed,
+    )?;
     println!(
         "   warm start: {} supervised steps, loss {:.2} -> {:.2} ({:.1} s)",
         a.warm_steps,
@@ -108,14 +150,71 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
         losses.last().copied().unwrap_or(f32::NAN),
         t.elapsed().as_secs_f64()
     );
+    let init = policy.to_bf16()?;
+    if a.compare {
+        return crate::compare::run(a, &regions, &init, &out);
+    }
+    let mode = if a.full_broadcast {
+        Mode::FullBroadcast
+    } else if a.no_transfer {
+        Mode::NoTransfer
+    } else {
+        Mode::Delta
+    };
+    let summary = run_mode(a, mode, &regions, &init, &out)?;
+    println!(
+        "\n   reward {:.3} (first 3 steps) -> {:.3} (last 3 steps); {} versions, {:.1} kB of deltas vs {:.1} kB of full BF16 checkpoints (density {:.1}% of weights changed per step); {:.0} steps/hour, {:.0} rollout tokens/s",
+        summary["reward"]["first"].as_f64().unwrap_or(f64::NAN),
+        summary["reward"]["last"].as_f64().unwrap_or(f64::NAN),
+        summary["steps"].as_array().map_or(0, Vec::len),
+        summary["bytes"]["deltas"].as_f64().unwrap_or(0.0) / 1e3,
+        summary["bytes"]["full_checkpoints"].as_f64().unwrap_or(0.0) / 1e3,
+        100.0 * summary["delta_density"].as_f64().unwrap_or(f64::NAN),
+        summary["throughput"]["steps_per_hour"]
+            .as_f64()
+            .unwrap_or(f64::NAN),
+        summary["throughput"]["rollout_tokens_per_s"]
+            .as_f64()
+            .unwrap_or(f64::NAN),
+    );
+    println!(
+        "   every consumed rollout's log-probs recomputed on its version: {} samples, {} mismatches",
+        summary["behaviour_check"]["verified_samples"], summary["behaviour_check"]["mismatches"]
+    );
+    println!(
+        "   wrote {} and {}",
+        out.join("summary.json").display(),
+        out.join("summary.png").display()
+    );
+    Ok(())
+}
+
+/// One run in `mode` from the BF16 checkpoint `init`, in directory `out` (which exists and
+/// is empty): starts the cluster, trains, stops everything; writes `summary.json` and
+/// `summary.png` there and returns the summary.
+pub(crate) fn run_mode(
+    a: &DemoArgs,
+    mode: Mode,
+    regions: &[Region],
+    init_tensors: &Bf16Tensors,
+    out: &Path,
+) -> Result<serde_json::Value> {
+    for d in ["logs", "model", "checkpoints"] {
+        std::fs::create_dir_all(out.join(d))
+            .with_context(|| format!("create {}", out.join(d).display()))?;
+    }
+    let config = starling_trainer::demo_model_config();
     let init = out.join("model/step-000000.safetensors");
-    policy.save_bf16(&init)?;
+    write_bf16(init_tensors, &init)?;
     std::fs::write(out.join("model/config.json"), config.to_json())
         .context("write model/config.json")?;
     let full_bf16_bytes = 2 * config.parameter_count();
+    let policy = Policy::from_bf16(config.clone(), init_tensors)?;
+    let t_start = Instant::now();
+    println!("== mode {} (output in {})", mode.name(), out.display());
 
     // 2. Cluster, hub, regions.
-    let cluster = make_cluster(&out, &regions)?;
+    let cluster = make_cluster(out, regions)?;
     let quic = free_udp_port()?;
     let http = if a.http_port == 0 {
         free_tcp_port()?
@@ -130,7 +229,7 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
         addr
     };
     let mut hub_args: Vec<String> = vec!["serve".into()];
-    if a.full_broadcast {
+    if mode == Mode::FullBroadcast {
         hub_args.push("--full-broadcast".into());
     }
     let mut hub = Proc::start(
@@ -165,41 +264,44 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
         out.join("logs").display()
     );
 
+    // In no-transfer mode the trainer links each published checkpoint here and the actors
+    // read it (a shared filesystem).
+    let shared = out.join("shared-weights");
+    if mode == Mode::NoTransfer {
+        std::fs::create_dir_all(&shared).with_context(|| format!("create {}", shared.display()))?;
+    }
     let mut links = Vec::new();
     let mut procs = Vec::new();
     let mut actor_http = Vec::new();
     let mut region_actors: BTreeMap<&str, Vec<String>> = BTreeMap::new();
     for (i, r) in regions.iter().enumerate() {
-        let wan = if a.no_transfer {
-            quic
-        } else {
-            let link = r.start_link(quic, a.seed * 100 + i as u64 * 2)?;
-            let addr = link.local_addr();
-            links.push((r.name, link));
-            addr
-        };
+        let link = r.start_link(quic, a.seed * 100 + i as u64 * 2)?;
+        let wan = link.local_addr();
+        links.push((r.name, link));
         let relay_addr = free_udp_port()?;
-        procs.push(Proc::start(
-            &format!("relay {}", r.name),
-            "relay",
-            &[
-                "--credentials".into(),
-                path(&cluster.dir.join(format!("relay-{}", r.name))),
-                "--hub".into(),
-                wan.to_string(),
-                "--listen".into(),
-                relay_addr.to_string(),
-                "--region".into(),
-                r.name.into(),
-                "--wan-mbit".into(),
-                r.rate_mbit.to_string(),
-                "--wan-rtt-ms".into(),
-                r.rtt_ms.to_string(),
-                "--cache".into(),
-                path(&out.join(format!("regions/{}/relay-cache", r.name))),
-            ],
-            &out.join(format!("logs/relay-{}.log", r.name)),
-        )?);
+        if mode != Mode::NoTransfer {
+            procs.push(Proc::start(
+                &format!("relay {}", r.name),
+                "relay",
+                &[
+                    "--credentials".into(),
+                    path(&cluster.dir.join(format!("relay-{}", r.name))),
+                    "--hub".into(),
+                    wan.to_string(),
+                    "--listen".into(),
+                    relay_addr.to_string(),
+                    "--region".into(),
+                    r.name.into(),
+                    "--wan-mbit".into(),
+                    r.rate_mbit.to_string(),
+                    "--wan-rtt-ms".into(),
+                    r.rtt_ms.to_string(),
+                    "--cache".into(),
+                    path(&out.join(format!("regions/{}/relay-cache", r.name))),
+                ],
+                &out.join(format!("logs/relay-{}.log", r.name)),
+            )?);
+        }
         for (name, speed) in &r.actors {
             let metrics = free_tcp_port()?;
             actor_http.push((name.to_string(), metrics));
@@ -207,69 +309,74 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
                 .entry(r.name)
                 .or_default()
                 .push(name.to_string());
+            let weights_from: Vec<String> = if mode == Mode::NoTransfer {
+                vec!["--weights-dir".into(), path(&shared)]
+            } else {
+                vec!["--relay".into(), format!("{}@{relay_addr}", r.name)]
+            };
             procs.push(Proc::start(
                 name,
                 "actor",
                 &[
-                    "--credentials".into(),
-                    path(&cluster.dir.join(name)),
-                    "--relay".into(),
-                    format!("{}@{relay_addr}", r.name),
-                    "--hub".into(),
-                    wan.to_string(),
-                    "--init".into(),
-                    path(&init),
-                    "--store".into(),
-                    path(&out.join(format!("regions/{}/{name}", r.name))),
-                    "--region".into(),
-                    r.name.into(),
-                    "--engine".into(),
-                    "builtin".into(),
-                    "--engine-slowdown".into(),
-                    format!("{}", 3.0 / f64::from(*speed)),
-                    "--http".into(),
-                    metrics.to_string(),
-                ],
+                    weights_from,
+                    vec![
+                        "--credentials".into(),
+                        path(&cluster.dir.join(name)),
+                        "--hub".into(),
+                        wan.to_string(),
+                        "--init".into(),
+                        path(&init),
+                        "--store".into(),
+                        path(&out.join(format!("regions/{}/{name}", r.name))),
+                        "--region".into(),
+                        r.name.into(),
+                        "--engine".into(),
+                        "builtin".into(),
+                        "--engine-slowdown".into(),
+                        format!("{}", 3.0 / f64::from(*speed)),
+                        "--http".into(),
+                        metrics.to_string(),
+                    ],
+                ]
+                .concat(),
                 &out.join(format!("logs/{name}.log")),
             )?);
         }
-        let link = if a.no_transfer {
-            "loopback (no WAN emulation)".to_owned()
-        } else {
-            format!(
-                "{} Mbit/s, RTT {} ms, loss {}%",
-                r.rate_mbit,
-                r.rtt_ms,
-                r.loss * 100.0
-            )
-        };
         println!(
-            "   region {}: link {link}; actors {}",
+            "   region {}: link {} Mbit/s, RTT {} ms, loss {}%; actors {}{}",
             r.name,
+            r.rate_mbit,
+            r.rtt_ms,
+            r.loss * 100.0,
             r.actors
                 .iter()
                 .map(|(n, s)| format!("{n} (speed {s})"))
                 .collect::<Vec<_>>()
-                .join(", ")
+                .join(", "),
+            if mode == Mode::NoTransfer {
+                "; weights from the shared directory, no relay"
+            } else {
+                ""
+            }
         );
     }
     let watcher = Watcher::start(actor_http, Duration::from_millis(20));
     let all: Vec<String> = region_actors.values().flatten().cloned().collect();
     let deadline = Instant::now() + Duration::from_secs(60);
-    while watcher.all_reached(&all).is_none() {
+    while watcher.all_reached(&all).is_none() || !watcher.workers_connected(&all) {
         hub.check_alive()?;
         for p in &mut procs {
             p.check_alive()?;
         }
         if Instant::now() > deadline {
             bail!(
-                "the actors did not all load version 0 within 60 s; see the logs in {}",
+                "the actors did not all load version 0 and register with the hub within 60 s; see the logs in {}",
                 out.join("logs").display()
             );
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    println!("   every actor holds version 0; training\n");
+    println!("   every actor holds version 0 and is registered for work; training\n");
     println!(
         "{:>4} {:>4} {:>7} {:>6} {:>9} {:>7} {:>9} {:>9} {:>8}  per-actor share",
         "step", "ver", "reward", "solved", "delta", "ratio", "eu s", "ap s", "rollout/s"
@@ -283,15 +390,27 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
         lr: a.lr,
         seed: a.seed,
         checkpoint_dir: out.join("checkpoints"),
-        task,
+        task: ReverseDigits::default(),
         ..TrainConfig::default()
     };
     let mut trainer = Trainer::new(policy, cfg, client)?;
     let mut published_at: BTreeMap<u64, Instant> = BTreeMap::new();
-    let mut rows: Vec<serde_json::Value> = Vec::new();
+    let mut link_error = None;
+    let t_loop = Instant::now();
     let reports = trainer.run(0, |r: &StepReport| {
         let started = Instant::now() - Duration::from_secs_f64(r.publish_s);
         published_at.insert(r.published.version, started);
+        if mode == Mode::NoTransfer {
+            // The version exists once the hub has numbered it: share the finished file.
+            let to = shared.join(version_file_name(r.published.version));
+            if let Err(e) = std::fs::hard_link(&r.checkpoint, &to) {
+                link_error.get_or_insert(format!(
+                    "link {} to {}: {e}",
+                    r.checkpoint.display(),
+                    to.display()
+                ));
+            }
+        }
         // The previous version has had a whole step to land: report its arrival per region.
         let prev = r.published.version.saturating_sub(1);
         let arrival = region_arrival(&watcher, &region_actors, &published_at, prev);
@@ -308,8 +427,11 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
             fmt_s(arrival.get("ap").copied().flatten()),
             r.rollouts_per_s,
         );
-        rows.push(json!({"report": r, "prev_version": prev, "arrival_s": arrival}));
     })?;
+    let loop_s = t_loop.elapsed().as_secs_f64();
+    if let Some(e) = link_error {
+        bail!("no-transfer mode could not share a checkpoint: {e}");
+    }
 
     // The last version's arrival.
     let last = reports.last().map(|r| r.published.version).unwrap_or(0);
@@ -328,19 +450,26 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
     drop(watcher);
     drop(procs);
     drop(hub);
-    let link_stats: Vec<_> = links
-        .into_iter()
-        .map(|(name, l)| (name, l.shutdown()))
-        .collect();
+    let mut link_stats: BTreeMap<&str, ProxyStats> = BTreeMap::new();
+    for (name, l) in links {
+        match l.shutdown() {
+            Ok(s) => {
+                link_stats.insert(name, s);
+            }
+            Err(e) => println!("   link {name}: no statistics ({e})"),
+        }
+    }
 
     // 4. Summary and plot.
     let summary = summarize(
         a,
-        &regions,
+        mode,
+        regions,
         &reports,
         &arrivals,
         full_bf16_bytes,
-        wall_s,
+        Timing { wall_s, loop_s },
+        &link_stats,
         &config,
     );
     let summary_path = out.join("summary.json");
@@ -348,22 +477,16 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
         .context("write summary.json")?;
     let png = out.join("summary.png");
     render_png(&panels(&reports, &arrivals), "step", 900, 720, &png)?;
-    for (name, s) in link_stats {
-        if let Ok(s) = s {
-            println!("   link {name}: {s}");
-        }
+    for (name, s) in &link_stats {
+        println!(
+            "   link {name}: {:.1} kB to the region, {:.1} kB to the hub, {} + {} datagrams lost",
+            s.down.delivered_bytes as f64 / 1e3,
+            s.up.delivered_bytes as f64 / 1e3,
+            s.down.dropped_loss + s.down.dropped_queue,
+            s.up.dropped_loss + s.up.dropped_queue
+        );
     }
-    println!(
-        "\n   reward {:.3} (first 3 steps) -> {:.3} (last 3 steps); {} versions, {:.1} kB of deltas vs {:.1} kB of full BF16 checkpoints; {:.0} s",
-        summary["reward"]["first"].as_f64().unwrap_or(f64::NAN),
-        summary["reward"]["last"].as_f64().unwrap_or(f64::NAN),
-        reports.len(),
-        summary["bytes"]["deltas"].as_f64().unwrap_or(0.0) / 1e3,
-        summary["bytes"]["full_checkpoints"].as_f64().unwrap_or(0.0) / 1e3,
-        wall_s
-    );
-    println!("   wrote {} and {}", summary_path.display(), png.display());
-    Ok(())
+    Ok(summary)
 }
 
 /// Seconds from each region's publish to its last actor holding `version`.
@@ -410,13 +533,22 @@ fn mean(xs: impl Iterator<Item = f64>) -> f64 {
     if n == 0 { f64::NAN } else { s / n as f64 }
 }
 
+/// How long a run took: all of it, and its training loop (first submit to last publish).
+struct Timing {
+    wall_s: f64,
+    loop_s: f64,
+}
+
+#[allow(clippy::too_many_arguments)]
 fn summarize(
     a: &DemoArgs,
+    mode: Mode,
     regions: &[Region],
     reports: &[StepReport],
     arrivals: &BTreeMap<u64, BTreeMap<String, Option<f64>>>,
     full_bf16_bytes: u64,
-    wall_s: f64,
+    timing: Timing,
+    links: &BTreeMap<&str, ProxyStats>,
     config: &starling_engine::ModelConfig,
 ) -> serde_json::Value {
     let k = 3.min(reports.len());
@@ -447,15 +579,22 @@ fn summarize(
             )
         })
         .collect();
-    let mode = if a.full_broadcast {
-        "full-broadcast"
-    } else if a.no_transfer {
-        "no-transfer"
-    } else {
-        "delta"
-    };
+    let tokens: usize = reports.iter().map(|r| r.tokens).sum();
+    let samples: usize = reports.iter().map(|r| r.samples).sum();
+    let mut step_s: Vec<f64> = reports.iter().map(|r| r.step_s).collect();
+    step_s.sort_by(f64::total_cmp);
+    let median_step_s = step_s.get(step_s.len() / 2).copied().unwrap_or(f64::NAN);
+    let density = mean(
+        reports
+            .iter()
+            .map(|r| r.published.changes as f64 / config.parameter_count() as f64),
+    );
+    let verified: usize = reports.iter().map(|r| r.verified_samples).sum();
+    let mismatches: usize = reports.iter().map(|r| r.logprob_mismatches).sum();
+    let first_mismatch = reports.iter().find_map(|r| r.first_mismatch.clone());
+    let Timing { wall_s, loop_s } = timing;
     json!({
-        "mode": mode,
+        "mode": mode.name(),
         "model": {"parameters": config.parameter_count(), "bf16_bytes": full_bf16_bytes, "config": config},
         "task": "digit reversal (char_match reward)",
         "settings": {"steps": a.steps, "groups": a.groups, "samples_per_group": a.samples,
@@ -465,10 +604,21 @@ fn summarize(
             "actors": r.actors.iter().map(|(n, s)| json!({"name": n, "speed": s})).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
         "reward": {"first": first, "last": last, "averaged_over_steps": k},
-        "bytes": {"deltas": deltas, "full_checkpoints": full_bf16_bytes * reports.len() as u64,
+        "bytes": {"deltas": deltas, "per_step": deltas as f64 / reports.len().max(1) as f64,
+                  "full_checkpoints": full_bf16_bytes * reports.len() as u64,
                   "ratio": deltas as f64 / (full_bf16_bytes * reports.len().max(1) as u64) as f64},
+        "delta_density": density,
+        "link_bytes": links.iter().map(|(name, s)| (name.to_string(), json!({
+            "to_region": s.down.delivered_bytes, "to_hub": s.up.delivered_bytes,
+            "lost_datagrams": s.down.dropped_loss + s.down.dropped_queue + s.up.dropped_loss + s.up.dropped_queue,
+        }))).collect::<BTreeMap<_, _>>(),
         "mean_transfer_s": transfer,
         "rollouts_per_s": mean(reports.iter().map(|r| r.rollouts_per_s)),
+        "throughput": {"loop_s": loop_s, "steps_per_hour": reports.len() as f64 * 3600.0 / loop_s,
+                       "rollout_tokens_per_s": tokens as f64 / loop_s,
+                       "samples_per_s": samples as f64 / loop_s, "median_step_s": median_step_s},
+        "behaviour_check": {"verified_samples": verified, "mismatches": mismatches,
+                            "first_mismatch": first_mismatch},
         "per_actor_share": per_actor.iter().map(|(a, n)| (a.clone(), *n as f64 / total.max(1) as f64)).collect::<BTreeMap<_, _>>(),
         "wall_s": wall_s,
         "steps": reports.iter().map(|r| json!({"report": r, "arrival_s": arrivals.get(&r.published.version)})).collect::<Vec<_>>(),

@@ -7,14 +7,14 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use starling_netem::{LinkProfile, Proxy, ProxyHandle};
 
 /// One emulated region.
 #[derive(Debug, Clone)]
 pub(crate) struct Region {
     pub(crate) name: &'static str,
-    pub(crate) rate_mbit: u64,
+    pub(crate) rate_mbit: f64,
     pub(crate) rtt_ms: u64,
     /// Loss probability per packet, each direction (0.001 = 0.1%).
     pub(crate) loss: f64,
@@ -28,14 +28,14 @@ pub(crate) fn demo_regions() -> Vec<Region> {
     vec![
         Region {
             name: "eu",
-            rate_mbit: 200,
+            rate_mbit: 200.0,
             rtt_ms: 40,
             loss: 0.0,
             actors: vec![("eu-a1", 3), ("eu-a2", 1)],
         },
         Region {
             name: "ap",
-            rate_mbit: 50,
+            rate_mbit: 50.0,
             rtt_ms: 150,
             loss: 0.001,
             actors: vec![("ap-a1", 2)],
@@ -43,10 +43,29 @@ pub(crate) fn demo_regions() -> Vec<Region> {
     ]
 }
 
+/// Applies `--link-mbit NAME=MBIT` overrides to the regions' link rates.
+pub(crate) fn override_rates(regions: &mut [Region], overrides: &[String]) -> Result<()> {
+    for o in overrides {
+        let Some((name, rate)) = o.split_once('=') else {
+            bail!("--link-mbit {o:?} is not NAME=MBIT (e.g. eu=4)");
+        };
+        let rate: f64 = match rate.trim().parse() {
+            Ok(r) if r > 0.0 && f64::is_finite(r) => r,
+            _ => bail!("--link-mbit {o:?}: the rate must be a positive number of Mbit/s"),
+        };
+        let known: Vec<&str> = regions.iter().map(|r| r.name).collect();
+        let Some(region) = regions.iter_mut().find(|r| r.name == name.trim()) else {
+            bail!("--link-mbit {o:?}: no region {name:?} (the regions are {known:?})");
+        };
+        region.rate_mbit = rate;
+    }
+    Ok(())
+}
+
 impl Region {
     fn profile(&self, seed: u64) -> LinkProfile {
         LinkProfile::ideal()
-            .with_rate_bps(self.rate_mbit * 1_000_000)
+            .with_rate_bps((self.rate_mbit * 1e6) as u64)
             .with_delay(Duration::from_millis(self.rtt_ms / 2))
             .with_loss(self.loss)
             .with_seed(seed)
@@ -57,5 +76,21 @@ impl Region {
         let listen: SocketAddr = ([127, 0, 0, 1], 0).into();
         Proxy::start(listen, hub, self.profile(seed), self.profile(seed + 1))
             .with_context(|| format!("start the emulated link of region {}", self.name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_are_overridden_by_region_name_and_bad_overrides_refused() {
+        let mut r = demo_regions();
+        override_rates(&mut r, &["eu=4".into(), "ap=0.5".into()]).expect("valid");
+        assert_eq!((r[0].rate_mbit, r[1].rate_mbit), (4.0, 0.5));
+        for bad in ["eu", "eu=0", "eu=x", "us=3"] {
+            let e = override_rates(&mut r, &[bad.into()]).expect_err(bad);
+            assert!(e.to_string().contains("--link-mbit"), "{e}");
+        }
     }
 }

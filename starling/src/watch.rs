@@ -1,6 +1,7 @@
 //! Watches when each actor activates each version, by polling the actors' `/metrics`
 //! (`starling_versions_active`), so the demo can report how long each version took to reach
-//! each region. A thread owned by [`Watcher`]; dropping the watcher stops and joins it.
+//! each region; and whether each actor's rollout worker is registered with the hub
+//! (`starling_worker_connected`), so the demo submits work only once every actor can get some. A thread owned by [`Watcher`]; dropping the watcher stops and joins it.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -17,6 +18,7 @@ pub(crate) type Seen = BTreeMap<(String, u64), Instant>;
 #[derive(Debug)]
 pub(crate) struct Watcher {
     seen: Arc<Mutex<Seen>>,
+    workers: Arc<Mutex<BTreeMap<String, bool>>>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -25,22 +27,31 @@ impl Watcher {
     /// Polls every actor's metrics endpoint every `every`.
     pub(crate) fn start(actors: Vec<(String, SocketAddr)>, every: Duration) -> Self {
         let seen = Arc::new(Mutex::new(Seen::new()));
+        let workers = Arc::new(Mutex::new(BTreeMap::new()));
         let stop = Arc::new(AtomicBool::new(false));
-        let (s, st) = (seen.clone(), stop.clone());
+        let (s, w, st) = (seen.clone(), workers.clone(), stop.clone());
         let thread = std::thread::spawn(move || {
             while !st.load(Ordering::Relaxed) {
                 for (name, addr) in &actors {
-                    if let Some(v) = active_version(*addr) {
-                        let now = Instant::now();
+                    let Some(text) = scrape(*addr) else {
+                        continue;
+                    };
+                    let now = Instant::now();
+                    if let Some(v) = gauge(&text, "starling_versions_active") {
                         let mut map = s.lock().unwrap_or_else(PoisonError::into_inner);
                         map.entry((name.clone(), v)).or_insert(now);
                     }
+                    let connected = gauge(&text, "starling_worker_connected") == Some(1);
+                    w.lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .insert(name.clone(), connected);
                 }
                 std::thread::sleep(every);
             }
         });
         Self {
             seen,
+            workers,
             stop,
             thread: Some(thread),
         }
@@ -53,6 +64,12 @@ impl Watcher {
             .filter(|((a, v), _)| a == actor && *v >= version)
             .map(|(_, t)| *t)
             .min()
+    }
+
+    /// Whether every one of `actors` has its rollout worker registered with the hub.
+    pub(crate) fn workers_connected(&self, actors: &[String]) -> bool {
+        let map = self.workers.lock().unwrap_or_else(PoisonError::into_inner);
+        actors.iter().all(|a| map.get(a).copied().unwrap_or(false))
     }
 
     /// The newest version every one of `actors` has reached.
@@ -75,17 +92,33 @@ impl Drop for Watcher {
     }
 }
 
-/// The `starling_versions_active` gauge of the endpoint, if it answers.
-fn active_version(addr: SocketAddr) -> Option<u64> {
+/// The endpoint's metrics text, if it answers.
+fn scrape(addr: SocketAddr) -> Option<String> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok()?;
     s.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
     s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
         .ok()?;
     let mut text = String::new();
     s.read_to_string(&mut text).ok()?;
+    Some(text)
+}
+
+/// An unlabelled gauge's value in a metrics text.
+fn gauge(text: &str, name: &str) -> Option<u64> {
     text.lines()
-        .find(|l| l.starts_with("starling_versions_active "))
+        .find(|l| l.split_whitespace().next() == Some(name))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse::<f64>().ok())
         .map(|v| v as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn gauges_are_read_by_exact_name() {
+        let text = "# TYPE starling_versions_active gauge\nstarling_versions_active 7\nstarling_versions_active_x 9\nstarling_worker_connected 1\n";
+        assert_eq!(super::gauge(text, "starling_versions_active"), Some(7));
+        assert_eq!(super::gauge(text, "starling_worker_connected"), Some(1));
+        assert_eq!(super::gauge(text, "starling_missing"), None);
+    }
 }

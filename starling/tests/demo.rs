@@ -81,6 +81,16 @@ fn a_short_run_trains_through_the_hub_and_leaves_a_summary_and_a_plot() {
             .expect("a transfer time per region");
         assert!(t > 0.0 && t < 60.0, "{region}: {t}");
     }
+    // Every consumed rollout was recomputed on its version's weights, and matched bit for bit.
+    assert_eq!(s["behaviour_check"]["verified_samples"].as_u64(), Some(4 * 64));
+    assert_eq!(s["behaviour_check"]["mismatches"].as_u64(), Some(0));
+    // Each region's link carried at least the deltas once (the relay's copy).
+    for region in ["eu", "ap"] {
+        let to_region = s["link_bytes"][region]["to_region"].as_f64().expect("link bytes");
+        assert!(to_region >= deltas, "{region}: {to_region} < {deltas}");
+    }
+    let density = s["delta_density"].as_f64().expect("density");
+    assert!(density > 0.0 && density <= 1.0, "density {density}");
     let png = std::fs::read(out.join("summary.png")).expect("summary.png");
     assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
     assert!(out.join("logs/hub.log").is_file());
@@ -119,4 +129,77 @@ fn a_port_in_use_is_refused_with_what_to_do() {
         err.contains("in use") && err.contains("--http-port"),
         "{err}"
     );
+}
+
+#[test]
+fn compare_runs_every_mode_and_no_transfer_ships_no_weights() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let out = dir.path().join("cmp");
+    let o = starling()
+        .args([
+            "demo",
+            "--compare",
+            "--steps",
+            "3",
+            "--groups",
+            "6",
+            "--warm-steps",
+            "10",
+            "--link-mbit",
+            "eu=20,ap=10",
+            "--out",
+        ])
+        .arg(&out)
+        .output()
+        .expect("run the comparison");
+    let text =
+        String::from_utf8_lossy(&o.stdout).into_owned() + &String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "compare failed:\n{text}");
+    let c: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("compare.json")).expect("compare.json"))
+            .expect("compare.json parses");
+    let runs = c["runs"].as_array().expect("runs");
+    let modes: Vec<&str> = runs.iter().filter_map(|r| r["mode"].as_str()).collect();
+    assert_eq!(modes, ["delta", "no-transfer", "full-broadcast"]);
+    let summary = |mode: &str| {
+        &runs
+            .iter()
+            .find(|r| r["mode"] == mode)
+            .expect("the mode ran")["summary"]
+    };
+    let to_region = |mode: &str, region: &str| {
+        summary(mode)["link_bytes"][region]["to_region"]
+            .as_f64()
+            .expect("link bytes")
+    };
+    for mode in ["delta", "no-transfer", "full-broadcast"] {
+        let s = summary(mode);
+        assert_eq!(s["steps"].as_array().map(Vec::len), Some(3), "{mode}");
+        assert_eq!(s["behaviour_check"]["mismatches"].as_u64(), Some(0), "{mode}");
+        assert!(
+            s["throughput"]["rollout_tokens_per_s"].as_f64() > Some(0.0),
+            "{mode}"
+        );
+    }
+    let deltas = summary("delta")["bytes"]["deltas"].as_f64().expect("deltas");
+    for region in ["eu", "ap"] {
+        // Without transfer only job traffic crosses the link: less than one step's delta per
+        // step; with deltas at least every delta once; full checkpoints more than deltas.
+        let (none, delta, full) = (
+            to_region("no-transfer", region),
+            to_region("delta", region),
+            to_region("full-broadcast", region),
+        );
+        assert!(none < deltas, "{region}: no-transfer carried {none} B");
+        assert!(delta >= deltas, "{region}: delta carried {delta} B < {deltas}");
+        assert!(full > delta, "{region}: full {full} B <= delta {delta} B");
+    }
+    for key in [
+        "delta_over_no_transfer_steps_per_hour",
+        "delta_over_full_broadcast_steps_per_hour",
+    ] {
+        let r = c["ratios"][key].as_f64().expect("ratio");
+        assert!(r.is_finite() && r > 0.0, "{key} = {r}");
+    }
+    assert!(out.join("r1-no-transfer/shared-weights/v00000003.safetensors").is_file());
 }

@@ -11,6 +11,7 @@
 //! | `starling_refetches_total` | counter | `peer` |
 //! | `starling_versions_staged_total` | counter | |
 //! | `starling_versions_active` | gauge | |
+//! | `starling_worker_connected` | gauge (0/1; actors) | |
 //! | `starling_transfer_seconds` | histogram, 10 ms .. 327.68 s | |
 //! | `starling_apply_seconds` | histogram, 100 µs .. 26.2 s | |
 //! | `starling_control_rtt_seconds` | histogram, 100 µs .. 13.1 s | |
@@ -143,6 +144,7 @@ struct Inner {
     refetches: Family<PeerLabel, Counter>,
     versions_staged: Counter,
     versions_active: Gauge,
+    worker_connected: Gauge,
     transfer: Histogram,
     apply: Histogram,
     control_rtt: Histogram,
@@ -170,6 +172,7 @@ impl Metrics {
             refetches: Family::default(),
             versions_staged: Counter::default(),
             versions_active: Gauge::default(),
+            worker_connected: Gauge::default(),
             transfer: Buckets::TRANSFER.histogram(),
             apply: Buckets::APPLY.histogram(),
             control_rtt: Buckets::CONTROL_RTT.histogram(),
@@ -217,6 +220,12 @@ impl Metrics {
     pub fn set_active(&self, version: u64) {
         let v = i64::try_from(version).unwrap_or(i64::MAX);
         self.inner.versions_active.set(v);
+    }
+
+    /// Whether the actor's rollout worker is registered with the hub (`Work` sent on a live
+    /// job connection); a harness waits for it before submitting work.
+    pub fn set_worker_connected(&self, connected: bool) {
+        self.inner.worker_connected.set(i64::from(connected));
     }
 
     /// A version took `elapsed` from its first segment arriving to being complete.
@@ -317,6 +326,11 @@ impl Inner {
             "The version now active (actor), served (relay) or published (hub)",
             self.versions_active.clone(),
         );
+        r.register(
+            "worker_connected",
+            "1 while the actor's rollout worker is registered on a live job connection to the hub",
+            self.worker_connected.clone(),
+        );
         r.register_with_unit(
             "transfer",
             "Time from a version's first segment to the version being complete",
@@ -377,7 +391,7 @@ mod tests {
     fn every_family_is_described() {
         // A per-peer family is left out of the exposition until it has a series.
         let empty = Metrics::new().encode();
-        assert_eq!(lines_with(&empty, "# TYPE ").len(), 9);
+        assert_eq!(lines_with(&empty, "# TYPE ").len(), 10);
         assert!(!empty.contains("starling_bytes_sent"));
 
         let m = Metrics::new();
@@ -397,6 +411,7 @@ mod tests {
                 "# TYPE starling_refetches counter",
                 "# TYPE starling_versions_staged counter",
                 "# TYPE starling_versions_active gauge",
+                "# TYPE starling_worker_connected gauge",
                 "# TYPE starling_transfer_seconds histogram",
                 "# TYPE starling_apply_seconds histogram",
                 "# TYPE starling_control_rtt_seconds histogram",

@@ -57,6 +57,17 @@ pub struct SampleOut {
     pub reward: f32,
     #[serde(default)]
     pub tokens_per_s: f64,
+    /// Half-open token spans per version that produced them.
+    #[serde(default)]
+    pub versions: Vec<VersionSpan>,
+}
+
+/// Tokens `[start, end)` of a sample came from `version`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+pub struct VersionSpan {
+    pub version: u64,
+    pub start: usize,
+    pub end: usize,
 }
 
 /// One accepted group.

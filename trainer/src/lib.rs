@@ -6,12 +6,15 @@
 //! safetensors and published by path.
 //!
 //! - [`policy`]: the differentiable model (candle ops with backward passes for every weight);
+//! - [`behaviour`]: every consumed rollout's log-probs recomputed, bit for bit, on the BF16
+//!   weights of the version it is tagged with;
 //! - [`grpo`]: group-normalised advantages, the clipped token-level loss, the supervised loss;
 //! - [`optim`]: a clipped AdamW step and the supervised warm start;
 //! - [`task`]: digit reversal, the task;
 //! - [`hub`]: the trainer API client;
 //! - [`run`]: the loop, with the one-step lag between rollouts and training.
 
+pub mod behaviour;
 pub mod grpo;
 pub mod hub;
 pub mod optim;

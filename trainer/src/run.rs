@@ -17,10 +17,12 @@ use candle_nn::{AdamW, Optimizer, ParamsAdamW};
 use serde::Serialize;
 use serde_json::json;
 
+use crate::behaviour::Versions;
 use crate::grpo::{self, Sample};
 use crate::hub::{GroupOut, HubClient, HubError, Published};
-use crate::policy::{Policy, PolicyError};
+use crate::policy::{Policy, PolicyError, write_bf16};
 use crate::task::{Problem, ReverseDigits, SplitMix};
+use starling_engine::Bf16Tensors;
 
 /// Why training stopped.
 #[derive(Debug, thiserror::Error)]
@@ -36,6 +38,11 @@ pub enum TrainError {
         batch: u64,
         secs: u64,
         accepted: usize,
+    },
+    #[error("keep version {version} for the log-prob check: {source}")]
+    Keep {
+        version: u64,
+        source: starling_engine::LoadError,
     },
     #[error("create checkpoint directory {path}: {source}")]
     Dir {
@@ -64,6 +71,9 @@ pub struct TrainConfig {
     pub task: ReverseDigits,
     /// Give up on a batch after this long.
     pub batch_timeout: Duration,
+    /// Recompute every consumed sample's log-probs on its version's BF16 weights and train
+    /// only on samples that match bit for bit ([`crate::behaviour`]).
+    pub verify_logprobs: bool,
 }
 
 impl Default for TrainConfig {
@@ -83,6 +93,7 @@ impl Default for TrainConfig {
             checkpoint_dir: PathBuf::from("checkpoints"),
             task: ReverseDigits::default(),
             batch_timeout: Duration::from_secs(300),
+            verify_logprobs: true,
         }
     }
 }
@@ -118,8 +129,18 @@ pub struct StepReport {
     /// Samples per second of rollout time.
     pub rollouts_per_s: f64,
     pub published: PublishedReport,
+    /// The BF16 checkpoint this step wrote and published.
+    pub checkpoint: PathBuf,
     /// Accepted samples per actor.
     pub per_actor: BTreeMap<String, usize>,
+    /// Samples whose log-probs were recomputed on their version's weights.
+    pub verified_samples: usize,
+    /// Of those, samples that did not match bit for bit (their groups were not trained on).
+    pub logprob_mismatches: usize,
+    /// The first mismatch's explanation, if any.
+    pub first_mismatch: Option<String>,
+    /// Seconds the log-prob recomputation took.
+    pub verify_s: f64,
 }
 
 /// The hub's answer to this step's publish.
@@ -157,6 +178,8 @@ pub struct Trainer {
     cfg: TrainConfig,
     hub: HubClient,
     problems_issued: u64,
+    /// The BF16 models of the versions results may still come from.
+    versions: Versions,
 }
 
 impl Trainer {
@@ -172,12 +195,14 @@ impl Trainer {
                 ..ParamsAdamW::default()
             },
         )?;
+        let versions = Versions::new(policy.config().clone(), cfg.max_staleness as usize + 2);
         Ok(Self {
             policy,
             opt,
             cfg,
             hub,
             problems_issued: 0,
+            versions,
         })
     }
 
@@ -198,11 +223,15 @@ impl Trainer {
         })?;
         let mut reports = Vec::new();
         let mut latest = start_version;
+        self.keep_version(start_version, &self.policy.to_bf16()?)?;
         let mut pending = self.submit(latest)?;
         for step in 0..self.cfg.steps {
             let t0 = Instant::now();
             let (groups, failed, rollout_s) = self.collect(&pending)?;
             let wait_s = t0.elapsed().as_secs_f64();
+            let tv = Instant::now();
+            let check = self.check_behaviour(&groups);
+            let verify_s = tv.elapsed().as_secs_f64();
             let last = step + 1 == self.cfg.steps;
             let next = if self.cfg.pipelined && !last {
                 Some(self.submit(latest)?)
@@ -210,7 +239,7 @@ impl Trainer {
                 None
             };
             let t1 = Instant::now();
-            let (samples, stats) = self.samples(&groups);
+            let (samples, stats) = self.samples(&groups, &check.bad_groups);
             let (loss, grad_norm, ls) = self.update(&samples)?;
             let train_s = t1.elapsed().as_secs_f64();
             let t2 = Instant::now();
@@ -218,10 +247,12 @@ impl Trainer {
                 .cfg
                 .checkpoint_dir
                 .join(format!("step-{:06}.safetensors", step + 1));
-            self.policy.save_bf16(&path)?;
+            let bf16 = self.policy.to_bf16()?;
+            write_bf16(&bf16, &path)?;
             let published = self.hub.publish(&path, u64::from(step) + 1)?;
             let publish_s = t2.elapsed().as_secs_f64();
             latest = published.version;
+            self.keep_version(latest, &bf16)?;
             let report = StepReport {
                 step: step + 1,
                 batch: pending.batch,
@@ -244,7 +275,12 @@ impl Trainer {
                 step_s: t0.elapsed().as_secs_f64(),
                 rollouts_per_s: stats.samples as f64 / rollout_s.max(1e-9),
                 published: published.into(),
+                checkpoint: path,
                 per_actor: stats.per_actor,
+                verified_samples: check.verified,
+                logprob_mismatches: check.mismatches,
+                first_mismatch: check.first,
+                verify_s,
             };
             on_step(&report);
             reports.push(report);
@@ -317,7 +353,88 @@ impl Trainer {
         Ok((groups, failed, rollout_s))
     }
 
-    fn samples(&self, groups: &[GroupOut]) -> (Vec<Sample>, BatchStats) {
+    fn keep_version(&mut self, version: u64, bf16: &Bf16Tensors) -> Result<(), TrainError> {
+        self.versions
+            .insert(version, bf16)
+            .map_err(|source| TrainError::Keep { version, source })
+    }
+
+    /// Recomputes every sample's log-probs on its version (in parallel over the machine's
+    /// cores); a group with any mismatching sample is not trained on.
+    fn check_behaviour(&self, groups: &[GroupOut]) -> BehaviourCheck {
+        let mut out = BehaviourCheck::default();
+        if !self.cfg.verify_logprobs {
+            return out;
+        }
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+            .min(groups.len().max(1));
+        let chunk = groups.len().div_ceil(threads).max(1);
+        let temperature = self.cfg.temperature;
+        let versions = &self.versions;
+        let results: Vec<Vec<(usize, usize, Option<String>)>> = std::thread::scope(|scope| {
+            let handles: Vec<_> = groups
+                .chunks(chunk)
+                .enumerate()
+                .map(|(c, part)| {
+                    scope.spawn(move || {
+                        part.iter()
+                            .enumerate()
+                            .map(|(i, g)| {
+                                let mut bad = 0;
+                                let mut first = None;
+                                for s in &g.samples {
+                                    if let Err(e) = versions.check(g, s, temperature) {
+                                        bad += 1;
+                                        first.get_or_insert_with(|| {
+                                            format!(
+                                                "group {} from {} (version {}): {e}",
+                                                g.group, g.actor, g.version
+                                            )
+                                        });
+                                    }
+                                }
+                                (c * chunk + i, bad, first)
+                            })
+                            .collect()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .enumerate()
+                .map(|(c, h)| {
+                    // A check that panicked proves nothing: its groups count as mismatched.
+                    h.join().unwrap_or_else(|_| {
+                        (c * chunk..((c + 1) * chunk).min(groups.len()))
+                            .map(|i| {
+                                let why = format!("group {}: the check panicked", groups[i].group);
+                                (i, groups[i].samples.len(), Some(why))
+                            })
+                            .collect()
+                    })
+                })
+                .collect()
+        });
+        for (index, bad, first) in results.into_iter().flatten() {
+            out.verified += groups[index].samples.len();
+            if bad > 0 {
+                out.mismatches += bad;
+                out.bad_groups.insert(index);
+                if out.first.is_none() {
+                    out.first = first;
+                }
+            }
+        }
+        out
+    }
+
+    fn samples(
+        &self,
+        groups: &[GroupOut],
+        bad_groups: &std::collections::BTreeSet<usize>,
+    ) -> (Vec<Sample>, BatchStats) {
         let mut out = Vec::new();
         let mut st = BatchStats {
             versions: (u64::MAX, 0),
@@ -325,7 +442,8 @@ impl Trainer {
         };
         let mut reward_sum = 0f64;
         let mut solved = 0usize;
-        for g in groups {
+        for (index, g) in groups.iter().enumerate() {
+            let trusted = !bad_groups.contains(&index);
             let rewards: Vec<f32> = g.samples.iter().map(|s| s.reward).collect();
             let adv = grpo::advantages(&rewards, 1e-4);
             st.versions = (st.versions.0.min(g.version), st.versions.1.max(g.version));
@@ -335,7 +453,8 @@ impl Trainer {
                 st.tokens += s.tokens.len();
                 reward_sum += f64::from(s.reward);
                 solved += usize::from(s.reward >= 1.0);
-                if a != 0.0 && !s.tokens.is_empty() && s.tokens.len() == s.logprobs.len() {
+                if trusted && a != 0.0 && !s.tokens.is_empty() && s.tokens.len() == s.logprobs.len()
+                {
                     out.push(Sample {
                         prompt_ids: g.prompt_ids.clone(),
                         tokens: s.tokens.clone(),
@@ -374,6 +493,16 @@ impl Trainer {
         )?;
         Ok((loss.to_scalar::<f32>()?, norm as f32, stats))
     }
+}
+
+/// The outcome of [`Trainer::check_behaviour`] for one batch.
+#[derive(Debug, Default)]
+struct BehaviourCheck {
+    verified: usize,
+    mismatches: usize,
+    first: Option<String>,
+    /// Indices of groups not to train on.
+    bad_groups: std::collections::BTreeSet<usize>,
 }
 
 #[derive(Debug, Default)]
