@@ -42,7 +42,7 @@ fn median(mut xs: Vec<f64>) -> f64 {
 }
 
 /// The figures a mode is compared on, medians over its rounds.
-const FIGURES: [(&str, &[&str]); 9] = [
+const FIGURES: [(&str, &[&str]); 10] = [
     ("steps_per_hour", &["throughput", "steps_per_hour"]),
     (
         "rollout_tokens_per_s",
@@ -51,6 +51,7 @@ const FIGURES: [(&str, &[&str]); 9] = [
     ("samples_per_s", &["throughput", "samples_per_s"]),
     ("median_step_s", &["throughput", "median_step_s"]),
     ("bytes_per_step", &["bytes", "per_step"]),
+    ("link_bytes_per_step", &["link_bytes_per_step"]),
     ("transfer_eu_s", &["mean_transfer_s", "eu"]),
     ("transfer_ap_s", &["mean_transfer_s", "ap"]),
     ("reward_first", &["reward", "first"]),
@@ -113,17 +114,27 @@ pub(crate) fn run(a: &DemoArgs, regions: &[Region], init: &Bf16Tensors, out: &Pa
             .join("; ")
     );
     println!(
-        "{:<15} {:>9} {:>9} {:>8} {:>9} {:>7} {:>7} {:>13} {:>15}",
-        "mode", "steps/h", "tok/s", "step s", "kB/step", "eu s", "ap s", "reward", "vs no-transfer"
+        "{:<15} {:>9} {:>9} {:>8} {:>10} {:>10} {:>7} {:>7} {:>13} {:>15}",
+        "mode",
+        "steps/h",
+        "tok/s",
+        "step s",
+        "version kB",
+        "link kB/st",
+        "eu s",
+        "ap s",
+        "reward",
+        "vs no-transfer"
     );
     for mode in Mode::ALL {
         println!(
-            "{:<15} {:>9.0} {:>9.0} {:>8.3} {:>9.1} {:>7.3} {:>7.3} {:>6.3}->{:<6.3} {:>7.3} / {:<6.3}",
+            "{:<15} {:>9.0} {:>9.0} {:>8.3} {:>10.1} {:>10.1} {:>7.3} {:>7.3} {:>6.3}->{:<6.3} {:>7.3} / {:<6.3}",
             mode.name(),
             fig(mode, "steps_per_hour"),
             fig(mode, "rollout_tokens_per_s"),
             fig(mode, "median_step_s"),
             fig(mode, "bytes_per_step") / 1e3,
+            fig(mode, "link_bytes_per_step") / 1e3,
             fig(mode, "transfer_eu_s"),
             fig(mode, "transfer_ap_s"),
             fig(mode, "reward_first"),
@@ -135,7 +146,12 @@ pub(crate) fn run(a: &DemoArgs, regions: &[Region], init: &Bf16Tensors, out: &Pa
     let delta_over_full =
         fig(Mode::Delta, "steps_per_hour") / fig(Mode::FullBroadcast, "steps_per_hour");
     println!(
-        "\n   ratios (tokens/s / steps/h): delta over no-transfer {:.3} / {:.3}; delta over full broadcast {:.2}x steps/hour",
+        "\n   version kB: what the hub encoded per version (shipped in delta and full-broadcast, \
+         not in no-transfer); link kB/st: bytes each region's link carried towards it per step \
+         (weights and job traffic), mean over regions"
+    );
+    println!(
+        "   ratios (tokens/s / steps/h): delta over no-transfer {:.3} / {:.3}; delta over full broadcast {:.2}x steps/hour",
         fig(Mode::Delta, "rollout_tokens_per_s") / ideal,
         fig(Mode::Delta, "steps_per_hour") / ideal_steps,
         delta_over_full,

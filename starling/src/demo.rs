@@ -75,6 +75,12 @@ pub(crate) struct DemoArgs {
     /// Override a region's link rate: NAME=MBIT (repeatable or comma-separated: eu=4,ap=1).
     #[arg(long, value_delimiter = ',')]
     pub(crate) link_mbit: Vec<String>,
+    /// Run every actor's engine this many times slower again, on top of its 1:2:3 speed
+    /// (`--engine-slowdown K·3/speed`). With K ≥ 4 actors mostly wait instead of computing, so
+    /// they behave as independent devices rather than three processes sharing this machine's
+    /// cores (where excluding one actor just hands its CPU to the others).
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) engine_slowdown: f64,
     /// The hub's HTTP port (0: any free port).
     #[arg(long, default_value_t = 0)]
     pub(crate) http_port: u16,
@@ -113,6 +119,12 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
         bail!(
             "the output directory {} exists: remove it or pass --out with a new directory",
             a.out.display()
+        );
+    }
+    if !(a.engine_slowdown.is_finite() && a.engine_slowdown >= 1.0) {
+        bail!(
+            "--engine-slowdown must be a number >= 1, not {}",
+            a.engine_slowdown
         );
     }
     let mut regions = demo_regions();
@@ -333,7 +345,7 @@ pub(crate) fn run_mode(
                         "--engine".into(),
                         "builtin".into(),
                         "--engine-slowdown".into(),
-                        format!("{}", 3.0 / f64::from(*speed)),
+                        format!("{}", a.engine_slowdown * 3.0 / f64::from(*speed)),
                         "--http".into(),
                         metrics.to_string(),
                     ],
@@ -598,7 +610,8 @@ fn summarize(
         "model": {"parameters": config.parameter_count(), "bf16_bytes": full_bf16_bytes, "config": config},
         "task": "digit reversal (char_match reward)",
         "settings": {"steps": a.steps, "groups": a.groups, "samples_per_group": a.samples,
-                     "lr": a.lr, "warm_steps": a.warm_steps, "seed": a.seed, "max_staleness": 1},
+                     "lr": a.lr, "warm_steps": a.warm_steps, "seed": a.seed, "max_staleness": 1,
+                     "engine_slowdown": a.engine_slowdown},
         "regions": regions.iter().map(|r| json!({
             "name": r.name, "rate_mbit": r.rate_mbit, "rtt_ms": r.rtt_ms, "loss": r.loss,
             "actors": r.actors.iter().map(|(n, s)| json!({"name": n, "speed": s})).collect::<Vec<_>>(),
@@ -608,6 +621,8 @@ fn summarize(
                   "full_checkpoints": full_bf16_bytes * reports.len() as u64,
                   "ratio": deltas as f64 / (full_bf16_bytes * reports.len().max(1) as u64) as f64},
         "delta_density": density,
+        "link_bytes_per_step": mean(links.values().map(|s| s.down.delivered_bytes as f64))
+            / reports.len().max(1) as f64,
         "link_bytes": links.iter().map(|(name, s)| (name.to_string(), json!({
             "to_region": s.down.delivered_bytes, "to_hub": s.up.delivered_bytes,
             "lost_datagrams": s.down.dropped_loss + s.down.dropped_queue + s.up.dropped_loss + s.up.dropped_queue,

@@ -82,11 +82,16 @@ fn a_short_run_trains_through_the_hub_and_leaves_a_summary_and_a_plot() {
         assert!(t > 0.0 && t < 60.0, "{region}: {t}");
     }
     // Every consumed rollout was recomputed on its version's weights, and matched bit for bit.
-    assert_eq!(s["behaviour_check"]["verified_samples"].as_u64(), Some(4 * 64));
+    assert_eq!(
+        s["behaviour_check"]["verified_samples"].as_u64(),
+        Some(4 * 64)
+    );
     assert_eq!(s["behaviour_check"]["mismatches"].as_u64(), Some(0));
     // Each region's link carried at least the deltas once (the relay's copy).
     for region in ["eu", "ap"] {
-        let to_region = s["link_bytes"][region]["to_region"].as_f64().expect("link bytes");
+        let to_region = s["link_bytes"][region]["to_region"]
+            .as_f64()
+            .expect("link bytes");
         assert!(to_region >= deltas, "{region}: {to_region} < {deltas}");
     }
     let density = s["delta_density"].as_f64().expect("density");
@@ -175,13 +180,19 @@ fn compare_runs_every_mode_and_no_transfer_ships_no_weights() {
     for mode in ["delta", "no-transfer", "full-broadcast"] {
         let s = summary(mode);
         assert_eq!(s["steps"].as_array().map(Vec::len), Some(3), "{mode}");
-        assert_eq!(s["behaviour_check"]["mismatches"].as_u64(), Some(0), "{mode}");
+        assert_eq!(
+            s["behaviour_check"]["mismatches"].as_u64(),
+            Some(0),
+            "{mode}"
+        );
         assert!(
             s["throughput"]["rollout_tokens_per_s"].as_f64() > Some(0.0),
             "{mode}"
         );
     }
-    let deltas = summary("delta")["bytes"]["deltas"].as_f64().expect("deltas");
+    let deltas = summary("delta")["bytes"]["deltas"]
+        .as_f64()
+        .expect("deltas");
     for region in ["eu", "ap"] {
         // Without transfer only job traffic crosses the link: less than one step's delta per
         // step; with deltas at least every delta once; full checkpoints more than deltas.
@@ -191,7 +202,10 @@ fn compare_runs_every_mode_and_no_transfer_ships_no_weights() {
             to_region("full-broadcast", region),
         );
         assert!(none < deltas, "{region}: no-transfer carried {none} B");
-        assert!(delta >= deltas, "{region}: delta carried {delta} B < {deltas}");
+        assert!(
+            delta >= deltas,
+            "{region}: delta carried {delta} B < {deltas}"
+        );
         assert!(full > delta, "{region}: full {full} B <= delta {delta} B");
     }
     for key in [
@@ -201,5 +215,8 @@ fn compare_runs_every_mode_and_no_transfer_ships_no_weights() {
         let r = c["ratios"][key].as_f64().expect("ratio");
         assert!(r.is_finite() && r > 0.0, "{key} = {r}");
     }
-    assert!(out.join("r1-no-transfer/shared-weights/v00000003.safetensors").is_file());
+    assert!(
+        out.join("r1-no-transfer/shared-weights/v00000003.safetensors")
+            .is_file()
+    );
 }
