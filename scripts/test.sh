@@ -6,6 +6,10 @@
 # stops on exit. Set STARLING_TEST_POSTGRES_URL yourself to use your own server instead, or
 # STARLING_SKIP_POSTGRES=1 to skip PostgreSQL entirely.
 #
+# Chromium, chromedriver and promtool (Debian's packages) are installed the same way when
+# missing, and the tests that use them then require them (STARLING_REQUIRE_BROWSER=1,
+# STARLING_REQUIRE_PROMTOOL=1); without root they are skipped, saying so.
+#
 # After the cargo tests, the Python SDK's tests (sdk/python/run_tests.sh) run against the
 # release binaries just built, in a virtualenv under /var/tmp that they create on first use
 # (pytest and a CPU-usable torch from PyPI: about a minute on a fresh machine). torch is
@@ -49,6 +53,32 @@ if [[ -z "${STARLING_TEST_POSTGRES_URL:-}" && -z "${STARLING_SKIP_POSTGRES:-}" ]
     export STARLING_TEST_POSTGRES_URL="postgres://postgres@127.0.0.1:$port/postgres"
     echo "== PostgreSQL $("$pg_bin/postgres" --version | awk '{print $3}') on 127.0.0.1:$port"
 fi
+
+# The observability tests drive a real headless Chromium (chromedriver) and check every
+# binary's /metrics with promtool; the alert rules are checked and unit-tested with promtool.
+# All three are Debian packages, installed here when root and missing, and then required.
+need_pkgs=()
+command -v chromium >/dev/null || need_pkgs+=(chromium)
+command -v chromedriver >/dev/null || need_pkgs+=(chromium-driver)
+command -v promtool >/dev/null || need_pkgs+=(prometheus)
+if [[ ${#need_pkgs[@]} -gt 0 && $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+    echo "== installing ${need_pkgs[*]} from Debian's packages"
+    apt-get update -qq >/dev/null
+    # The prometheus package's service is not wanted: only its promtool.
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need_pkgs[@]}" >/dev/null
+    systemctl stop prometheus >/dev/null 2>&1 || true
+fi
+if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then
+    export STARLING_REQUIRE_BROWSER=1
+fi
+if command -v promtool >/dev/null; then
+    export STARLING_REQUIRE_PROMTOOL=1
+    echo "== promtool: deploy/prometheus (config, rules, rule unit tests)"
+    promtool check config deploy/prometheus/prometheus.yml
+    promtool check rules deploy/prometheus/alerts.yml
+    promtool test rules deploy/prometheus/alerts.test.yml
+fi
+python3 -m json.tool deploy/grafana/starling.json >/dev/null
 
 # The end-to-end tests run the real binaries of every package; cargo builds a package's
 # binaries for tests only when that package has integration tests of its own, so build

@@ -30,7 +30,7 @@ struct Args {
     region: String,
     #[arg(long, default_value = "model", env = "STARLING_ACTOR_MODEL_ID")]
     model_id: String,
-    /// Serve `/metrics` here.
+    /// Serve `/metrics` and `/v1/status` here.
     #[arg(long, env = "STARLING_ACTOR_HTTP")]
     http: Option<SocketAddr>,
     /// Generate rollouts: `builtin` (the CPU engine) or `none` (hold weights only).
@@ -57,6 +57,8 @@ struct Args {
     /// A label for this actor's hardware, reported to the hub.
     #[arg(long, default_value = "cpu", env = "STARLING_ACTOR_HARDWARE")]
     hardware: String,
+    #[command(flatten)]
+    log: starling_telemetry::logging::LogArgs,
 }
 
 /// Parses `args` (the first is the program name) and runs until the process is stopped.
@@ -68,6 +70,10 @@ where
     T: Into<std::ffi::OsString> + Clone,
 {
     let a = Args::parse_from(args);
+    if let Err(e) = starling_telemetry::logging::init(&a.log) {
+        eprintln!("error: {e}");
+        return std::process::ExitCode::from(2);
+    }
     let mut sources = Vec::new();
     for r in &a.relays {
         let parsed = r

@@ -22,6 +22,7 @@
 pub mod cli;
 pub mod engine;
 pub mod shared_dir;
+mod status;
 pub mod store;
 pub mod worker;
 
@@ -40,7 +41,9 @@ use starling_proto::apply::{VersionedWeights, full_digest};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::msg::{MAX_SEQS, RefuseReason};
 use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
-use starling_telemetry::Metrics;
+use starling_telemetry::{Component, Metrics};
+
+use crate::status::ActorStatus;
 use starling_transport::framed::{DataStreamReader, StreamFrame, send};
 use starling_transport::identity::{Credentials, Role, manifest_key};
 use starling_transport::link::LinkProfile;
@@ -165,20 +168,33 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
     let key = VerifyingKey::from_bytes(&manifest_key(&cfg.credentials)?)
         .context("signing.pub is not an ed25519 key")?;
     let trust = TrustPolicy::Keys(vec![key]);
-    let metrics = Metrics::new();
+    let metrics = Metrics::new(Component::Actor);
+    let (status, status_rx) = watch::channel(PipelineStatus::default());
+    let engine_name = if cfg.engine.is_some() {
+        "builtin"
+    } else {
+        "none"
+    };
+    let shown = Arc::new(ActorStatus::new(
+        &creds.name,
+        &cfg.region,
+        engine_name,
+        status_rx.clone(),
+        metrics.clone(),
+    ));
     if let Some(http) = cfg.http {
         let (listener, at) = starling_telemetry::http::bind(http)
             .await
             .with_context(|| format!("bind HTTP on {http}"))?;
         let m = metrics.clone();
+        let routes = status::router(shown.clone());
         tokio::spawn(async move {
-            if let Err(e) = starling_telemetry::http::serve(listener, m, Default::default()).await {
-                eprintln!("HTTP server: {e}");
+            if let Err(e) = starling_telemetry::http::serve(listener, m, routes).await {
+                tracing::error!("HTTP server stopped: {e}");
             }
         });
         println!("http on {at}");
     }
-    let (status, status_rx) = watch::channel(PipelineStatus::default());
     let engine: Option<Arc<dyn Engine>> = match &cfg.engine {
         None => None,
         Some(e) => {
@@ -193,6 +209,7 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         }
     };
     if let Some(dir) = &cfg.weights_dir {
+        shown.source(&dir.display().to_string(), "directory", true);
         let _worker = start_worker(&cfg, &creds, &engine, status_rx, &metrics)?;
         return shared_dir::SharedDir {
             dir: dir.clone(),
@@ -207,7 +224,7 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
     }
     let loaded = Store::open(&cfg.store, &cfg.init, &cfg.model_id, &trust)?;
     if loaded.replayed > 0 {
-        eprintln!("replayed {} journal entries", loaded.replayed);
+        tracing::info!(entries = loaded.replayed, "replayed the store's journal");
     }
     let mut p = Pipeline {
         cfg: &cfg,
@@ -267,11 +284,11 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
             Ok(up) => up,
             Err(e) => {
                 failures += 1;
-                eprintln!(
-                    "{} {} at {}: {e}",
-                    source.role.as_str(),
-                    source.name,
-                    source.addr
+                tracing::warn!(
+                    source = %source.name,
+                    role = source.role.as_str(),
+                    addr = %source.addr,
+                    "source not reached: {e}"
                 );
                 if failures > MAX_FAILOVERS {
                     bail!("no source reachable after {failures} attempts: {e}");
@@ -281,6 +298,8 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
             }
         };
         println!("upstream {} {}", source.role.as_str(), source.name);
+        tracing::info!(source = %source.name, role = source.role.as_str(), after_version = after, "subscribed");
+        shown.source(&source.name, source.role.as_str(), true);
         p.peer = source.name.clone();
         p.anchor_asked = false;
         if let Some(have) = resume {
@@ -291,7 +310,7 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         }
         while let Some(ev) = up.events.recv().await {
             if let UpstreamEvent::Closed(why) = &ev {
-                eprintln!("upstream {} {}: {why}", source.role.as_str(), source.name);
+                tracing::warn!(source = %source.name, role = source.role.as_str(), "source lost: {why}");
                 break;
             }
             match p.handle(ev, &mut up.control).await? {
@@ -301,6 +320,7 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
             }
         }
         up.close().await;
+        shown.source(&source.name, source.role.as_str(), false);
         failures += 1;
         if failures > MAX_FAILOVERS {
             bail!("lost every upstream {failures} times in a row");
@@ -407,7 +427,7 @@ impl Pipeline<'_> {
             }
             UpstreamEvent::Pong(_) | UpstreamEvent::Closed(_) => {}
             UpstreamEvent::Refused { reason, detail } => {
-                eprintln!("upstream refused: {reason:?}: {detail}");
+                tracing::warn!("upstream refused: {reason:?}: {detail}");
                 if reason == RefuseReason::VersionUnavailable {
                     if self.anchor_asked {
                         // Neither the deltas nor an anchor here: try the next source.
@@ -422,7 +442,7 @@ impl Pipeline<'_> {
                 return match self.restore(seal, stream).await {
                     Ok(()) => Ok(Outcome::Resubscribe),
                     Err(e) => {
-                        eprintln!("anchor {} refused: {e:#}", seal.version);
+                        tracing::warn!(version = seal.version, "anchor refused: {e:#}");
                         Ok(Outcome::Resubscribe)
                     }
                 };
@@ -541,7 +561,7 @@ impl Pipeline<'_> {
         match p.reception.frame(frame.kind, frame.body()) {
             Ok(Added::New) => {}
             Ok(Added::Duplicate) => return,
-            Err(e) => return eprintln!("version {version}: dropped a frame: {e}"),
+            Err(e) => return tracing::warn!(version, "dropped a frame: {e}"),
         }
         if p.reception.complete() {
             println!("staged {version}");
@@ -556,7 +576,7 @@ impl Pipeline<'_> {
             }
         };
         if let Err(e) = staged {
-            eprintln!("version {version}: staging failed ({e}); fetching it again");
+            tracing::warn!(version, "staging failed ({e}); fetching it again");
             self.pending.remove(&version);
             let _ = self.refetch(control, version, Vec::new()).await;
         }
@@ -575,8 +595,10 @@ impl Pipeline<'_> {
         if *n > MAX_REFETCHES {
             bail!("version {version} failed {n} times");
         }
-        eprintln!(
-            "version {version}: fetching {} again (attempt {n})",
+        tracing::warn!(
+            version,
+            attempt = *n,
+            "fetching {} again",
             if seqs.is_empty() {
                 "everything".to_owned()
             } else {
@@ -628,7 +650,7 @@ impl Pipeline<'_> {
                     self.start_staging(next + 1);
                 }
                 Err(e) => {
-                    eprintln!("version {next} refused: {e:#}");
+                    tracing::error!(version = next, "version refused: {e:#}");
                     self.refetch(control, next, Vec::new()).await?;
                     return Ok(any);
                 }
@@ -669,7 +691,7 @@ impl Pipeline<'_> {
         match failed {
             None => p.stager = Some(stager),
             Some(e) => {
-                eprintln!("version {version}: staging failed ({e}); it will be fetched again");
+                tracing::warn!(version, "staging failed ({e}); it will be fetched again");
                 self.pending.remove(&version);
             }
         }

@@ -118,9 +118,9 @@ impl Store {
                 break;
             }
             if let Err(e) = replay(&mut state, &f, trust) {
-                eprintln!(
-                    "journal {}: {e:#}; stopping the replay at {}",
-                    f.display(),
+                tracing::warn!(
+                    journal = %f.display(),
+                    "journal entry refused: {e:#}; stopping the replay at {}",
                     v - 1
                 );
                 break;

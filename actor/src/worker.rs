@@ -59,13 +59,13 @@ pub async fn run(
 ) {
     loop {
         if let Err(e) = session(&creds, &cfg, &engine, &status, &metrics).await {
-            eprintln!("worker: {e:#}; reconnecting");
+            tracing::warn!("worker connection lost: {e:#}; reconnecting");
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
 }
 
-/// `starling_worker_connected`: 1 from the first answered claim until the session ends.
+/// `starling_actor_worker_connected`: 1 from the first answered claim until the session ends.
 struct ConnectedGauge<'a> {
     metrics: &'a Metrics,
     set: bool,
@@ -199,7 +199,7 @@ async fn session(
                 Verdict::Accepted => accepted += 1,
                 Verdict::Refused { code, detail } => {
                     metrics.refused(code);
-                    eprintln!("job {job} refused ({code}): {detail}");
+                    tracing::warn!(job, code = %code, "result refused: {detail}");
                 }
             }
         }

@@ -120,6 +120,9 @@ const CANCEL_BATCH: &str =
     "UPDATE batches SET cancelled_at = $2 WHERE id = $1 AND cancelled_at IS NULL";
 const CANCEL_JOBS: &str = "UPDATE jobs SET state = 'failed', assignee = NULL, lease_holder = NULL, \
      leased_at = NULL, lease_expires = NULL WHERE batch_id = $1 AND state IN ('posted', 'pending', 'leased')";
+const RECENT_BATCHES: &str = "SELECT id FROM batches ORDER BY id DESC LIMIT $1";
+const LEASES_BY_ACTOR: &str = "SELECT lease_holder, COUNT(*) AS n FROM jobs \
+     WHERE state = 'leased' GROUP BY lease_holder ORDER BY lease_holder";
 const JOB_PAYLOAD: &str = "SELECT id, batch_id, version, prompt FROM jobs WHERE id = $1";
 const ALL_ACTORS: &str = "SELECT id, region, hardware, active_version, staged_version, tau, \
      last_heartbeat FROM actors ORDER BY id";
@@ -335,6 +338,27 @@ impl Ledger {
                 }
             }
             Ok(out)
+        })
+    }
+
+    /// The newest `limit` batches, newest first (for status pages).
+    pub async fn recent_batches(&self, limit: u32) -> Result<Vec<BatchId>, ReadError> {
+        with_pool!(self, p => {
+            let rows = sqlx::query(RECENT_BATCHES).bind(i64::from(limit)).fetch_all(p).await?;
+            rows.iter().map(|r| Ok(BatchId(r.i64("id")?))).collect()
+        })
+    }
+
+    /// How many jobs each actor holds a lease on now (actors holding none are left out).
+    pub async fn leases_by_actor(&self) -> Result<Vec<(ActorId, u64)>, ReadError> {
+        with_pool!(self, p => {
+            let rows = sqlx::query(LEASES_BY_ACTOR).fetch_all(p).await?;
+            rows.iter()
+                .map(|r| {
+                    let holder = sql::actor_id(r.string("lease_holder")?);
+                    Ok((holder, u64::try_from(r.i64("n")?).unwrap_or(0)))
+                })
+                .collect()
         })
     }
 

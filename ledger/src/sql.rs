@@ -105,7 +105,7 @@ fn u32_of(v: i64, what: &str) -> Result<u32, sqlx::Error> {
     u32::try_from(v).map_err(|_| sqlx::Error::Decode(format!("{what} {v} out of range").into()))
 }
 
-fn actor_id(s: String) -> ActorId {
+pub(crate) fn actor_id(s: String) -> ActorId {
     ActorId::from_db(s)
 }
 

@@ -39,7 +39,7 @@ struct Args {
     /// Disk cache of complete versions (survives restarts).
     #[arg(long, env = "STARLING_RELAY_CACHE")]
     cache: Option<PathBuf>,
-    /// Serve `/metrics` here.
+    /// Serve `/metrics` and `/v1/status` here.
     #[arg(long, env = "STARLING_RELAY_HTTP")]
     http: Option<SocketAddr>,
     /// Versions kept in memory for laggards and late joiners.
@@ -51,6 +51,8 @@ struct Args {
     /// Print each control round trip as `rtt-us MICROS` (benchmarks).
     #[arg(long)]
     print_rtt: bool,
+    #[command(flatten)]
+    log: starling_telemetry::logging::LogArgs,
 }
 
 /// Parses `args` (the first is the program name) and runs until the process is stopped.
@@ -62,6 +64,10 @@ where
     T: Into<std::ffi::OsString> + Clone,
 {
     let a = Args::parse_from(args);
+    if let Err(e) = starling_telemetry::logging::init(&a.log) {
+        eprintln!("error: {e}");
+        return std::process::ExitCode::from(2);
+    }
     if !(a.wan_mbit.is_finite() && a.wan_mbit > 0.0) {
         eprintln!(
             "error: --wan-mbit must be a positive number of Mbit/s, not {}",

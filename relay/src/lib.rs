@@ -19,6 +19,7 @@
 //!   serves its region's laggards without refetching over the WAN.
 
 pub mod cli;
+mod status;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -33,7 +34,10 @@ use starling_checkpoint::deltafile::write_frames;
 use starling_proto::container::{DeltaAssembler, FrameKind};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::msg::{MAX_SEQS, Message, PROTOCOL_VERSION, Role as MsgRole};
-use starling_telemetry::Metrics;
+use starling_telemetry::{Component, Metrics};
+use tracing::Instrument;
+
+use crate::status::RelayStatus;
 use starling_transport::admit::admit;
 use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
 use starling_transport::endpoint::server_endpoint;
@@ -100,19 +104,26 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
     if let Some(dir) = &cfg.cache {
         let n = load_cache(dir, &book, &trust)?;
         if n > 0 {
-            eprintln!("restored {n} versions from {}", dir.display());
+            tracing::info!(versions = n, cache = %dir.display(), "restored from the disk cache");
         }
     }
-    let metrics = Metrics::new();
+    let metrics = Metrics::new(Component::Relay);
     metrics.set_active(book.latest());
+    let status = Arc::new(RelayStatus::new(
+        &creds.name,
+        &cfg.region,
+        cfg.hub,
+        book.clone(),
+    ));
     if let Some(http) = cfg.http {
         let (listener, at) = starling_telemetry::http::bind(http)
             .await
             .with_context(|| format!("bind HTTP on {http}"))?;
         let m = metrics.clone();
+        let routes = status::router(status.clone());
         tokio::spawn(async move {
-            if let Err(e) = starling_telemetry::http::serve(listener, m, Default::default()).await {
-                eprintln!("HTTP server: {e}");
+            if let Err(e) = starling_telemetry::http::serve(listener, m, routes).await {
+                tracing::error!("HTTP server stopped: {e}");
             }
         });
         println!("http on {at}");
@@ -128,31 +139,41 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
         let fanout = FanoutConfig {
             stripes: cfg.stripes,
             anchors: None,
+            observer: Some(status.clone()),
         };
         let metrics = metrics.clone();
+        let status = status.clone();
         tokio::spawn(async move {
             while let Some(incoming) = endpoint.accept().await {
-                let (book, model_id, fanout, metrics) = (
+                let (book, model_id, fanout, metrics, status) = (
                     book.clone(),
                     model_id.clone(),
                     fanout.clone(),
                     metrics.clone(),
+                    status.clone(),
                 );
                 tokio::spawn(async move {
                     match incoming.await {
                         Ok(conn) => {
-                            let r = serve_actor(book, conn.clone(), &model_id, fanout, metrics);
+                            let r = serve_actor(
+                                book,
+                                conn.clone(),
+                                &model_id,
+                                fanout,
+                                metrics,
+                                &status,
+                            );
                             if let Err(e) = r.await {
-                                eprintln!("actor {}: {e:#}", conn.remote_address());
+                                tracing::warn!(remote = %conn.remote_address(), "actor connection ended: {e:#}");
                             }
                         }
-                        Err(e) => eprintln!("refused a connection during the handshake: {e}"),
+                        Err(e) => tracing::warn!("refused a connection during the handshake: {e}"),
                     }
                 });
             }
         })
     };
-    let result = follow_hub(&cfg, &creds, &trust, &book, &metrics).await;
+    let result = follow_hub(&cfg, &creds, &trust, &book, &metrics, &status).await;
     downstream.abort();
     result
 }
@@ -163,11 +184,21 @@ async fn serve_actor(
     model_id: &str,
     fanout: FanoutConfig,
     metrics: Metrics,
+    status: &RelayStatus,
 ) -> Result<()> {
     let Some(a) = admit(&conn, "relay", model_id, &[MsgRole::Actor], book.latest()).await? else {
         return Ok(());
     };
-    serve_subscriber(book, conn, a.control, a.reader, a.name, fanout, metrics).await?;
+    let name = a.name.clone();
+    let span = tracing::info_span!("peer", peer = %name, role = "actor");
+    span.in_scope(|| tracing::info!("actor subscribed"));
+    status.subscriber(&name, true);
+    let served = serve_subscriber(book, conn, a.control, a.reader, a.name, fanout, metrics)
+        .instrument(span.clone())
+        .await;
+    status.subscriber(&name, false);
+    span.in_scope(|| tracing::info!("actor left"));
+    served?;
     Ok(())
 }
 
@@ -187,6 +218,7 @@ struct Follower<'a> {
     trust: &'a TrustPolicy,
     book: &'a VersionBook,
     metrics: &'a Metrics,
+    status: &'a RelayStatus,
     incoming: BTreeMap<u64, Incoming>,
     /// Versions the hub committed. Kept apart from `incoming`: the control stream has send
     /// priority, so a `Commit` may overtake the last data of its version.
@@ -226,6 +258,7 @@ async fn follow_hub(
     trust: &TrustPolicy,
     book: &VersionBook,
     metrics: &Metrics,
+    status: &RelayStatus,
 ) -> Result<()> {
     let hello = Message::Hello {
         protocol: PROTOCOL_VERSION,
@@ -241,6 +274,7 @@ async fn follow_hub(
         trust,
         book,
         metrics,
+        status,
         incoming: BTreeMap::new(),
         commits: BTreeSet::new(),
         verifying: None,
@@ -256,26 +290,33 @@ async fn follow_hub(
             Some((version, _)) => *version,
             None => f.done_through(),
         };
-        let mut up =
-            match subscribe(creds, cfg.hub, Role::Hub, "hub", &hello, after, &cfg.wan).await {
-                Ok(up) => up,
-                Err(UpstreamError::Refused(why)) => bail!("the hub refused this relay: {why}"),
-                Err(e) => {
-                    eprintln!("hub at {}: {e}; trying again in {backoff:?}", cfg.hub);
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(RECONNECT_MAX);
-                    continue;
-                }
-            };
+        let mut up = match subscribe(creds, cfg.hub, Role::Hub, "hub", &hello, after, &cfg.wan)
+            .await
+        {
+            Ok(up) => up,
+            Err(UpstreamError::Refused(why)) => bail!("the hub refused this relay: {why}"),
+            Err(e) => {
+                tracing::warn!(hub = %cfg.hub, "hub not reached: {e}; trying again in {backoff:?}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(RECONNECT_MAX);
+                continue;
+            }
+        };
         backoff = RECONNECT_MIN;
         println!("upstream hub");
+        tracing::info!(hub = %cfg.hub, after_version = after, "subscribed to the hub");
+        metrics.set_upstream_connected(true);
+        status.hub_connected(true);
         if let Some((version, have)) = resume {
             println!("resume {version} have {}", have.len());
             // A failed send shows up as the connection closing.
             let _ = send(&mut up.control, &Message::Resume { version, have }).await;
         }
-        let why = f.follow(&mut up, epoch, &mut ping).await?;
-        eprintln!("hub connection ended: {why}; reconnecting");
+        let followed = f.follow(&mut up, epoch, &mut ping).await;
+        metrics.set_upstream_connected(false);
+        status.hub_connected(false);
+        let why = followed?;
+        tracing::warn!("hub connection ended: {why}; reconnecting");
         up.close().await;
     }
 }
@@ -312,6 +353,7 @@ impl Follower<'_> {
                     let rtt = (epoch.elapsed().as_micros() as u64).saturating_sub(nonce);
                     self.metrics
                         .observe_control_rtt(std::time::Duration::from_micros(rtt));
+                    self.status.rtt(std::time::Duration::from_micros(rtt));
                     if self.cfg.print_rtt {
                         println!("rtt-us {rtt}");
                     }
@@ -380,10 +422,10 @@ impl Follower<'_> {
             }
             UpstreamEvent::Pong(_) => {}
             UpstreamEvent::Refused { reason, detail } => {
-                eprintln!("hub refused: {reason:?}: {detail}")
+                tracing::warn!("hub refused: {reason:?}: {detail}")
             }
             UpstreamEvent::Anchor { seal, .. } => {
-                eprintln!("ignored an unrequested anchor {}", seal.version)
+                tracing::warn!(version = seal.version, "ignored an unrequested anchor")
             }
             UpstreamEvent::Closed(_) => {}
         }
@@ -436,15 +478,15 @@ impl Follower<'_> {
         match inc.reception.frame(frame.kind, frame.body()) {
             Ok(Added::New) => {}
             Ok(Added::Duplicate) => return,
-            Err(e) => return eprintln!("version {version}: dropped a frame: {e}"),
+            Err(e) => return tracing::warn!(version, "dropped a frame: {e}"),
         }
         if let Err(e) = inc.assembler.add(frame.as_frame()) {
-            return eprintln!("version {version}: dropped a frame: {e}");
+            return tracing::warn!(version, "dropped a frame: {e}");
         }
         if frame.kind != FrameKind::Trailer {
             match WireFrame::parse(frame.bytes) {
                 Ok(w) => inc.live.push(w),
-                Err(e) => eprintln!("version {version}: {e}"),
+                Err(e) => tracing::warn!(version, "unparsable frame: {e}"),
             }
         }
         if !inc.said_received && inc.reception.complete() {
@@ -461,8 +503,9 @@ impl Follower<'_> {
         version: u64,
         seqs: Vec<u32>,
     ) -> Result<()> {
-        eprintln!(
-            "version {version}: fetching {} again",
+        tracing::warn!(
+            version,
+            "fetching {} again",
             if seqs.is_empty() {
                 "everything".to_owned()
             } else {
@@ -474,7 +517,7 @@ impl Follower<'_> {
         // A failed send means the connection is going: its end arrives as an event, and the
         // next connection resumes from what is here.
         if let Err(e) = send(control, &Message::Fetch { version, seqs }).await {
-            eprintln!("version {version}: fetch not sent: {e}");
+            tracing::warn!(version, "fetch not sent: {e}");
         }
         Ok(())
     }
@@ -508,7 +551,7 @@ impl Follower<'_> {
                 .map(|_| {
                     if let Some(dir) = &cache {
                         if let Err(e) = write_cache(dir, &inc.live) {
-                            eprintln!("version {next}: not cached on disk: {e:#}");
+                            tracing::error!(version = next, "not cached on disk: {e:#}");
                         }
                         // The disk keeps what memory keeps: the newest `retain` versions.
                         if let Some(old) = stale {
@@ -538,9 +581,18 @@ impl Follower<'_> {
                 self.metrics.observe_transfer(done.started.elapsed());
                 self.metrics.set_active(version);
                 println!("cached {version}");
+                tracing::info!(version, "version verified and cached");
+                // Tells the hub this region holds the version (its status shows when).
+                let staged = Message::Staged {
+                    version,
+                    missing: Vec::new(),
+                };
+                if let Err(e) = send(control, &staged).await {
+                    tracing::debug!(version, "staged report not sent: {e}");
+                }
             }
             Err(e) => {
-                eprintln!("version {version} failed verification ({e}); fetching it again");
+                tracing::warn!(version, "failed verification ({e}); fetching it again");
                 self.book.abort(version);
                 self.refetch(control, version, Vec::new()).await?;
             }
@@ -587,7 +639,7 @@ fn load_cache(dir: &Path, book: &VersionBook, trust: &TrustPolicy) -> Result<usi
             return Ok(n);
         };
         if let Err(e) = book.load_delta(&bytes, trust) {
-            eprintln!("{}: {e}; ignoring the cache from here", path.display());
+            tracing::warn!(path = %path.display(), "cache file refused: {e}; ignoring the cache from here");
             return Ok(n);
         }
         n += 1;

@@ -275,6 +275,7 @@ pub(crate) fn run_mode(
         "   hub: QUIC {quic}, HTTP http://{http} (logs in {})",
         out.join("logs").display()
     );
+    println!("   dashboard: http://{http}/ (status: http://{http}/v1/status)");
 
     // In no-transfer mode the trainer links each published checkpoint here and the actors
     // read it (a shared filesystem).

@@ -1,7 +1,7 @@
 //! Watches when each actor activates each version, by polling the actors' `/metrics`
-//! (`starling_versions_active`), so the demo can report how long each version took to reach
+//! (`starling_actor_active_version`), so the demo can report how long each version took to reach
 //! each region; and whether each actor's rollout worker is registered with the hub
-//! (`starling_worker_connected`), so the demo submits work only once every actor can get some. A thread owned by [`Watcher`]; dropping the watcher stops and joins it.
+//! (`starling_actor_worker_connected`), so the demo submits work only once every actor can get some. A thread owned by [`Watcher`]; dropping the watcher stops and joins it.
 
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
@@ -37,11 +37,11 @@ impl Watcher {
                         continue;
                     };
                     let now = Instant::now();
-                    if let Some(v) = gauge(&text, "starling_versions_active") {
+                    if let Some(v) = gauge(&text, "starling_actor_active_version") {
                         let mut map = s.lock().unwrap_or_else(PoisonError::into_inner);
                         map.entry((name.clone(), v)).or_insert(now);
                     }
-                    let connected = gauge(&text, "starling_worker_connected") == Some(1);
+                    let connected = gauge(&text, "starling_actor_worker_connected") == Some(1);
                     w.lock()
                         .unwrap_or_else(PoisonError::into_inner)
                         .insert(name.clone(), connected);
@@ -116,9 +116,12 @@ fn gauge(text: &str, name: &str) -> Option<u64> {
 mod tests {
     #[test]
     fn gauges_are_read_by_exact_name() {
-        let text = "# TYPE starling_versions_active gauge\nstarling_versions_active 7\nstarling_versions_active_x 9\nstarling_worker_connected 1\n";
-        assert_eq!(super::gauge(text, "starling_versions_active"), Some(7));
-        assert_eq!(super::gauge(text, "starling_worker_connected"), Some(1));
+        let text = "# TYPE starling_actor_active_version gauge\nstarling_actor_active_version 7\nstarling_actor_active_version_x 9\nstarling_actor_worker_connected 1\n";
+        assert_eq!(super::gauge(text, "starling_actor_active_version"), Some(7));
+        assert_eq!(
+            super::gauge(text, "starling_actor_worker_connected"),
+            Some(1)
+        );
         assert_eq!(super::gauge(text, "starling_missing"), None);
     }
 }

@@ -6,7 +6,8 @@ use std::time::Duration;
 use axum::Router;
 use axum::routing::post;
 use starling_telemetry::Metrics;
-use starling_telemetry::http::{self, METRICS_CONTENT_TYPE};
+use starling_telemetry::http::{self, METRICS_CONTENT_TYPE, PROMETHEUS_CONTENT_TYPE};
+use starling_telemetry::metrics::Component;
 use starling_telemetry::metrics::MAX_PEERS;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -61,11 +62,22 @@ impl Response {
 
 /// Sends one request on a fresh connection (`Connection: close`) and reads the whole response.
 async fn request(addr: SocketAddr, method: &str, path: &str, body: &str) -> Response {
+    request_with(addr, method, path, "", body).await
+}
+
+/// [`request`] with extra header lines (each ending in `\r\n`).
+async fn request_with(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &str,
+    body: &str,
+) -> Response {
     tokio::time::timeout(TIMEOUT, async {
         let mut stream = TcpStream::connect(addr).await.expect("connect");
         let head = format!(
             "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\n\
-             Connection: close\r\n\r\n",
+             {headers}Connection: close\r\n\r\n",
             body.len()
         );
         stream.write_all(head.as_bytes()).await.expect("write head");
@@ -110,7 +122,7 @@ fn parse(raw: &str) -> Response {
 
 #[tokio::test]
 async fn metrics_are_scraped_with_exact_values() {
-    let metrics = Metrics::new();
+    let metrics = Metrics::new(Component::Relay);
     let server = Server::start(metrics.clone(), Router::new()).await;
 
     metrics.sent("relay-eu", 1_048_576, 4);
@@ -126,34 +138,40 @@ async fn metrics_are_scraped_with_exact_values() {
     metrics.observe_control_rtt(Duration::from_micros(500));
     metrics.observe_control_rtt(Duration::from_millis(2));
 
-    let r = request(server.addr, "GET", "/metrics", "").await;
+    let accept = "Accept: application/openmetrics-text; version=1.0.0,text/plain;q=0.5\r\n";
+    let r = request_with(server.addr, "GET", "/metrics", accept, "").await;
     assert_eq!(r.status, 200);
     assert_eq!(r.header("content-type"), Some(METRICS_CONTENT_TYPE));
     for line in [
-        r#"starling_bytes_sent_total{peer="relay-eu"} 2097152"#,
-        r#"starling_segments_sent_total{peer="relay-eu"} 8"#,
-        r#"starling_bytes_received_total{peer="hub"} 123"#,
-        r#"starling_segments_received_total{peer="hub"} 1"#,
-        r#"starling_refetches_total{peer="hub"} 1"#,
-        "starling_versions_staged_total 2",
-        "starling_versions_active 17",
-        "starling_transfer_seconds_count 2",
-        "starling_transfer_seconds_sum 1.75",
-        r#"starling_transfer_seconds_bucket{le="0.32"} 1"#,
-        r#"starling_transfer_seconds_bucket{le="2.56"} 2"#,
-        "starling_apply_seconds_count 1",
-        "starling_apply_seconds_sum 0.00025",
-        "starling_control_rtt_seconds_count 2",
-        "starling_control_rtt_seconds_sum 0.0025",
+        r#"starling_relay_delta_sent_bytes_total{peer="relay-eu"} 2097152"#,
+        r#"starling_relay_delta_sent_segments_total{peer="relay-eu"} 8"#,
+        r#"starling_relay_delta_received_bytes_total{peer="hub"} 123"#,
+        r#"starling_relay_delta_received_segments_total{peer="hub"} 1"#,
+        r#"starling_relay_refetches_total{peer="hub"} 1"#,
+        "starling_relay_versions_staged_total 2",
+        "starling_relay_newest_version 17",
+        "starling_relay_transfer_seconds_count 2",
+        "starling_relay_transfer_seconds_sum 1.75",
+        r#"starling_relay_transfer_seconds_bucket{le="0.32"} 1"#,
+        r#"starling_relay_transfer_seconds_bucket{le="2.56"} 2"#,
+        "starling_relay_control_rtt_seconds_count 2",
+        "starling_relay_control_rtt_seconds_sum 0.0025",
     ] {
         assert!(r.has_line(line), "missing {line:?} in\n{}", r.body);
     }
     assert!(r.body.ends_with("# EOF\n"));
 
+    // Without an OpenMetrics Accept header: the classic text format, same samples.
+    let plain = request(server.addr, "GET", "/metrics", "").await;
+    assert_eq!(plain.header("content-type"), Some(PROMETHEUS_CONTENT_TYPE));
+    assert!(plain.has_line("# TYPE starling_relay_versions_staged_total counter"));
+    assert!(plain.has_line("starling_relay_versions_staged_total 2"));
+    assert!(!plain.body.contains("# EOF"));
+
     // A second scrape sees later values: nothing is cached.
     metrics.set_active(18);
     let r = request(server.addr, "GET", "/metrics", "").await;
-    assert!(r.has_line("starling_versions_active 18"), "{}", r.body);
+    assert!(r.has_line("starling_relay_newest_version 18"), "{}", r.body);
 }
 
 #[tokio::test]
@@ -162,7 +180,7 @@ async fn healthz_unknown_paths_and_extra_routes() {
         "/v1/versions",
         post(|body: String| async move { format!("published {body}") }),
     );
-    let server = Server::start(Metrics::new(), extra).await;
+    let server = Server::start(Metrics::new(Component::Relay), extra).await;
 
     let r = request(server.addr, "GET", "/healthz", "").await;
     assert_eq!((r.status, r.body.as_str()), (200, "ok"));
@@ -170,7 +188,10 @@ async fn healthz_unknown_paths_and_extra_routes() {
     let r = request(server.addr, "POST", "/v1/versions", "v42").await;
     assert_eq!((r.status, r.body.as_str()), (200, "published v42"));
 
-    assert_eq!(request(server.addr, "GET", "/nope", "").await.status, 404);
+    let r = request(server.addr, "GET", "/nope", "").await;
+    assert_eq!(r.status, 404);
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    assert!(r.body.contains(r#""code":"not_found""#), "{}", r.body);
     assert_eq!(
         request(server.addr, "GET", "/metrics/x", "").await.status,
         404
@@ -180,15 +201,18 @@ async fn healthz_unknown_paths_and_extra_routes() {
         request(server.addr, "POST", "/metrics", "").await.status,
         405
     );
-    assert_eq!(
-        request(server.addr, "GET", "/v1/versions", "").await.status,
-        405
+    let r = request(server.addr, "GET", "/v1/versions", "").await;
+    assert_eq!(r.status, 405);
+    assert!(
+        r.body.contains(r#""code":"method_not_allowed""#),
+        "{}",
+        r.body
     );
 }
 
 #[tokio::test]
 async fn scrape_holds_at_most_max_peers_plus_other() {
-    let metrics = Metrics::new();
+    let metrics = Metrics::new(Component::Relay);
     let server = Server::start(metrics.clone(), Router::new()).await;
     for i in 0..MAX_PEERS + 100 {
         metrics.received(&format!("actor-{i}"), 10, 1);
@@ -199,12 +223,12 @@ async fn scrape_holds_at_most_max_peers_plus_other() {
     let series = r
         .body
         .lines()
-        .filter(|l| l.starts_with("starling_bytes_received_total{"))
+        .filter(|l| l.starts_with("starling_relay_delta_received_bytes_total{"))
         .count();
     assert_eq!(series, MAX_PEERS + 1);
-    assert!(r.has_line(r#"starling_bytes_received_total{peer="actor-0"} 10"#));
-    assert!(r.has_line(r#"starling_bytes_received_total{peer="other"} 1000"#));
-    assert!(r.has_line(r#"starling_segments_received_total{peer="other"} 100"#));
+    assert!(r.has_line(r#"starling_relay_delta_received_bytes_total{peer="actor-0"} 10"#));
+    assert!(r.has_line(r#"starling_relay_delta_received_bytes_total{peer="other"} 1000"#));
+    assert!(r.has_line(r#"starling_relay_delta_received_segments_total{peer="other"} 100"#));
 }
 
 #[tokio::test]
@@ -215,7 +239,7 @@ async fn serve_until_returns_after_shutdown() {
     let (stop, stopped) = oneshot::channel::<()>();
     let task = tokio::spawn(http::serve_until(
         listener,
-        Metrics::new(),
+        Metrics::new(Component::Relay),
         Router::new(),
         async move {
             // A dropped sender is a shutdown too.

@@ -324,6 +324,24 @@ impl Testbed {
         http_get(&self.hub_http, "/metrics")
     }
 
+    /// The hub's `/v1/status` document.
+    pub fn hub_status(&self) -> serde_json::Value {
+        serde_json::from_str(&http_get(&self.hub_http, "/v1/status")).expect("status is JSON")
+    }
+
+    /// The bytes of the delta frames of `versions` as the hub stores them (segments and
+    /// manifests, without the file header and trailer): what a subscriber is sent for them.
+    pub fn delta_frame_bytes(&self, versions: std::ops::RangeInclusive<u64>) -> u64 {
+        use starling_proto::container::{FILE_HEADER_LEN, TRAILER_FRAME_LEN};
+        versions
+            .map(|k| {
+                let f = self.root.join(format!("hub-store/deltas/v{k:08}.sdc"));
+                std::fs::metadata(&f).expect("delta file").len()
+                    - (FILE_HEADER_LEN + TRAILER_FRAME_LEN) as u64
+            })
+            .sum()
+    }
+
     /// A relay whose link to the hub goes through `starling-netem` with `netem_args`
     /// (e.g. `--rate 100mbit --delay 25ms --loss 0.1%`); `relay_args` tell the relay the
     /// link it is on (`--wan-mbit`, `--wan-rtt-ms`).

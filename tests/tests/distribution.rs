@@ -7,7 +7,6 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use starling_proto::container::{FILE_HEADER_LEN, TRAILER_FRAME_LEN};
 use starling_tests::{Testbed, http_get, metric, next_event, wait_for};
 
 #[test]
@@ -99,20 +98,33 @@ fn relays_carry_one_copy_per_region_and_actors_fail_over_to_the_hub() {
             );
         }
     }
-    // The hub sent each version exactly once per region (to the two relays), never to actors.
-    let mut sent: Vec<String> = (0..6)
-        .map(|_| wait_for(&tb.hub_log, "sent version ", dl))
-        .collect();
-    sent.sort();
-    let expected: Vec<String> = (1..=3)
-        .flat_map(|k| {
-            [
-                format!("sent version {k} to r-eu"),
-                format!("sent version {k} to r-us"),
-            ]
-        })
-        .collect();
-    assert_eq!(sent, expected);
+    // The hub sent each version exactly once per region (to the two relays), never to actors:
+    // in bytes (its metrics) and as its status shows each version's propagation.
+    let m = tb.hub_metrics();
+    let frames = tb.delta_frame_bytes(1..=3) as f64;
+    for relay in ["r-eu", "r-us"] {
+        let series = format!("starling_hub_delta_sent_bytes_total{{peer=\"{relay}\"}}");
+        assert_eq!(metric(&m, &series), Some(frames), "{series}");
+    }
+    for actor in ["eu-1", "eu-2", "us-1"] {
+        assert!(
+            !m.contains(&format!("peer=\"{actor}\"")),
+            "the hub sent to {actor}"
+        );
+    }
+    let status = tb.hub_status();
+    for k in 1..=3u64 {
+        let v = status["versions"]
+            .as_array()
+            .and_then(|vs| vs.iter().find(|v| v["version"] == k))
+            .unwrap_or_else(|| panic!("version {k} in {status}"));
+        for region in v["regions"].as_array().expect("regions") {
+            assert!(
+                region["relay_sent_at_ms"].is_u64() && region["relay_staged_at_ms"].is_u64(),
+                "version {k}: {region}"
+            );
+        }
+    }
     // Kill the EU relay (started right after the hub): its actors fail over to the hub.
     tb.kill(1);
     for out in &actors[..2] {
@@ -176,36 +188,19 @@ fn twenty_versions_reach_three_actors_in_each_of_two_regions_over_emulated_links
             tb.assert_store_is(name, k);
         }
     }
-    let mut sent: Vec<String> = (0..40)
-        .map(|_| wait_for(&tb.hub_log, "sent version ", dl))
-        .collect();
-    sent.sort();
-    let mut expected: Vec<String> = (1..=20)
-        .flat_map(|k| {
-            [
-                format!("sent version {k} to r-a"),
-                format!("sent version {k} to r-b"),
-            ]
-        })
-        .collect();
-    expected.sort();
-    assert_eq!(
-        sent, expected,
-        "each version crossed each WAN link exactly once"
-    );
-    // And in bytes: the hub sent each relay exactly the frames of the 20 deltas, once.
-    let delta_frames: u64 = (1..=20)
-        .map(|k| {
-            let f = tb.root.join(format!("hub-store/deltas/v{k:08}.sdc"));
-            std::fs::metadata(&f).expect("delta file").len()
-                - (FILE_HEADER_LEN + TRAILER_FRAME_LEN) as u64
-        })
-        .sum();
+    // Each version crossed each WAN link exactly once: the hub sent each relay exactly the
+    // frames of the 20 deltas, once, and nothing to any actor.
+    let delta_frames = tb.delta_frame_bytes(1..=20) as f64;
     let m = tb.hub_metrics();
     for (relay, _) in &regions {
-        let series = format!("starling_bytes_sent_total{{peer=\"{relay}\"}}");
-        assert_eq!(metric(&m, &series), Some(delta_frames as f64), "{series}");
+        let series = format!("starling_hub_delta_sent_bytes_total{{peer=\"{relay}\"}}");
+        assert_eq!(metric(&m, &series), Some(delta_frames), "{series}");
     }
+    let peers = m
+        .lines()
+        .filter(|l| l.starts_with("starling_hub_delta_sent_segments_total{"))
+        .count();
+    assert_eq!(peers, regions.len(), "only relays were sent segments:\n{m}");
 }
 
 /// A slow region for the mid-stream fault tests: a hub with `small` checkpoints (14 MB of
@@ -282,7 +277,8 @@ fn actors_finish_a_version_through_the_hub_when_their_relay_dies_mid_stream() {
     let dl = tb.deadline;
     // Kill the relay once it has forwarded (cut-through) some but not all of version 2 to
     // both actors.
-    let forwarded = ["a1", "a2"].map(|a| format!("starling_segments_sent_total{{peer=\"{a}\"}}"));
+    let forwarded =
+        ["a1", "a2"].map(|a| format!("starling_relay_delta_sent_segments_total{{peer=\"{a}\"}}"));
     let publisher = publish_2_until(&tb, &forwarded);
     // Loopback delivers what was written in far less; the link needs seconds for the rest.
     std::thread::sleep(Duration::from_millis(100));
@@ -312,7 +308,7 @@ fn a_relay_reconnects_after_a_wan_outage_and_resumes_the_version_for_its_actors(
         actors,
     } = slow_region(37);
     let dl = tb.deadline;
-    let received = ["starling_segments_received_total{peer=\"hub\"}".to_owned()];
+    let received = ["starling_relay_delta_received_segments_total{peer=\"hub\"}".to_owned()];
     let publisher = publish_2_until(&tb, &received);
     // The link dies and stays down past the 5 s idle timeout, so the relay's connection to
     // the hub is really lost.

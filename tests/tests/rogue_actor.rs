@@ -143,10 +143,10 @@ fn a_rogue_actor_is_refused_with_reasons_and_the_ledger_stays_consistent() {
             "duplicate",
             "lease_expired",
         ] {
-            let series = format!("starling_results_refused_total{{reason=\"{reason}\"}}");
+            let series = format!("starling_hub_results_refused_total{{reason=\"{reason}\"}}");
             assert_eq!(metric(&m, &series), Some(1.0), "{series}");
         }
-        assert_eq!(metric(&m, "starling_results_accepted_total"), Some(1.0));
+        assert_eq!(metric(&m, "starling_hub_results_accepted_total"), Some(1.0));
         let (_, status) = http_request(
             &tb.hub_http,
             "GET",

@@ -449,7 +449,7 @@ fn faults(pg: Option<String>) {
     std::thread::sleep(Duration::from_millis(100));
     kill_named(&mut c, "a1");
     check_batch(&c.tb, &trainer, &mut reference, b, 0, 24, 4, &answers, 1);
-    let expired = starling_tests::metric(&c.tb.hub_metrics(), "starling_leases_expired_total");
+    let expired = starling_tests::metric(&c.tb.hub_metrics(), "starling_hub_leases_expired_total");
     assert!(
         expired.unwrap_or(0.0) >= 1.0,
         "a1's leases expired and were re-offered"

@@ -54,8 +54,10 @@ impl Anchors {
                 Ok(seal) if seal.verify(model_id, &trust).is_ok() => {
                     index.insert(seal.version, seal);
                 }
-                Ok(_) => eprintln!("{}: seal does not verify; ignored", path.display()),
-                Err(e) => eprintln!("{}: {e:#}; ignored", path.display()),
+                Ok(_) => {
+                    tracing::warn!(path = %path.display(), "anchor seal does not verify; ignored")
+                }
+                Err(e) => tracing::warn!(path = %path.display(), "anchor ignored: {e:#}"),
             }
         }
         Ok(Self {
@@ -126,7 +128,7 @@ impl Anchors {
             index.remove(&old);
             for p in [self.seal_file(old), self.file(old)] {
                 if let Err(e) = std::fs::remove_file(&p) {
-                    eprintln!("remove {}: {e}", p.display());
+                    tracing::warn!(path = %p.display(), "remove old anchor: {e}");
                 }
             }
         }

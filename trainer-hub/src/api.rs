@@ -110,26 +110,8 @@ pub(crate) fn router(hub: Arc<Hub>) -> Router {
         .route("/v1/batches/{id}", get(batch_status))
         .route("/v1/batches/{id}/results", get(results))
         .route("/v1/batches/{id}/cancel", post(cancel))
-        .fallback(not_found)
-        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(MAX_BODY))
         .with_state(hub)
-}
-
-async fn not_found() -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        "not_found",
-        "no such route; see docs/api.md",
-    )
-}
-
-async fn method_not_allowed() -> ApiError {
-    ApiError::new(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "method_not_allowed",
-        "this route does not take that method; see docs/api.md",
-    )
 }
 
 /// Checks the trainer token; returns the trainer's name.
@@ -285,6 +267,10 @@ async fn submit_batch(
             other => ApiError::internal("post batch", other),
         })?;
     let samples: u64 = groups.iter().map(|g| u64::from(g.n)).sum();
+    let size = u32::try_from(groups.len()).unwrap_or(u32::MAX);
+    hub.board
+        .batch_posted(batch.raw(), version, size, crate::board::now_ms());
+    tracing::info!(batch = batch.raw(), version, groups = size, "batch posted");
     Ok((
         StatusCode::CREATED,
         Json(json!({

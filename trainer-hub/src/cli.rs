@@ -34,6 +34,8 @@ consecutive RL checkpoints, and `demo` runs the whole loop at small scale."
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    #[command(flatten)]
+    pub log: starling_telemetry::logging::LogArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -457,10 +459,14 @@ where
     T: Into<std::ffi::OsString> + Clone,
 {
     let cli = Cli::parse_from(args);
+    if let Err(e) = starling_telemetry::logging::init(&cli.log) {
+        eprintln!("error: {e}");
+        return std::process::ExitCode::from(2);
+    }
     match run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            starling_telemetry::logging::fatal(&format_args!("{e:#}"));
             std::process::ExitCode::FAILURE
         }
     }
@@ -512,7 +518,7 @@ fn generate(spec: &ModelSpec, steps: u32, lr: f32, seed: u64, out: &Path) -> Res
         f.commit()
             .with_context(|| format!("write {}", path.display()))?;
     }
-    eprintln!(
+    tracing::info!(
         "wrote {} checkpoints of model {} ({:.1} M parameters, {:.1} MB each) to {}",
         paths.len(),
         spec.name,

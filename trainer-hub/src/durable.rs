@@ -206,9 +206,10 @@ pub(crate) async fn resume(
     let snapshot = match meta.source.filter(FileStamp::unchanged) {
         Some(source) => source.path,
         None => {
-            eprintln!(
-                "the checkpoint version {version} was published from changed since; rebuilding \
-                 it from the store's anchor and deltas"
+            tracing::warn!(
+                version,
+                "the checkpoint this version was published from changed since; rebuilding it \
+                 from the store's anchor and deltas"
             );
             rebuild(store, version, digest, trust).await?
         }

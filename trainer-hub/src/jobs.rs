@@ -24,44 +24,80 @@ use starling_proto::rollout::{JobResult, Verdict};
 use starling_telemetry::Metrics;
 use starling_transport::framed::{MessageReader, send};
 
+use crate::board::{Board, now_ms};
 use crate::durable::now;
 use crate::rollouts::{GroupSpec, judge_result};
+use tracing::Instrument;
 
 /// Most jobs one `Claim` gets.
 const MAX_CLAIM: u32 = 256;
 
+/// What a worker connection records into.
+#[derive(Debug, Clone)]
+pub(crate) struct WorkerContext {
+    pub(crate) ledger: Arc<Ledger>,
+    pub(crate) metrics: Metrics,
+    pub(crate) board: Arc<Board>,
+}
+
 /// Serves one actor's job connection until it closes.
 pub(crate) async fn serve_worker(
-    ledger: Arc<Ledger>,
-    metrics: Metrics,
-    mut tx: SendStream,
-    mut reader: MessageReader,
+    cx: WorkerContext,
+    tx: SendStream,
+    reader: MessageReader,
     name: String,
     region: String,
     label: String,
 ) -> Result<()> {
     let actor = ActorId::new(name.clone()).context("actor name")?;
-    ledger
+    cx.ledger
         .register_actor(&actor, &region, &label, now())
         .await
         .with_context(|| format!("register actor {name}"))?;
-    eprintln!("worker {name} ({label}) in region {region} registered");
+    tracing::info!(engine = %label, "worker registered");
+    cx.board.worker_connected(&name, &region, &label, now_ms());
+    cx.metrics.peer_connected("worker", 1);
+    let served = work(&cx, &actor, tx, reader).await;
+    cx.metrics.peer_connected("worker", -1);
+    let why = served.as_ref().err().map(|e| format!("{e:#}"));
+    match &why {
+        Some(w) => tracing::warn!("worker lost: {w}"),
+        None => tracing::info!("worker left"),
+    }
+    cx.board
+        .worker_disconnected(&name, why.as_deref(), now_ms());
+    served
+}
+
+async fn work(
+    cx: &WorkerContext,
+    actor: &ActorId,
+    mut tx: SendStream,
+    mut reader: MessageReader,
+) -> Result<()> {
+    let ledger = &cx.ledger;
     // The actor closes the connection when it stops: any end of the stream is normal.
     while let Ok(Some(m)) = reader.next().await {
         let reply = match m {
             Message::Heartbeat { active, staged } => {
+                cx.board
+                    .heartbeat(actor.as_str(), active.map(|(v, _)| v), staged, now_ms());
                 let active = active.map(|(v, _)| Version::new(v)).transpose();
                 let staged = staged.map(Version::new).transpose();
                 if let (Ok(active), Ok(staged)) = (active, staged) {
                     ledger
-                        .heartbeat(&actor, active, staged, now())
+                        .heartbeat(actor, active, staged, now())
                         .await
                         .context("record heartbeat")?;
                 }
                 None
             }
-            Message::Claim { max } => Some(claim(&ledger, &metrics, &actor, max).await?),
-            Message::Submit { results } => Some(submit(&ledger, &metrics, &actor, results).await?),
+            Message::Claim { max } => Some(claim(ledger, &cx.metrics, actor, max).await?),
+            Message::Submit { results } => Some(
+                submit(cx, actor, results)
+                    .instrument(tracing::debug_span!("submit"))
+                    .await?,
+            ),
             other => Some(Message::Refuse {
                 reason: RefuseReason::Protocol,
                 detail: format!("a worker may send Heartbeat, Claim or Submit, not {other:?}"),
@@ -86,26 +122,24 @@ async fn claim(ledger: &Ledger, metrics: &Metrics, actor: &ActorId, max: u32) ->
         match GroupSpec::parse(&c.prompt) {
             Some(spec) => jobs.push(spec.wire(c)),
             // Not a group the hub wrote: it expires and fails after its attempts.
-            None => eprintln!("job {} holds no group spec; not handed out", c.id.raw()),
+            None => tracing::error!(job = c.id.raw(), "job holds no group spec; not handed out"),
         }
     }
     Ok(Message::Jobs { jobs })
 }
 
-async fn submit(
-    ledger: &Ledger,
-    metrics: &Metrics,
-    actor: &ActorId,
-    results: Vec<JobResult>,
-) -> Result<Message> {
+async fn submit(cx: &WorkerContext, actor: &ActorId, results: Vec<JobResult>) -> Result<Message> {
+    let (ledger, metrics) = (&cx.ledger, &cx.metrics);
     let ids: Vec<JobId> = results
         .iter()
         .map(|r| JobId::from_raw(i64::try_from(r.job).unwrap_or(i64::MAX)))
         .collect();
-    let specs: HashMap<JobId, GroupSpec> = ledger
+    let payloads = ledger
         .job_payloads(&ids)
         .await
-        .context("read job payloads")?
+        .context("read job payloads")?;
+    let batch_of: HashMap<JobId, i64> = payloads.iter().map(|p| (p.job, p.batch.raw())).collect();
+    let specs: HashMap<JobId, GroupSpec> = payloads
         .into_iter()
         .filter_map(|p| Some((p.job, GroupSpec::parse(&p.prompt)?)))
         .collect();
@@ -130,6 +164,7 @@ async fn submit(
         };
         match judge_result(spec, r) {
             Ok((stored, tokens)) => {
+                let rewards: Vec<f32> = stored.samples.iter().map(|s| s.reward).collect();
                 subs.push(ResultSubmission {
                     job: *id,
                     version,
@@ -138,7 +173,7 @@ async fn submit(
                     elapsed: Duration::from_micros(r.elapsed_us),
                     payload: serde_json::to_vec(&stored).unwrap_or_default(),
                 });
-                placed.push((i, tokens));
+                placed.push((i, tokens, *id, rewards));
             }
             Err(e) => verdicts[i] = Some(refused(e.code, e.message)),
         }
@@ -147,10 +182,16 @@ async fn submit(
         .submit(actor, &subs, now())
         .await
         .context("submit results")?;
-    for (o, (i, tokens)) in outcomes.into_iter().zip(placed) {
+    let at = now_ms();
+    let mut touched = std::collections::BTreeSet::new();
+    for (o, (i, tokens, job, rewards)) in outcomes.into_iter().zip(placed) {
         verdicts[i] = Some(match o.verdict {
             Ok(()) => {
                 metrics.accepted(u64::from(tokens));
+                let batch = batch_of.get(&job).copied().unwrap_or(-1);
+                cx.board
+                    .result_accepted(actor.as_str(), batch, &rewards, u64::from(tokens), at);
+                touched.insert(batch);
                 Verdict::Accepted
             }
             Err(why) => Verdict::Refused {
@@ -167,43 +208,84 @@ async fn submit(
                 code: "internal".into(),
                 detail: "not judged".into(),
             });
-            if let Verdict::Refused { code, .. } = &v {
+            if let Verdict::Refused { code, detail } = &v {
                 metrics.refused(code);
+                tracing::warn!(job = r.job, code = %code, "result refused: {detail}");
+                cx.board.result_refused(actor.as_str(), code, detail, at);
             }
             (r.job, v)
         })
         .collect();
+    for batch in touched {
+        note_if_finished(ledger, &cx.board, batch).await;
+    }
     Ok(Message::Verdicts { verdicts })
 }
 
+/// Tells the board when every job of `batch` is done or failed (once).
+async fn note_if_finished(ledger: &Ledger, board: &Board, batch: i64) {
+    if batch < 0 || board.batch_is_finished(batch) {
+        return;
+    }
+    match ledger
+        .batch_status(starling_ledger::BatchId::from_raw(batch))
+        .await
+    {
+        Ok(s) if s.jobs.posted + s.jobs.pending + s.jobs.leased == 0 => {
+            board.batch_finished(batch, now_ms());
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(batch, "read batch status: {e:#}"),
+    }
+}
+
 /// Schedules posted batches and sweeps expired leases every `tick`, until the task is dropped.
-pub(crate) async fn run_scheduler(ledger: Arc<Ledger>, metrics: Metrics, tick: Duration) {
+pub(crate) async fn run_scheduler(
+    ledger: Arc<Ledger>,
+    metrics: Metrics,
+    board: Arc<Board>,
+    tick: Duration,
+) {
     let mut timer = tokio::time::interval(tick);
     timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         timer.tick().await;
         match ledger.expire(now()).await {
-            Ok(r) => metrics.expired(r.returned + r.failed),
-            Err(e) => eprintln!("lease sweep failed: {e:#}"),
+            Ok(r) => {
+                let n = r.returned + r.failed;
+                metrics.expired(n);
+                if n > 0 {
+                    tracing::warn!(returned = r.returned, failed = r.failed, "leases expired");
+                    board.leases_expired(n, now_ms());
+                    // Failed jobs can finish a batch without another result arriving.
+                    for batch in board.open_batches() {
+                        note_if_finished(&ledger, &board, batch).await;
+                    }
+                }
+            }
+            Err(e) => tracing::error!("lease sweep failed: {e:#}"),
         }
         let batches = match ledger.unscheduled_batches(64).await {
             Ok(b) => b,
             Err(e) => {
-                eprintln!("read posted batches: {e:#}");
+                tracing::error!("read posted batches: {e:#}");
                 continue;
             }
         };
         for b in batches {
             match ledger.schedule(b, now()).await {
-                Ok(a) => eprintln!(
-                    "scheduled batch {} (version {}) over {} actors",
-                    b.raw(),
-                    a.version.number(),
-                    a.shares.len()
-                ),
+                Ok(a) => {
+                    tracing::info!(
+                        batch = b.raw(),
+                        version = a.version.number(),
+                        actors = a.shares.len(),
+                        "batch scheduled"
+                    );
+                    board.batch_scheduled(b.raw(), a.version.number(), a.shares.len(), now_ms());
+                }
                 // No actor can run it yet: try again next tick.
                 Err(ScheduleError::NoEligibleActors(_)) => {}
-                Err(e) => eprintln!("schedule batch {}: {e:#}", b.raw()),
+                Err(e) => tracing::error!(batch = b.raw(), "schedule batch: {e:#}"),
             }
         }
     }

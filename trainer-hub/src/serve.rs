@@ -29,9 +29,11 @@ use starling_proto::container::{FrameKind, split_frames};
 use starling_proto::digest::StateDigest;
 use starling_proto::manifest::delta_id;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
-use starling_telemetry::Metrics;
+use starling_telemetry::{Component, Metrics};
+use tracing::Instrument;
 
 use crate::anchors::Anchors;
+use crate::board::{Board, PeerRole};
 use crate::durable;
 use crate::rollouts::ModelLimits;
 use starling_ledger::{Digest, Ledger, LedgerConfig};
@@ -100,6 +102,11 @@ struct State {
 #[derive(Debug)]
 pub(crate) struct Hub {
     cfg: ServeConfig,
+    /// What the hub has seen since it started, for the status page and the event stream.
+    pub(crate) board: Arc<Board>,
+    pub(crate) status_cache: crate::status::StatusCache,
+    /// The size of the full BF16 checkpoint (what a full broadcast would send per version).
+    pub(crate) checkpoint_bytes: u64,
     signing: SigningKey,
     state: Mutex<State>,
     book: Arc<VersionBook>,
@@ -156,7 +163,7 @@ async fn write_anchor(hub: &Arc<Hub>, checkpoint: PathBuf, version: u64) -> Resu
     let seal = tokio::task::spawn_blocking(move || anchors.write(&checkpoint, version))
         .await
         .context("anchor task")??;
-    eprintln!("anchor {version}: {} bytes", seal.size);
+    tracing::info!(version, bytes = seal.size, "anchor written");
     println!("anchor {version}");
     Ok(())
 }
@@ -173,6 +180,10 @@ impl Hub {
         &self.book
     }
 
+    pub(crate) fn model_id(&self) -> &str {
+        &self.cfg.model_id
+    }
+
     /// The state digest of the newest version, in hex.
     pub(crate) async fn digest_hex(&self) -> String {
         starling_proto::manifest::hex(&self.state.lock().await.digest.to_bytes())
@@ -183,8 +194,10 @@ impl Hub {
 pub async fn serve(cfg: ServeConfig) -> Result<()> {
     let creds = Credentials::load_hub(&cfg.cluster).context("load hub credentials")?;
     let signing = crate::keys::load_signing(&cfg.cluster.join("signing.key"))?;
-    Checkpoint::open(&cfg.init)
-        .with_context(|| format!("open initial checkpoint {}", cfg.init.display()))?;
+    let checkpoint_bytes = Checkpoint::open(&cfg.init)
+        .with_context(|| format!("open initial checkpoint {}", cfg.init.display()))?
+        .numel()
+        .saturating_mul(2);
     std::fs::create_dir_all(cfg.store.join("deltas")).context("create store")?;
     let trainer_seed =
         starling_transport::identity::hub_signing_seed(&cfg.cluster).context("load signing key")?;
@@ -215,10 +228,10 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
     }
     println!("base-digest {}", resumed.version);
     if resumed.version != cfg.init_version {
-        eprintln!(
-            "resumed at version {} (snapshot {})",
-            resumed.version,
-            resumed.snapshot.display()
+        tracing::info!(
+            version = resumed.version,
+            snapshot = %resumed.snapshot.display(),
+            "resumed from the ledger"
         );
     }
     let endpoint = server_endpoint(&creds, cfg.listen, &cfg.link).context("listen")?;
@@ -230,7 +243,10 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
             digest: resumed.digest,
         }),
         book: Arc::new(book),
-        metrics: Metrics::new(),
+        board: Arc::new(Board::new(crate::board::now_ms())),
+        status_cache: Default::default(),
+        checkpoint_bytes,
+        metrics: Metrics::new(Component::Hub),
         anchors: Arc::new(Anchors::open(
             &cfg.store,
             &cfg.model_id,
@@ -246,6 +262,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
     let _scheduler = AbortOnDrop(tokio::spawn(crate::jobs::run_scheduler(
         hub.ledger.clone(),
         hub.metrics.clone(),
+        hub.board.clone(),
         hub.cfg.schedule_tick,
     )));
     if resumed_version(&hub).await == hub.cfg.init_version && !hub.anchors.has(hub.cfg.init_version)
@@ -255,7 +272,14 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
         let (hub, init, v) = (hub.clone(), hub.cfg.init.clone(), hub.cfg.init_version);
         tokio::spawn(async move {
             if let Err(e) = write_anchor(&hub, init, v).await {
-                eprintln!("anchor {v} not written: {e:#}");
+                tracing::error!(version = v, "anchor not written: {e:#}");
+                hub.board.fault(
+                    "anchor_failed",
+                    None,
+                    Some(v),
+                    &format!("{e:#}"),
+                    crate::board::now_ms(),
+                );
             }
         });
     }
@@ -264,11 +288,11 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
         let (listener, at) = starling_telemetry::http::bind(http)
             .await
             .with_context(|| format!("bind HTTP on {http}"))?;
-        let api = crate::api::router(hub.clone());
+        let routes = crate::api::router(hub.clone()).merge(crate::status::router(hub.clone()));
         let metrics = hub.metrics.clone();
         tokio::spawn(async move {
-            if let Err(e) = starling_telemetry::http::serve(listener, metrics, api).await {
-                eprintln!("HTTP server: {e}");
+            if let Err(e) = starling_telemetry::http::serve(listener, metrics, routes).await {
+                tracing::error!("HTTP server stopped: {e}");
             }
         });
         println!("http on {at}");
@@ -284,11 +308,11 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
             match connecting.await {
                 Ok(conn) => {
                     if let Err(e) = serve_connection(hub, conn.clone(), ceiling).await {
-                        eprintln!("connection {}: {e:#}", conn.remote_address());
+                        tracing::warn!(remote = %conn.remote_address(), "connection ended: {e:#}");
                         conn.close(1u32.into(), b"error");
                     }
                 }
-                Err(e) => eprintln!("refused a connection during the handshake: {e}"),
+                Err(e) => tracing::warn!("refused a connection during the handshake: {e}"),
             }
         });
     }
@@ -303,7 +327,9 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
         return Ok(());
     };
     if a.role == MsgRole::Trainer {
-        return serve_trainer(hub, a.control, a.reader).await;
+        return serve_trainer(hub, a.control, a.reader)
+            .instrument(tracing::info_span!("peer", peer = %a.name, role = "trainer"))
+            .await;
     }
     let mut reader = a.reader;
     // An actor's first message says whether this connection subscribes to versions or
@@ -316,15 +342,20 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
             max_batch,
         }) if a.role == MsgRole::Actor => {
             let label = format!("{engine}/{hardware}/batch {max_batch}");
+            let span = tracing::info_span!("worker", actor = %a.name, region = %a.region);
             return crate::jobs::serve_worker(
-                hub.ledger.clone(),
-                hub.metrics.clone(),
+                crate::jobs::WorkerContext {
+                    ledger: hub.ledger.clone(),
+                    metrics: hub.metrics.clone(),
+                    board: hub.board.clone(),
+                },
                 a.control,
                 reader,
                 a.name,
                 a.region,
                 label,
             )
+            .instrument(span)
             .await;
         }
         other => bail!("expected Subscribe (or Work from an actor), got {other:?}"),
@@ -337,14 +368,26 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
     if let Some(link) = link.filter(|_| hub.cfg.link_ceiling) {
         ceiling.set(link.rate_bps, link.rtt);
     }
-    eprintln!("{} connected", a.name);
+    let role = if a.role == MsgRole::Relay {
+        PeerRole::Relay
+    } else {
+        PeerRole::Actor
+    };
+    let span =
+        tracing::info_span!("peer", peer = %a.name, role = role.as_str(), region = %a.region);
+    span.in_scope(|| tracing::info!(after_version = after, "subscribed"));
+    hub.board
+        .peer_connected(&a.name, role, &a.region, link, crate::board::now_ms());
+    hub.metrics.peer_connected(role.as_str(), 1);
     let fanout = FanoutConfig {
         stripes: hub.cfg.stripes,
         anchors: Some(hub.anchors.clone()),
+        observer: Some(hub.board.clone()),
     };
-    serve_subscription(
+    let name = a.name.clone();
+    let served = serve_subscription(
         hub.book.clone(),
-        conn,
+        conn.clone(),
         a.control,
         reader,
         a.name,
@@ -352,7 +395,22 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
         hub.metrics.clone(),
         after,
     )
-    .await?;
+    .instrument(span.clone())
+    .await;
+    hub.metrics.peer_connected(role.as_str(), -1);
+    // A connection that ended on its own is still a fault when the peer did not close it.
+    let why = match (&served, conn.close_reason()) {
+        (Err(e), _) => Some(e.to_string()),
+        (Ok(()), Some(quinn::ConnectionError::ApplicationClosed(_))) | (Ok(()), None) => None,
+        (Ok(()), Some(reason)) => Some(reason.to_string()),
+    };
+    span.in_scope(|| match &why {
+        Some(w) => tracing::warn!("subscriber lost: {w}"),
+        None => tracing::info!("subscriber left"),
+    });
+    hub.board
+        .peer_disconnected(&name, why.as_deref(), crate::board::now_ms());
+    served?;
     Ok(())
 }
 
@@ -387,8 +445,24 @@ async fn resumed_version(hub: &Hub) -> u64 {
 }
 
 pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> Result<Message> {
+    let result = publish_locked(hub, path, step).await;
+    if let Err(e) = &result {
+        tracing::warn!(path = %path.display(), "publish failed: {e:#}");
+        hub.board.fault(
+            "publish_failed",
+            None,
+            None,
+            &format!("{}: {e:#}", path.display()),
+            crate::board::now_ms(),
+        );
+    }
+    result
+}
+
+async fn publish_locked(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> Result<Message> {
     // One publish at a time: the state lock is held across the diff.
     let mut state = hub.state.lock().await;
+    let started = std::time::Instant::now();
     let base = state.version;
     let version = base + 1;
     let old = state.snapshot.clone();
@@ -396,6 +470,7 @@ pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> R
     let dest = durable::delta_path(&hub.cfg.store, version);
     let source = durable::FileStamp::of(path)?;
     let created = now_ms();
+    let span = tracing::info_span!("publish", version);
     let mut opts = DiffOptions::new(&hub.cfg.model_id, base, version, created);
     opts.signing_key = Some(hub.signing.clone());
     opts.encoder.segment_target_bytes = hub.cfg.segment_bytes;
@@ -444,6 +519,7 @@ pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> R
             .with_context(|| format!("write {}", dest2.display()))?;
         Ok((signed.manifest, bytes))
     })
+    .instrument(span.clone())
     .await
     .context("diff task")
     .and_then(|r| r);
@@ -487,6 +563,18 @@ pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> R
     }
     hub.book.complete(version)?;
     hub.metrics.set_active(version);
+    let elapsed = started.elapsed();
+    hub.metrics.observe_publish(bytes, elapsed);
+    hub.board.published(
+        version,
+        base,
+        bytes,
+        manifest.total_changes(),
+        step,
+        u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
+        hub.checkpoint_bytes,
+        crate::board::now_ms(),
+    );
     state.version = version;
     state.snapshot = path.to_owned();
     state.digest = manifest.post_digest;
@@ -496,14 +584,25 @@ pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> R
         let (hub, path) = (hub.clone(), path.to_owned());
         tokio::spawn(async move {
             if let Err(e) = write_anchor(&hub, path, version).await {
-                eprintln!("anchor {version} not written: {e:#}");
+                tracing::error!(version, "anchor not written: {e:#}");
+                hub.board.fault(
+                    "anchor_failed",
+                    None,
+                    Some(version),
+                    &format!("{e:#}"),
+                    crate::board::now_ms(),
+                );
             }
         });
     }
-    eprintln!(
-        "published version {version}: {} changes, {bytes} bytes",
-        manifest.total_changes(),
-    );
+    span.in_scope(|| {
+        tracing::info!(
+            changes = manifest.total_changes(),
+            bytes,
+            encode_ms = elapsed.as_millis() as u64,
+            "published"
+        )
+    });
     Ok(Message::Published {
         version,
         changes: manifest.total_changes(),
@@ -520,7 +619,7 @@ fn offer(live: &LiveVersion, frame: &[u8]) {
     {
         match WireFrame::parse(frame.to_vec()) {
             Ok(f) => live.push(f),
-            Err(e) => eprintln!("encoder emitted an unparsable frame: {e}"),
+            Err(e) => tracing::error!("encoder emitted an unparsable frame: {e}"),
         }
     }
 }

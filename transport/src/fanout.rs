@@ -62,6 +62,22 @@ pub trait AnchorSource: Send + Sync + std::fmt::Debug {
     fn newest(&self) -> Option<(PathBuf, AnchorSeal)>;
 }
 
+/// What a server learns about its subscribers as it serves them, for its status page (the
+/// hub's run board, a relay's own status). Every method has an empty default; calls come from
+/// the subscriber's tasks and must return at once (no I/O, no awaiting).
+pub trait SubscriberObserver: Send + Sync + std::fmt::Debug {
+    /// `bytes` of `version` went out to `peer`.
+    fn sent(&self, _peer: &str, _version: u64, _bytes: u64) {}
+    /// Every frame of `version` went out to `peer` and `Commit` followed.
+    fn delivered(&self, _peer: &str, _version: u64) {}
+    /// `peer` reported `version` received whole and verified (`Staged` with nothing missing).
+    fn staged(&self, _peer: &str, _version: u64) {}
+    /// `peer` reported `version` active.
+    fn active(&self, _peer: &str, _version: u64) {}
+    /// `peer` asked for `segments` segments of `version` again (0: the whole version).
+    fn refetch(&self, _peer: &str, _version: u64, _segments: usize) {}
+}
+
 /// How a server sends.
 #[derive(Debug, Clone)]
 pub struct FanoutConfig {
@@ -69,6 +85,8 @@ pub struct FanoutConfig {
     pub stripes: u16,
     /// Anchors offered on `FetchAnchor` (none: refused).
     pub anchors: Option<Arc<dyn AnchorSource>>,
+    /// Told about each subscriber's progress (none: nobody listens).
+    pub observer: Option<Arc<dyn SubscriberObserver>>,
 }
 
 impl Default for FanoutConfig {
@@ -76,9 +94,16 @@ impl Default for FanoutConfig {
         Self {
             stripes: 4,
             anchors: None,
+            observer: None,
         }
     }
 }
+
+/// The observer that ignores everything, for servers without one.
+#[derive(Debug)]
+struct Unobserved;
+
+impl SubscriberObserver for Unobserved {}
 
 /// Serves one subscriber after the caller accepted its `Hello` and sent `Welcome`: waits for
 /// `Subscribe`, then streams versions until the connection ends.
@@ -113,6 +138,8 @@ pub async fn serve_subscription(
 ) -> Result<(), FanoutError> {
     let _ = control.set_priority(CONTROL_PRIORITY);
     let anchors = cfg.anchors.clone();
+    let observer: Arc<dyn SubscriberObserver> =
+        cfg.observer.clone().unwrap_or(Arc::new(Unobserved));
     let ctl = spawn_control_writer(control);
     let sender = Arc::new(Sender {
         conn: conn.clone(),
@@ -120,6 +147,7 @@ pub async fn serve_subscription(
         transmissions: AtomicU32::new(0),
         name: name.clone(),
         metrics,
+        observer: observer.clone(),
     });
     // Requests from the subscriber, answered concurrently with the version stream.
     {
@@ -130,6 +158,8 @@ pub async fn serve_subscription(
             while let Ok(Some(m)) = reader.next().await {
                 match m {
                     Message::Fetch { version, seqs } => {
+                        tracing::warn!(peer = %sender.name, version, segments = seqs.len(), "refetch requested");
+                        sender.observer.refetch(&sender.name, version, seqs.len());
                         let (book, sender, ctl) = (book.clone(), sender.clone(), ctl.clone());
                         tokio::spawn(async move {
                             let only = if seqs.is_empty() {
@@ -138,7 +168,7 @@ pub async fn serve_subscription(
                                 Filter::Only(Arc::new(seqs.into_iter().collect()))
                             };
                             if let Err(e) = sender.resend(&book, &ctl, version, only).await {
-                                eprintln!("resend {version} to {}: {e}", sender.name);
+                                tracing::warn!(peer = %sender.name, version, "resend failed: {e}");
                             }
                         });
                     }
@@ -147,7 +177,7 @@ pub async fn serve_subscription(
                         tokio::spawn(async move {
                             let skip = Filter::Except(Arc::new(have.into_iter().collect()));
                             if let Err(e) = sender.resend(&book, &ctl, version, skip).await {
-                                eprintln!("resume {version} for {}: {e}", sender.name);
+                                tracing::warn!(peer = %sender.name, version, "resume failed: {e}");
                             }
                         });
                     }
@@ -159,7 +189,7 @@ pub async fn serve_subscription(
                             if let Err(e) =
                                 send_anchor(&conn, &ctl, anchors.as_deref(), after_version).await
                             {
-                                eprintln!("anchor to {name}: {e}");
+                                tracing::warn!(peer = %name, "anchor not sent: {e}");
                             }
                         });
                     }
@@ -169,9 +199,14 @@ pub async fn serve_subscription(
                         }
                     }
                     Message::Active { version, .. } => {
-                        eprintln!("{} active at version {version}", sender.name)
+                        tracing::info!(peer = %sender.name, version, "subscriber active");
+                        sender.observer.active(&sender.name, version);
                     }
-                    other => eprintln!("{}: ignored {other:?}", sender.name),
+                    Message::Staged { version, missing } if missing.is_empty() => {
+                        tracing::debug!(peer = %sender.name, version, "subscriber staged");
+                        sender.observer.staged(&sender.name, version);
+                    }
+                    other => tracing::debug!(peer = %sender.name, "ignored {other:?}"),
                 }
             }
         });
@@ -205,7 +240,8 @@ pub async fn serve_subscription(
                 ctl.send(Message::Commit { version: next })
                     .await
                     .map_err(|_| FanoutError::ControlGone)?;
-                eprintln!("sent version {next} to {name}");
+                tracing::info!(peer = %name, version = next, "version sent");
+                sender.observer.delivered(&name, next);
                 next += 1;
             }
             // The producer gave up on this attempt; the next one has the same number.
@@ -255,7 +291,7 @@ async fn send_anchor(
         left -= n as u64;
     }
     data.finish()?;
-    eprintln!("sent anchor {}", seal.version);
+    tracing::info!(version = seal.version, "anchor sent");
     Ok(())
 }
 
@@ -302,6 +338,7 @@ struct Sender {
     transmissions: AtomicU32,
     name: String,
     metrics: Metrics,
+    observer: Arc<dyn SubscriberObserver>,
 }
 
 impl Sender {
@@ -325,6 +362,7 @@ impl Sender {
             let live = live.clone();
             let only = only.clone();
             let metrics = self.metrics.clone();
+            let observer = self.observer.clone();
             let name = self.name.clone();
             tasks.push(tokio::spawn(async move {
                 let mut head = Vec::new();
@@ -356,6 +394,7 @@ impl Sender {
                         frame.bytes.len() as u64,
                         u64::from(frame.seq.is_some()),
                     );
+                    observer.sent(&name, live.version, frame.bytes.len() as u64);
                 };
                 if end == Progress::Aborted {
                     let _ = data.reset(0u32.into());
@@ -375,7 +414,7 @@ impl Sender {
                 }
                 Ok(Err(e)) => return Err(e),
                 Err(join) => {
-                    eprintln!("stripe task of version {}: {join}", live.version);
+                    tracing::error!(version = live.version, "stripe task failed: {join}");
                     progress = Progress::Aborted;
                 }
             }
@@ -403,7 +442,7 @@ impl Sender {
             return Ok(());
         };
         if self.transmit(&live, only).await? == Progress::Complete {
-            eprintln!("sent version {version} to {} again", self.name);
+            tracing::info!(peer = %self.name, version, "version sent again");
             let _ = ctl.send(Message::Commit { version }).await;
         }
         Ok(())
@@ -418,7 +457,7 @@ async fn write_frame(
     if corrupt && frame.bytes.len() > 64 {
         let mut bad = frame.bytes.clone();
         bad[40] ^= 0x01;
-        eprintln!("fault injection: corrupted a segment in the first transmission");
+        tracing::warn!("fault injection: corrupted a segment in the first transmission");
         data.write_all(&bad).await?;
     } else {
         data.write_all(&frame.bytes).await?;

@@ -111,7 +111,7 @@ impl Reception {
         error: Option<String>,
     ) -> Option<Vec<u32>> {
         if let Some(e) = error {
-            eprintln!("version {}: a stream broke: {e}", self.version);
+            tracing::warn!(version = self.version, "a stream broke: {e}");
         }
         let e = self
             .transmissions

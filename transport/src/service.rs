@@ -13,7 +13,7 @@ pub fn run_service<E: Display>(service: impl Future<Output = Result<(), E>>) -> 
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("error: start the async runtime: {e}");
+            starling_telemetry::logging::fatal(&format_args!("start the async runtime: {e}"));
             return ExitCode::FAILURE;
         }
     };
@@ -26,7 +26,7 @@ pub fn run_service<E: Display>(service: impl Future<Output = Result<(), E>>) -> 
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            starling_telemetry::logging::fatal(&format_args!("{e:#}"));
             ExitCode::FAILURE
         }
     }

@@ -140,7 +140,7 @@ pub async fn subscribe(
                     UpstreamEvent::Refused { reason, detail }
                 }
                 Ok(Some(other)) => {
-                    eprintln!("upstream: ignored {other:?}");
+                    tracing::debug!("upstream: ignored {other:?}");
                     continue;
                 }
                 Ok(None) => UpstreamEvent::Closed("upstream closed the control stream".into()),
@@ -176,8 +176,8 @@ async fn read_data_stream(recv: quinn::RecvStream, ev: mpsc::Sender<UpstreamEven
             let _ = ev.send(UpstreamEvent::Anchor { seal, stream: r }).await;
             return;
         }
-        Ok(other) => return eprintln!("data stream began with {other:?}"),
-        Err(e) => return eprintln!("data stream: {e}"),
+        Ok(other) => return tracing::warn!("data stream began with {other:?}"),
+        Err(e) => return tracing::warn!("data stream: {e}"),
     };
     let started = UpstreamEvent::StreamStarted {
         version,

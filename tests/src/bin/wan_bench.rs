@@ -392,8 +392,11 @@ fn run(
     }
     let file = std::fs::metadata(tb.root.join("hub-store/deltas/v00000001.sdc"))?.len();
     let delta = file - (FILE_HEADER_LEN + TRAILER_FRAME_LEN) as u64;
-    let wan_bytes = metric(&tb.hub_metrics(), "starling_bytes_sent_total{peer=\"r\"}")
-        .context("hub metrics: bytes sent to the relay")?;
+    let wan_bytes = metric(
+        &tb.hub_metrics(),
+        "starling_hub_delta_sent_bytes_total{peer=\"r\"}",
+    )
+    .context("hub metrics: bytes sent to the relay")?;
     // The link's counters for the hub → relay direction, as of about now.
     let drops = link_drops(&tb.links_out[0]);
     let catchup = catch_up(&mut tb, &netem, &relay_args, dl)?;

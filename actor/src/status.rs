@@ -1,0 +1,97 @@
+//! The actor's own status (`GET /v1/status`, `docs/observability.md`): the version it
+//! generates with and the one staged, where its deltas come from, and whether its rollout
+//! worker is registered with the hub. Read from the pipeline's status channel and the
+//! metrics, plus the source the pipeline last subscribed to; nothing here blocks the pipeline.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::Router;
+use axum::extract::State;
+use axum::routing::get;
+use serde_json::{Value, json};
+use starling_telemetry::Metrics;
+use tokio::sync::watch;
+
+use crate::worker::PipelineStatus;
+
+/// What the actor reports about itself.
+#[derive(Debug)]
+pub(crate) struct ActorStatus {
+    pub(crate) name: String,
+    pub(crate) region: String,
+    pub(crate) engine: String,
+    pub(crate) pipeline: watch::Receiver<PipelineStatus>,
+    pub(crate) metrics: Metrics,
+    source: Mutex<Option<Source>>,
+}
+
+#[derive(Debug, Clone)]
+struct Source {
+    name: String,
+    kind: &'static str,
+    connected: bool,
+}
+
+impl ActorStatus {
+    pub(crate) fn new(
+        name: &str,
+        region: &str,
+        engine: &str,
+        pipeline: watch::Receiver<PipelineStatus>,
+        metrics: Metrics,
+    ) -> Self {
+        ActorStatus {
+            name: name.to_owned(),
+            region: region.to_owned(),
+            engine: engine.to_owned(),
+            pipeline,
+            metrics,
+            source: Mutex::new(None),
+        }
+    }
+
+    /// The pipeline subscribed to `name` (a `relay`, the `hub`, or a shared `directory`), or
+    /// lost it.
+    pub(crate) fn source(&self, name: &str, kind: &'static str, connected: bool) {
+        *self.source.lock().unwrap_or_else(PoisonError::into_inner) = Some(Source {
+            name: name.to_owned(),
+            kind,
+            connected,
+        });
+    }
+
+    fn json(&self) -> Value {
+        let p = *self.pipeline.borrow();
+        let source = self
+            .source
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let now_ms = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        json!({
+            "role": "actor",
+            "name": self.name,
+            "region": self.region,
+            "now_ms": now_ms,
+            "active_version": p.active.map(|(v, _)| v),
+            "active_digest": p.active.map(|(_, d)| starling_proto::manifest::hex(&d)),
+            "staged_version": p.staged,
+            "source": source.map(|s| json!({"name": s.name, "kind": s.kind, "connected": s.connected})),
+            "engine": self.engine,
+            "worker_connected": self.metrics.worker_connected(),
+        })
+    }
+}
+
+/// `GET /v1/status`.
+pub(crate) fn router(status: Arc<ActorStatus>) -> Router {
+    Router::new()
+        .route(
+            "/v1/status",
+            get(|State(s): State<Arc<ActorStatus>>| async move { axum::Json(s.json()) }),
+        )
+        .with_state(status)
+}
