@@ -315,7 +315,13 @@ impl Board {
             };
             p.connected = false;
             p.since_ms = at_ms;
-            (p.role, p.region.clone())
+            let (role, region) = (p.role, p.region.clone());
+            if role == PeerRole::Actor
+                && let Some(a) = s.actors.get_mut(name)
+            {
+                a.subscribed_here = false;
+            }
+            (role, region)
         };
         self.emit(
             "disconnected",
@@ -458,7 +464,9 @@ impl Board {
         }
     }
 
-    /// A refused result: counted per actor and reason, and logged as a fault.
+    /// A refused result: counted per actor and reason, and logged as a fault; a result whose
+    /// weight digest is not its version's is `fenced` (the actor's weights drifted: nothing it
+    /// sends is accepted until it resynchronizes).
     pub(crate) fn result_refused(&self, actor: &str, code: &str, detail: &str, at_ms: u64) {
         {
             let mut s = self.state();
@@ -467,7 +475,7 @@ impl Board {
             }
         }
         self.fault(
-            "refused",
+            if code == "digest" { "fenced" } else { "refused" },
             Some(actor),
             None,
             &format!("{code}: {detail}"),
@@ -936,6 +944,8 @@ mod tests {
         assert_eq!(actors["a2"].accepted, 1);
         assert_eq!(actors["a2"].refused["stale"], 1);
         assert_eq!(b.faults()[0]["kind"], "refused");
+        b.result_refused("a1", "digest", "weights drifted", 3200);
+        assert_eq!(b.faults()[0]["kind"], "fenced");
     }
 
     #[test]

@@ -146,6 +146,14 @@ async fn build(hub: &Hub) -> anyhow::Result<Value> {
         .map(|(a, n)| (a.as_str().to_owned(), n))
         .collect();
     let jobs = ledger.job_counts().await?;
+    let steps = board.steps();
+    let finished_at = |id: i64| {
+        steps
+            .iter()
+            .rev()
+            .find(|s| s["batch"] == id)
+            .map(|s| s["done_at_ms"].clone())
+    };
     let mut batches = Vec::new();
     let mut newest_shares: Option<BTreeMap<String, u32>> = None;
     for id in ledger.recent_batches(RECENT_BATCHES).await? {
@@ -168,6 +176,7 @@ async fn build(hub: &Hub) -> anyhow::Result<Value> {
             "scheduled": s.scheduled,
             "cancelled": s.cancelled_at.is_some(),
             "done": open == 0,
+            "done_at_ms": if open == 0 { finished_at(id.raw()) } else { None },
             "jobs": counts_json(&s.jobs),
             "refusals": s.refusals.iter().cloned().collect::<BTreeMap<String, u64>>(),
             "shares": shares,
@@ -239,7 +248,7 @@ async fn build(hub: &Hub) -> anyhow::Result<Value> {
         "actors": actors_json,
         "jobs": counts_json(&jobs),
         "batches": batches,
-        "steps": board.steps(),
+        "steps": steps,
         "faults": board.faults(),
     }))
 }

@@ -715,7 +715,7 @@
       const created = num(b.created_at_ms), finished = num(b.done_at_ms);
       let stateText = 'running', stateCls = 'info';
       if (b.cancelled === true) { stateText = 'cancelled'; stateCls = 'bad'; }
-      else if (finished !== null) { stateText = failed > 0 ? 'done, ' + failed + ' failed' : 'done'; stateCls = failed > 0 ? 'warn' : 'ok'; }
+      else if (finished !== null || b.done === true) { stateText = failed > 0 ? 'done, ' + failed + ' failed' : 'done'; stateCls = failed > 0 ? 'warn' : 'ok'; }
       const shares = obj(b.shares);
       const shareParts = Object.keys(shares).filter((k) => num(shares[k]) !== null).sort()
         .map((k) => ({ label: k, value: shares[k], colour: colours.actor(k) }));
