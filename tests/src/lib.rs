@@ -483,6 +483,32 @@ impl Testbed {
 
     /// SIGKILLs the hub (the first one or the one [`Testbed::restart_hub`] started) and
     /// reaps it.
+    /// Sends the hub SIGTERM and waits up to `limit` for it to exit; returns its exit status
+    /// and how long it took (panics if it is still running after `limit`).
+    pub fn terminate_hub(&mut self, limit: Duration) -> (std::process::ExitStatus, Duration) {
+        let pid = self.hub_pid;
+        let i = self
+            .procs
+            .0
+            .iter()
+            .position(|c| c.id() == pid)
+            .expect("the hub is one of the test bed's processes");
+        let mut hub = self.procs.0.remove(i);
+        let sent = Instant::now();
+        run_ok(Command::new("kill").args(["-TERM", &pid.to_string()]));
+        loop {
+            if let Some(status) = hub.try_wait().expect("wait for the hub") {
+                return (status, sent.elapsed());
+            }
+            if sent.elapsed() > limit {
+                let _ = hub.kill();
+                let _ = hub.wait();
+                panic!("the hub was still running {limit:?} after SIGTERM");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     pub fn kill_hub(&mut self) {
         let pid = self.hub_pid;
         if let Some(i) = self.procs.0.iter().position(|c| c.id() == pid) {

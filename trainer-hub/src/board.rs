@@ -475,7 +475,11 @@ impl Board {
             }
         }
         self.fault(
-            if code == "digest" { "fenced" } else { "refused" },
+            if code == "digest" {
+                "fenced"
+            } else {
+                "refused"
+            },
             Some(actor),
             None,
             &format!("{code}: {detail}"),

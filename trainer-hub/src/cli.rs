@@ -363,12 +363,10 @@ pub fn run(cli: Cli) -> Result<()> {
                 ledger_config,
                 schedule_tick: std::time::Duration::from_millis(100),
             };
-            runtime()?.block_on(async {
-                tokio::select! {
-                    r = crate::serve::serve(cfg) => r,
-                    _ = tokio::signal::ctrl_c() => Ok(()),
-                }
-            })
+            runtime()?.block_on(crate::serve::serve(
+                cfg,
+                starling_transport::service::shutdown_signal(),
+            ))
         }
         Command::Publish {
             path,

@@ -14,6 +14,7 @@
 //! trainer must keep that file until the next publish.
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -190,8 +191,18 @@ impl Hub {
     }
 }
 
-/// Runs the hub until the process is stopped. Prints `listening on ADDR` once ready.
-pub async fn serve(cfg: ServeConfig) -> Result<()> {
+/// How long a stopping hub waits for a publish in progress and for its connections to close.
+pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// The application close code of a hub that is shutting down (`"ST"`): peers reconnect with
+/// backoff, as after any lost connection, and resume where they were.
+pub const CLOSE_SHUTDOWN: u32 = 0x5354;
+
+/// Runs the hub until `shutdown` completes (SIGTERM or SIGINT from `starling-hub serve`), then
+/// drains: no new connections, the publish in progress ends (durable and recorded, or
+/// aborted), connections are closed with [`CLOSE_SHUTDOWN`], the ledger is closed; all within
+/// [`SHUTDOWN_GRACE`]. Prints `listening on ADDR` once ready.
+pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
     let creds = Credentials::load_hub(&cfg.cluster).context("load hub credentials")?;
     let signing = crate::keys::load_signing(&cfg.cluster.join("signing.key"))?;
     let checkpoint_bytes = Checkpoint::open(&cfg.init)
@@ -299,7 +310,15 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
     }
     println!("listening on {addr}");
     let base = server_config(&creds, &hub.cfg.link).context("server configuration")?;
-    while let Some(incoming) = endpoint.accept().await {
+    tokio::pin!(shutdown);
+    loop {
+        let incoming = tokio::select! {
+            i = endpoint.accept() => match i {
+                Some(i) => i,
+                None => break,
+            },
+            () = &mut shutdown => break,
+        };
         let hub = hub.clone();
         let Ok((connecting, ceiling)) = accept_capped(incoming, &base, &hub.cfg.link) else {
             continue;
@@ -316,7 +335,26 @@ pub async fn serve(cfg: ServeConfig) -> Result<()> {
             }
         });
     }
+    drain(&hub, &endpoint).await;
     Ok(())
+}
+
+/// The end of [`serve`]: see there.
+async fn drain(hub: &Hub, endpoint: &quinn::Endpoint) {
+    tracing::info!(grace_s = SHUTDOWN_GRACE.as_secs(), "stopping");
+    let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+        // The state lock is held across a publish: taking it waits for the one in progress.
+        let _no_publish = hub.state.lock().await;
+        endpoint.close(CLOSE_SHUTDOWN.into(), b"hub shutting down");
+        endpoint.wait_idle().await;
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!("grace period over; stopping with work in flight");
+        endpoint.close(CLOSE_SHUTDOWN.into(), b"hub shutting down");
+    }
+    hub.ledger.close().await;
+    tracing::info!("stopped");
 }
 
 async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling) -> Result<()> {

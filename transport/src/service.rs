@@ -32,7 +32,9 @@ pub fn run_service<E: Display>(service: impl Future<Output = Result<(), E>>) -> 
     }
 }
 
-async fn shutdown_signal() {
+/// Completes when the process is asked to stop: SIGTERM (systemd, Kubernetes) or SIGINT
+/// (Ctrl-C).
+pub async fn shutdown_signal() {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut s) => {
