@@ -44,11 +44,12 @@ use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::{Component, Metrics};
 
 use crate::status::ActorStatus;
+use starling_transport::endpoint::EndpointError;
 use starling_transport::framed::{DataStreamReader, StreamFrame, send};
 use starling_transport::identity::{Credentials, Role, manifest_key};
 use starling_transport::link::LinkProfile;
 use starling_transport::reception::{Added, Reception};
-use starling_transport::upstream::{UpstreamEvent, subscribe};
+use starling_transport::upstream::{UpstreamError, UpstreamEvent, subscribe};
 use std::sync::Arc;
 
 use engine::{BuiltinEngine, Engine};
@@ -282,6 +283,9 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         .await
         {
             Ok(up) => up,
+            Err(e @ UpstreamError::Endpoint(EndpointError::ForeignCluster { .. })) => {
+                return Err(e).context("subscribe");
+            }
             Err(e) => {
                 failures += 1;
                 tracing::warn!(

@@ -40,7 +40,7 @@ use tracing::Instrument;
 use crate::status::RelayStatus;
 use starling_transport::admit::admit;
 use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
-use starling_transport::endpoint::server_endpoint;
+use starling_transport::endpoint::{EndpointError, server_endpoint};
 use starling_transport::fanout::{FanoutConfig, serve_subscriber};
 use starling_transport::framed::{StreamFrame, send};
 use starling_transport::identity::{Credentials, Role, manifest_key};
@@ -295,6 +295,9 @@ async fn follow_hub(
         {
             Ok(up) => up,
             Err(UpstreamError::Refused(why)) => bail!("the hub refused this relay: {why}"),
+            Err(e @ UpstreamError::Endpoint(EndpointError::ForeignCluster { .. })) => {
+                return Err(e).context("subscribe to the hub");
+            }
             Err(e) => {
                 tracing::warn!(hub = %cfg.hub, "hub not reached: {e}; trying again in {backoff:?}");
                 tokio::time::sleep(backoff).await;

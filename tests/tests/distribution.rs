@@ -382,3 +382,48 @@ fn a_late_actor_restores_from_an_anchor_and_catches_up_on_the_chain() {
     assert!(!store.join("deltas/v00000004.sdc").exists());
     assert!(store.join("deltas/v00000005.sdc").exists());
 }
+
+/// An actor started with another cluster's credentials cannot complete a handshake with the
+/// hub: it says so once, naming the cause and what to do, and exits instead of retrying.
+#[test]
+fn an_actor_with_another_clusters_credentials_says_so_and_exits() {
+    let tb = Testbed::new(1, 3, &[("actor", "a1")], &[]);
+    let hub = starling_tests::bin("starling-hub");
+    let other = tb.root.join("other-cluster");
+    starling_tests::run_ok(
+        std::process::Command::new(&hub)
+            .args(["init", "--name", "other", "--dir"])
+            .arg(&other),
+    );
+    starling_tests::run_ok(
+        std::process::Command::new(&hub)
+            .args(["issue", "--role", "actor", "--name", "a1", "--dir"])
+            .arg(&other)
+            .arg("-o")
+            .arg(tb.root.join("foreign-a1")),
+    );
+    let started = Instant::now();
+    let out = std::process::Command::new("timeout")
+        .arg("60")
+        .arg(starling_tests::bin("starling-actor"))
+        .args(["--model-id", "tiny", "--hub", &tb.hub_addr, "--credentials"])
+        .arg(tb.root.join("foreign-a1"))
+        .arg("--init")
+        .arg(&tb.steps[0])
+        .arg("--store")
+        .arg(tb.root.join("foreign-store"))
+        .output()
+        .expect("run the actor");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "exits with an error: {err}");
+    assert!(
+        started.elapsed() < Duration::from_secs(20),
+        "gave up at once, not after retries"
+    );
+    assert_eq!(
+        err.matches("do not belong to the same cluster").count(),
+        1,
+        "said once: {err}"
+    );
+    assert!(err.contains("starling-hub issue"), "{err}");
+}

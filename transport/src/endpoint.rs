@@ -44,6 +44,13 @@ pub enum EndpointError {
     },
     #[error("connect to {addr}: {detail}")]
     Connect { addr: SocketAddr, detail: String },
+    /// The TLS handshake failed because the two sides' credentials come from different cluster
+    /// CAs. Retrying cannot help.
+    #[error(
+        "the peer at {addr} and these credentials do not belong to the same cluster ({detail}): \
+         use credentials issued by this hub's cluster (`starling-hub issue --dir CLUSTER`)"
+    )]
+    ForeignCluster { addr: SocketAddr, detail: String },
     #[error("peer presented no certificate")]
     NoPeerCertificate,
     #[error("peer certificate does not prove identity {claimed}: {detail}")]
@@ -194,10 +201,27 @@ pub async fn connect(
             addr,
             detail: e.to_string(),
         })?;
-    connecting.await.map_err(|e| EndpointError::Connect {
-        addr,
-        detail: e.to_string(),
+    connecting.await.map_err(|e| {
+        let detail = e.to_string();
+        if is_certificate_failure(&e) {
+            EndpointError::ForeignCluster { addr, detail }
+        } else {
+            EndpointError::Connect { addr, detail }
+        }
     })
+}
+
+/// Whether a handshake failed because the two sides' certificates come from different CAs, on
+/// either side: a TLS alert (QUIC crypto error 0x100 + alert) of unknown CA (48), or of a
+/// signature that does not verify (51: a certificate of another CA with the same issuer name).
+/// A certificate of this cluster for another name (42) is not that: the address is wrong.
+fn is_certificate_failure(e: &quinn::ConnectionError) -> bool {
+    let code = match e {
+        quinn::ConnectionError::TransportError(t) => u64::from(t.code),
+        quinn::ConnectionError::ConnectionClosed(c) => u64::from(c.error_code),
+        _ => return false,
+    };
+    code & !0xff == 0x100 && matches!(code & 0xff, 48 | 51)
 }
 
 /// Proves that the (already CA-verified) peer of `conn` is (`role`, `name`).
