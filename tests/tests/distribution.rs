@@ -112,18 +112,31 @@ fn relays_carry_one_copy_per_region_and_actors_fail_over_to_the_hub() {
             "the hub sent to {actor}"
         );
     }
-    let status = tb.hub_status();
-    for k in 1..=3u64 {
-        let v = status["versions"]
-            .as_array()
-            .and_then(|vs| vs.iter().find(|v| v["version"] == k))
-            .unwrap_or_else(|| panic!("version {k} in {status}"));
-        for region in v["regions"].as_array().expect("regions") {
-            assert!(
-                region["relay_sent_at_ms"].is_u64() && region["relay_staged_at_ms"].is_u64(),
-                "version {k}: {region}"
-            );
+    // The relays' `Staged` reports reach the hub a moment after they cached the version.
+    let propagated = |status: &serde_json::Value| {
+        (1..=3u64).all(|k| {
+            status["versions"]
+                .as_array()
+                .and_then(|vs| vs.iter().find(|v| v["version"] == k))
+                .and_then(|v| v["regions"].as_array())
+                .is_some_and(|regions| {
+                    regions.len() == 2
+                        && regions.iter().all(|r| {
+                            r["relay_sent_at_ms"].is_u64() && r["relay_staged_at_ms"].is_u64()
+                        })
+                })
+        })
+    };
+    loop {
+        let status = tb.hub_status();
+        if propagated(&status) {
+            break;
         }
+        assert!(
+            Instant::now() < dl,
+            "versions 1-3 through both relays in the status: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
     }
     // Kill the EU relay (started right after the hub): its actors fail over to the hub.
     tb.kill(1);
