@@ -493,17 +493,28 @@ impl Testbed {
             .iter()
             .position(|c| c.id() == pid)
             .expect("the hub is one of the test bed's processes");
-        let mut hub = self.procs.0.remove(i);
+        self.terminate(i, limit)
+    }
+
+    /// Sends the process started `index`-th (0 is the hub) SIGTERM and waits up to `limit`
+    /// for it to exit; returns its exit status and how long it took (panics if it is still
+    /// running after `limit`).
+    pub fn terminate(
+        &mut self,
+        index: usize,
+        limit: Duration,
+    ) -> (std::process::ExitStatus, Duration) {
+        let mut p = self.procs.0.remove(index);
         let sent = Instant::now();
-        run_ok(Command::new("kill").args(["-TERM", &pid.to_string()]));
+        run_ok(Command::new("kill").args(["-TERM", &p.id().to_string()]));
         loop {
-            if let Some(status) = hub.try_wait().expect("wait for the hub") {
+            if let Some(status) = p.try_wait().expect("wait for the process") {
                 return (status, sent.elapsed());
             }
             if sent.elapsed() > limit {
-                let _ = hub.kill();
-                let _ = hub.wait();
-                panic!("the hub was still running {limit:?} after SIGTERM");
+                let _ = p.kill();
+                let _ = p.wait();
+                panic!("process {index} was still running {limit:?} after SIGTERM");
             }
             std::thread::sleep(Duration::from_millis(20));
         }

@@ -440,3 +440,41 @@ fn an_actor_with_another_clusters_credentials_says_so_and_exits() {
     );
     assert!(err.contains("starling-hub issue"), "{err}");
 }
+
+/// SIGTERM to an actor and then to its relay while version 2 streams through them: each exits
+/// 0 within its grace period; the other actor fails over to the hub and activates version 2,
+/// and the stopped actor, started again with the same store, resumes from it (a whole version,
+/// never a half-applied one) and reaches version 2 bit-identically.
+#[test]
+fn an_actor_and_a_relay_stop_cleanly_on_sigterm_mid_transfer() {
+    let SlowRegion { mut tb, actors, .. } = slow_region(41);
+    let dl = tb.deadline;
+    let received = ["starling_relay_delta_received_segments_total{peer=\"hub\"}".to_owned()];
+    let publisher = publish_2_until(&tb, &received);
+    let grace = Duration::from_secs(5);
+    // Processes: 0 hub, 1 link, 2 relay, 3 a1, 4 a2.
+    let (status, took) = tb.terminate(3, grace);
+    assert!(
+        status.success(),
+        "actor a1 on SIGTERM: {status} after {took:?}"
+    );
+    let (status, took) = tb.terminate(2, grace);
+    assert!(
+        status.success(),
+        "the relay on SIGTERM: {status} after {took:?}"
+    );
+    publisher.join().expect("publish");
+    assert_eq!(wait_for(&actors[1], "active 2 ", dl), tb.active_line(2));
+    tb.assert_store_is("a2", 2);
+
+    let a1 = tb.actor("a1", &[]);
+    let first = wait_for(&a1, "active ", dl);
+    assert!(
+        first == tb.active_line(1) || first == tb.active_line(2),
+        "a1 resumed from a whole version in its store: {first}"
+    );
+    if first != tb.active_line(2) {
+        assert_eq!(wait_for(&a1, "active 2 ", dl), tb.active_line(2));
+    }
+    tb.assert_store_is("a1", 2);
+}
