@@ -599,10 +599,8 @@ async fn publish_locked(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> Resul
         hub.book.abort(version);
         return Err(e).context("record the version in the ledger");
     }
-    hub.book.complete(version)?;
-    hub.metrics.set_active(version);
+    // On the board before `Commit` can go out, so a subscriber's delivery always finds it.
     let elapsed = started.elapsed();
-    hub.metrics.observe_publish(bytes, elapsed);
     hub.board.published(
         version,
         base,
@@ -613,6 +611,9 @@ async fn publish_locked(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> Resul
         hub.checkpoint_bytes,
         crate::board::now_ms(),
     );
+    hub.book.complete(version)?;
+    hub.metrics.set_active(version);
+    hub.metrics.observe_publish(bytes, elapsed);
     state.version = version;
     state.snapshot = path.to_owned();
     state.digest = manifest.post_digest;
