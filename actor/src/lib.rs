@@ -249,7 +249,13 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
     let _worker = start_worker(&cfg, &creds, &engine, status_rx, &metrics)?;
 
     let mut failures = 0u32;
-    for source in cfg.sources.iter().cycle() {
+    // The source to try next: after a loss, the one after the source lost (relays in order,
+    // then the hub); after the preferred source (the first) answers again, the preferred one.
+    let mut next = 0usize;
+    loop {
+        let index = next % cfg.sources.len();
+        let source = &cfg.sources[index];
+        next = index + 1;
         let active = p.state.version();
         let hello = Message::Hello {
             protocol: PROTOCOL_VERSION,
@@ -312,7 +318,25 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
             // A failed send shows up as the connection closing.
             let _ = send(&mut up.control, &Message::Resume { version, have }).await;
         }
-        while let Some(ev) = up.events.recv().await {
+        // On a fallback source, look for the preferred one every `PREFERRED_PROBE`: while the
+        // actor stays on the hub, its region's relay no longer saves the WAN a copy per actor.
+        let mut probe = tokio::time::interval_at(
+            tokio::time::Instant::now() + PREFERRED_PROBE,
+            PREFERRED_PROBE,
+        );
+        let mut returning = false;
+        loop {
+            let ev = tokio::select! {
+                ev = up.events.recv() => ev,
+                _ = probe.tick(), if index > 0 => {
+                    if p.pending.is_empty() && preferred_is_back(&cfg.sources[0], &creds, &hello, &cfg.link, p.state.version()).await {
+                        returning = true;
+                        break;
+                    }
+                    continue;
+                }
+            };
+            let Some(ev) = ev else { break };
             if let UpstreamEvent::Closed(why) = &ev {
                 tracing::warn!(source = %source.name, role = source.role.as_str(), "source lost: {why}");
                 break;
@@ -325,12 +349,57 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         }
         up.close().await;
         shown.source(&source.name, source.role.as_str(), false);
+        if returning {
+            // At a version boundary (nothing half-received): back to the preferred source.
+            tracing::info!(
+                source = %cfg.sources[0].name,
+                from = %source.name,
+                "the preferred source answers again; returning to it"
+            );
+            next = 0;
+            continue;
+        }
         failures += 1;
         if failures > MAX_FAILOVERS {
             bail!("lost every upstream {failures} times in a row");
         }
     }
-    Ok(())
+}
+
+/// How often an actor on a fallback source checks whether its preferred one is back.
+const PREFERRED_PROBE: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Whether `preferred` accepts a subscription again and holds at least version `active` (a
+/// relay that restarted empty must catch up from the hub first). The probe's subscription is
+/// closed at once; the caller subscribes for real.
+async fn preferred_is_back(
+    preferred: &Source,
+    creds: &Credentials,
+    hello: &Message,
+    link: &starling_transport::link::LinkProfile,
+    active: u64,
+) -> bool {
+    let probe = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        subscribe(
+            creds,
+            preferred.addr,
+            preferred.role,
+            &preferred.name,
+            hello,
+            active,
+            link,
+        ),
+    )
+    .await;
+    match probe {
+        Ok(Ok(up)) => {
+            let ready = up.latest >= active;
+            up.close().await;
+            ready
+        }
+        _ => false,
+    }
 }
 
 /// Starts the rollout worker when the actor has an engine; it runs until the handle drops.

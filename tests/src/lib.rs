@@ -378,6 +378,17 @@ impl Testbed {
         hub: &str,
         extra: &[&str],
     ) -> (String, mpsc::Receiver<String>) {
+        self.relay_on(name, "127.0.0.1:0", hub, extra)
+    }
+
+    /// [`Testbed::relay_at`] listening on `listen` (a relay restarted on its old address).
+    pub fn relay_on(
+        &mut self,
+        name: &str,
+        listen: &str,
+        hub: &str,
+        extra: &[&str],
+    ) -> (String, mpsc::Receiver<String>) {
         let out = spawn(
             &mut self.procs,
             Command::new(bin("starling-relay"))
@@ -385,7 +396,7 @@ impl Testbed {
                     "--model-id",
                     "tiny",
                     "--listen",
-                    "127.0.0.1:0",
+                    listen,
                     "--hub",
                     hub,
                     "--region",

@@ -60,7 +60,7 @@ fn hub_delivers_every_version_to_every_actor_bit_identically() {
 }
 
 #[test]
-fn relays_carry_one_copy_per_region_and_actors_fail_over_to_the_hub() {
+fn relays_carry_one_copy_per_region_and_actors_fail_over_to_the_hub_and_back() {
     let peers = [
         ("relay", "r-eu"),
         ("relay", "r-us"),
@@ -68,7 +68,7 @@ fn relays_carry_one_copy_per_region_and_actors_fail_over_to_the_hub() {
         ("actor", "eu-2"),
         ("actor", "us-1"),
     ];
-    let mut tb = Testbed::new(4, 8, &peers, &[]);
+    let mut tb = Testbed::new(5, 8, &peers, &[]);
     let dl = tb.deadline;
     let (eu_addr, eu_out) = tb.relay("r-eu");
     let (us_addr, us_out) = tb.relay("r-us");
@@ -149,6 +149,38 @@ fn relays_carry_one_copy_per_region_and_actors_fail_over_to_the_hub() {
     }
     for name in ["eu-1", "eu-2", "us-1"] {
         tb.assert_store_is(name, 4);
+    }
+
+    // The relay comes back on its address: once it holds what they hold, its actors return to
+    // it at a version boundary, and the next version crosses to the region once again.
+    let hub_addr = tb.hub_addr.clone();
+    let (again, _eu_back) = tb.relay_on("r-eu", &eu_addr, &hub_addr, &[]);
+    assert_eq!(again, eu_addr);
+    for out in &actors[..2] {
+        assert_eq!(wait_for(out, "upstream ", dl), "upstream relay r-eu");
+    }
+    let to_eu_actors = |m: &str| {
+        ["eu-1", "eu-2"].map(|a| {
+            let series = format!("starling_hub_delta_sent_bytes_total{{peer=\"{a}\"}}");
+            metric(m, &series).unwrap_or(0.0)
+        })
+    };
+    let before = to_eu_actors(&tb.hub_metrics());
+    assert!(
+        before.iter().all(|&b| b > 0.0),
+        "version 4 went to them from the hub"
+    );
+    tb.publish(5);
+    for out in &actors {
+        assert_eq!(wait_for(out, "active 5 ", dl), tb.active_line(5));
+    }
+    assert_eq!(
+        to_eu_actors(&tb.hub_metrics()),
+        before,
+        "version 5 reached eu's actors through their relay, not from the hub"
+    );
+    for name in ["eu-1", "eu-2", "us-1"] {
+        tb.assert_store_is(name, 5);
     }
 }
 
