@@ -83,6 +83,10 @@ struct State {
     batches: BTreeMap<i64, BatchTrack>,
     steps: VecDeque<Value>,
     faults: VecDeque<Value>,
+    /// Actors that reported a version staged before the hub recorded it (with cut-through an
+    /// actor can hold the whole delta before the hub's file is durable): version → actor →
+    /// when. Applied when the version is published; only versions above the newest are kept.
+    early_staged: BTreeMap<u64, BTreeMap<String, u64>>,
 }
 
 #[derive(Debug, Default)]
@@ -237,6 +241,8 @@ impl Board {
     ) {
         {
             let mut s = self.state();
+            let actor_staged = s.early_staged.remove(&version).unwrap_or_default();
+            s.early_staged.retain(|&v, _| v > version);
             s.versions.insert(
                 version,
                 VersionTrack {
@@ -246,6 +252,7 @@ impl Board {
                     changes,
                     step,
                     encode_ms,
+                    actor_staged,
                     ..VersionTrack::default()
                 },
             );
@@ -382,19 +389,30 @@ impl Board {
         {
             let mut s = self.state();
             let State {
-                actors, versions, ..
+                actors,
+                versions,
+                early_staged,
+                ..
             } = &mut *s;
             let Some(a) = actor_entry(actors, name) else {
                 return;
             };
             a.active = active;
             a.staged = staged;
-            if let Some(v) = staged
-                && let Some(t) = versions.get_mut(&v)
-                && !t.actor_staged.contains_key(name)
-            {
-                t.actor_staged.insert(name.to_owned(), at_ms);
-                newly.push(("staged", v));
+            let newest = versions.last_key_value().map_or(0, |(v, _)| *v);
+            if let Some(v) = staged {
+                if let Some(t) = versions.get_mut(&v) {
+                    if !t.actor_staged.contains_key(name) {
+                        t.actor_staged.insert(name.to_owned(), at_ms);
+                        newly.push(("staged", v));
+                    }
+                } else if v > newest && early_staged.len() < MAX_VERSIONS {
+                    early_staged
+                        .entry(v)
+                        .or_default()
+                        .entry(name.to_owned())
+                        .or_insert(at_ms);
+                }
             }
             if let Some(v) = active
                 && let Some(t) = versions.get_mut(&v)
@@ -925,6 +943,21 @@ mod tests {
                 "active"
             ]
         );
+    }
+
+    #[test]
+    fn an_actor_staged_before_the_hub_recorded_the_version_keeps_its_time() {
+        let b = Board::new(0);
+        b.worker_connected("a1", "eu", "builtin", 1);
+        b.published(1, 0, 10, 1, None, 1, 100, 10);
+        // Cut-through: the actor holds version 2 before the hub's publish is recorded.
+        b.heartbeat("a1", Some(1), Some(2), 20);
+        b.published(2, 1, 10, 1, None, 1, 100, 25);
+        b.heartbeat("a1", Some(2), None, 30);
+        let v = b.versions_json(&regions(&[("a1", "eu")]), 100);
+        assert_eq!(v[0]["version"], 2);
+        assert_eq!(v[0]["actors"][0]["staged_at_ms"], 20);
+        assert_eq!(v[0]["actors"][0]["active_at_ms"], 30);
     }
 
     #[test]
