@@ -19,6 +19,7 @@
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::Arc;
+#[cfg(feature = "fault-injection")]
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -27,6 +28,7 @@ use starling_proto::anchor::AnchorSeal;
 use starling_proto::msg::{MAX_STRIPES, Message, RefuseReason};
 use thiserror::Error;
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 
 use crate::book::{Lookup, Next, Progress, VersionBook, WireFrame};
 use crate::framed::{FramedError, MessageReader, send};
@@ -130,7 +132,7 @@ pub async fn serve_subscription(
     book: Arc<VersionBook>,
     conn: Connection,
     control: SendStream,
-    mut reader: MessageReader,
+    reader: MessageReader,
     name: String,
     cfg: FanoutConfig,
     metrics: Metrics,
@@ -140,7 +142,7 @@ pub async fn serve_subscription(
     let anchors = cfg.anchors.clone();
     let observer: Arc<dyn SubscriberObserver> =
         cfg.observer.clone().unwrap_or(Arc::new(Unobserved));
-    let ctl = spawn_control_writer(control);
+    let (ctl, control_writer) = control_writer(control);
     let sender = Arc::new(Sender {
         conn: conn.clone(),
         stripes: cfg.stripes.clamp(1, MAX_STRIPES),
@@ -149,68 +151,18 @@ pub async fn serve_subscription(
         metrics,
         observer: observer.clone(),
     });
-    // Requests from the subscriber, answered concurrently with the version stream.
-    {
-        let book = book.clone();
-        let sender = sender.clone();
-        let ctl = ctl.clone();
-        tokio::spawn(async move {
-            while let Ok(Some(m)) = reader.next().await {
-                match m {
-                    Message::Fetch { version, seqs } => {
-                        tracing::warn!(peer = %sender.name, version, segments = seqs.len(), "refetch requested");
-                        sender.observer.refetch(&sender.name, version, seqs.len());
-                        let (book, sender, ctl) = (book.clone(), sender.clone(), ctl.clone());
-                        tokio::spawn(async move {
-                            let only = if seqs.is_empty() {
-                                Filter::All
-                            } else {
-                                Filter::Only(Arc::new(seqs.into_iter().collect()))
-                            };
-                            if let Err(e) = sender.resend(&book, &ctl, version, only).await {
-                                tracing::warn!(peer = %sender.name, version, "resend failed: {e}");
-                            }
-                        });
-                    }
-                    Message::Resume { version, have } => {
-                        let (book, sender, ctl) = (book.clone(), sender.clone(), ctl.clone());
-                        tokio::spawn(async move {
-                            let skip = Filter::Except(Arc::new(have.into_iter().collect()));
-                            if let Err(e) = sender.resend(&book, &ctl, version, skip).await {
-                                tracing::warn!(peer = %sender.name, version, "resume failed: {e}");
-                            }
-                        });
-                    }
-                    Message::FetchAnchor { after_version } => {
-                        let (conn, ctl) = (sender.conn.clone(), ctl.clone());
-                        let anchors = anchors.clone();
-                        let name = sender.name.clone();
-                        tokio::spawn(async move {
-                            if let Err(e) =
-                                send_anchor(&conn, &ctl, anchors.as_deref(), after_version).await
-                            {
-                                tracing::warn!(peer = %name, "anchor not sent: {e}");
-                            }
-                        });
-                    }
-                    Message::Ping { nonce } => {
-                        if ctl.send(Message::Pong { nonce }).await.is_err() {
-                            break;
-                        }
-                    }
-                    Message::Active { version, .. } => {
-                        tracing::info!(peer = %sender.name, version, "subscriber active");
-                        sender.observer.active(&sender.name, version);
-                    }
-                    Message::Staged { version, missing } if missing.is_empty() => {
-                        tracing::debug!(peer = %sender.name, version, "subscriber staged");
-                        sender.observer.staged(&sender.name, version);
-                    }
-                    other => tracing::debug!(peer = %sender.name, "ignored {other:?}"),
-                }
-            }
-        });
-    }
+    // Requests from the subscriber, answered concurrently with the version stream. Every
+    // task of this subscription lives in `owned`: when the subscription ends (or the future
+    // serving it is dropped), they are aborted with it.
+    let mut owned = JoinSet::new();
+    owned.spawn(control_writer);
+    owned.spawn(answer_requests(
+        reader,
+        book.clone(),
+        sender.clone(),
+        ctl.clone(),
+        anchors,
+    ));
     let mut next = after + 1;
     loop {
         let live = tokio::select! {
@@ -295,18 +247,108 @@ async fn send_anchor(
     Ok(())
 }
 
-/// Writes control messages from several tasks onto the one control stream, in order.
-fn spawn_control_writer(mut control: SendStream) -> mpsc::Sender<Message> {
+/// Most `Fetch`/`Resume`/`FetchAnchor` requests of one subscriber answered at once; a further
+/// request waits (and with it the subscriber's control stream: QUIC flow control pushes back)
+/// until one is answered. Each answer is a whole transmission at most, so a subscriber cannot
+/// make its server hold more than this many copies of its work in flight.
+pub const MAX_REQUESTS_IN_FLIGHT: usize = 4;
+
+/// Reads the subscriber's control stream and answers it until it ends: pings at once, the
+/// heavier requests as tasks of their own (at most [`MAX_REQUESTS_IN_FLIGHT`]), owned here.
+async fn answer_requests(
+    mut reader: MessageReader,
+    book: Arc<VersionBook>,
+    sender: Arc<Sender>,
+    ctl: mpsc::Sender<Message>,
+    anchors: Option<Arc<dyn AnchorSource>>,
+) {
+    let mut requests: JoinSet<()> = JoinSet::new();
+    while let Ok(Some(m)) = reader.next().await {
+        while requests.try_join_next().is_some() {}
+        let heavy = matches!(
+            m,
+            Message::Fetch { .. } | Message::Resume { .. } | Message::FetchAnchor { .. }
+        );
+        if heavy && requests.len() >= MAX_REQUESTS_IN_FLIGHT {
+            tracing::debug!(peer = %sender.name, "request waits for one in flight");
+            requests.join_next().await;
+        }
+        match m {
+            Message::Fetch { version, seqs } => {
+                tracing::warn!(peer = %sender.name, version, segments = seqs.len(), "refetch requested");
+                sender.observer.refetch(&sender.name, version, seqs.len());
+                let (book, sender, ctl) = (book.clone(), sender.clone(), ctl.clone());
+                requests.spawn(async move {
+                    let only = if seqs.is_empty() {
+                        Filter::All
+                    } else {
+                        Filter::Only(Arc::new(seqs.into_iter().collect()))
+                    };
+                    if let Err(e) = sender.resend(&book, &ctl, version, only).await {
+                        tracing::warn!(peer = %sender.name, version, "resend failed: {e}");
+                    }
+                });
+            }
+            Message::Resume { version, have } => {
+                let (book, sender, ctl) = (book.clone(), sender.clone(), ctl.clone());
+                requests.spawn(async move {
+                    let skip = Filter::Except(Arc::new(have.into_iter().collect()));
+                    if let Err(e) = sender.resend(&book, &ctl, version, skip).await {
+                        tracing::warn!(peer = %sender.name, version, "resume failed: {e}");
+                    }
+                });
+            }
+            Message::FetchAnchor { after_version } => {
+                let (conn, ctl) = (sender.conn.clone(), ctl.clone());
+                let anchors = anchors.clone();
+                let name = sender.name.clone();
+                requests.spawn(async move {
+                    if let Err(e) =
+                        send_anchor(&conn, &ctl, anchors.as_deref(), after_version).await
+                    {
+                        tracing::warn!(peer = %name, "anchor not sent: {e}");
+                    }
+                });
+            }
+            Message::Ping { nonce } => {
+                if ctl.send(Message::Pong { nonce }).await.is_err() {
+                    break;
+                }
+            }
+            Message::Active { version, .. } => {
+                tracing::info!(peer = %sender.name, version, "subscriber active");
+                sender.observer.active(&sender.name, version);
+            }
+            Message::Staged { version, missing } if missing.is_empty() => {
+                tracing::debug!(peer = %sender.name, version, "subscriber staged");
+                sender.observer.staged(&sender.name, version);
+            }
+            other => tracing::debug!(peer = %sender.name, "ignored {other:?}"),
+        }
+    }
+    // The control stream ended: requests still in flight finish (the connection may still
+    // carry them), owned by this task until then.
+    while requests.join_next().await.is_some() {}
+}
+
+/// Writes control messages from several tasks onto the one control stream, in order: the
+/// sender, and the writer's future (to be spawned by the caller, who owns it).
+fn control_writer(
+    mut control: SendStream,
+) -> (
+    mpsc::Sender<Message>,
+    impl std::future::Future<Output = ()> + Send + 'static,
+) {
     let (tx, mut rx) = mpsc::channel::<Message>(256);
-    tokio::spawn(async move {
+    let writer = async move {
         while let Some(m) = rx.recv().await {
             if send(&mut control, &m).await.is_err() {
                 return;
             }
         }
         let _ = control.finish();
-    });
-    tx
+    };
+    (tx, writer)
 }
 
 /// Which frames of a version a transmission carries.
@@ -356,7 +398,9 @@ impl Sender {
             _ => self.stripes,
         };
         let corrupt = take_fault(live.version);
-        let mut tasks = Vec::with_capacity(stripes as usize);
+        // Owned here: if this transmission is dropped (its subscription ended), so are its
+        // stripes.
+        let mut tasks = JoinSet::new();
         for stripe in 0..stripes {
             let mut data = self.conn.open_uni().await?;
             let live = live.clone();
@@ -364,7 +408,7 @@ impl Sender {
             let metrics = self.metrics.clone();
             let observer = self.observer.clone();
             let name = self.name.clone();
-            tasks.push(tokio::spawn(async move {
+            tasks.spawn(async move {
                 let mut head = Vec::new();
                 Message::Announce {
                     version: live.version,
@@ -402,11 +446,11 @@ impl Sender {
                     data.finish()?;
                 }
                 Ok::<Progress, FanoutError>(end)
-            }));
+            });
         }
         let mut progress = Progress::Complete;
-        for t in tasks {
-            match t.await {
+        while let Some(t) = tasks.join_next().await {
+            match t {
                 Ok(Ok(p)) => {
                     if p != Progress::Complete {
                         progress = p;
@@ -455,7 +499,7 @@ async fn write_frame(
     corrupt: bool,
 ) -> Result<(), FanoutError> {
     if corrupt && frame.bytes.len() > 64 {
-        let mut bad = frame.bytes.clone();
+        let mut bad = frame.bytes.to_vec();
         bad[40] ^= 0x01;
         tracing::warn!("fault injection: corrupted a segment in the first transmission");
         data.write_all(&bad).await?;
@@ -466,19 +510,31 @@ async fn write_frame(
 }
 
 /// Test-only fault injection: a version whose first transmission by this process gets one
-/// byte flipped inside its first segment. Never set in production.
+/// byte flipped inside its first segment. Compiled in only with the `fault-injection` cargo
+/// feature, which the end-to-end test package (`starling-tests`) turns on; a binary built on
+/// its own (`cargo build -p starling-hub`, `cargo install`) has no such hook, whatever its
+/// environment says.
 pub const FAULT_CORRUPT_VERSION: &str = "STARLING_TEST_CORRUPT_VERSION";
 
+#[cfg(feature = "fault-injection")]
 static CORRUPT_ONCE: Mutex<Option<Option<u64>>> = Mutex::new(None);
 
+#[cfg(feature = "fault-injection")]
 fn take_fault(v: u64) -> bool {
     let Ok(mut c) = CORRUPT_ONCE.lock() else {
         return false;
     };
     let armed = c.get_or_insert_with(|| {
-        std::env::var(FAULT_CORRUPT_VERSION)
+        let armed = std::env::var(FAULT_CORRUPT_VERSION)
             .ok()
-            .and_then(|s| s.parse().ok())
+            .and_then(|s| s.parse().ok());
+        if let Some(v) = armed {
+            tracing::warn!(
+                version = v,
+                "fault injection armed ({FAULT_CORRUPT_VERSION})"
+            );
+        }
+        armed
     });
     if *armed == Some(v) {
         *armed = None;
@@ -486,4 +542,9 @@ fn take_fault(v: u64) -> bool {
     } else {
         false
     }
+}
+
+#[cfg(not(feature = "fault-injection"))]
+fn take_fault(_v: u64) -> bool {
+    false
 }

@@ -10,6 +10,7 @@ use starling_proto::anchor::AnchorSeal;
 use starling_proto::msg::{Message, RefuseReason};
 use thiserror::Error;
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 
 use crate::endpoint::{EndpointError, client_endpoint, connect};
 use crate::framed::{DataStreamReader, FramedError, MessageReader, StreamFrame, send};
@@ -81,6 +82,9 @@ pub struct Upstream {
     pub events: mpsc::Receiver<UpstreamEvent>,
     /// The newest version the upstream had when it welcomed us.
     pub latest: u64,
+    /// The tasks that read the connection (control stream, each data stream): owned by the
+    /// subscription, aborted when it is dropped.
+    _readers: JoinSet<()>,
 }
 
 impl Upstream {
@@ -126,12 +130,17 @@ pub async fn subscribe(
     let (tx, events) = mpsc::channel(256);
     let data_conn = conn.clone();
     let data_tx = tx.clone();
-    tokio::spawn(async move {
+    let mut readers = JoinSet::new();
+    readers.spawn(async move {
+        // Each data stream's reader is owned by this task, so by the subscription.
+        let mut streams = JoinSet::new();
         while let Ok(recv) = data_conn.accept_uni().await {
-            tokio::spawn(read_data_stream(recv, data_tx.clone()));
+            while streams.try_join_next().is_some() {}
+            streams.spawn(read_data_stream(recv, data_tx.clone()));
         }
+        while streams.join_next().await.is_some() {}
     });
-    tokio::spawn(async move {
+    readers.spawn(async move {
         loop {
             let ev = match reader.next().await {
                 Ok(Some(Message::Commit { version })) => UpstreamEvent::Commit(version),
@@ -158,6 +167,7 @@ pub async fn subscribe(
         control,
         events,
         latest,
+        _readers: readers,
     })
 }
 
