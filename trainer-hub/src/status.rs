@@ -274,11 +274,18 @@ async fn events(
     let rx = hub.board.subscribe();
     let hello = json!({"version": hub.book().latest(), "at_ms": now_ms()});
     let first = Some(SseEvent::default().event("hello").data(hello.to_string()));
-    let stream = futures_util::stream::unfold((rx, first), |(mut rx, first)| async move {
+    let stop = hub.stop.clone();
+    let state = (rx, first, stop);
+    let stream = futures_util::stream::unfold(state, |(mut rx, first, stop)| async move {
         if let Some(e) = first {
-            return Some((Ok(e), (rx, None)));
+            return Some((Ok(e), (rx, None, stop)));
         }
-        let event = match rx.recv().await {
+        // A stopping hub ends every stream, so its HTTP server can drain.
+        let next = tokio::select! {
+            n = rx.recv() => n,
+            () = stop.cancelled() => return None,
+        };
+        let event = match next {
             Ok(board::Event { kind, data }) => {
                 SseEvent::default().event(kind).data(data.to_string())
             }
@@ -287,7 +294,7 @@ async fn events(
                 .data(json!({"missed": missed, "at_ms": now_ms()}).to_string()),
             Err(RecvError::Closed) => return None,
         };
-        Some((Ok(event), (rx, None)))
+        Some((Ok(event), (rx, None, stop)))
     });
     Sse::new(stream).keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive"))
 }
