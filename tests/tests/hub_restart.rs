@@ -1,8 +1,8 @@
 //! The hub as a durable control plane, with real processes: SIGKILLed after version 6 and
 //! restarted with the very same command (as its systemd unit does), it resumes at version 6
 //! from its ledger, numbers the next publish 7, and every actor activates it bit-identically —
-//! also when the trainer rewrote the file version 6 was published from (the hub rebuilds its
-//! snapshot from the store's anchor and deltas). An `--init` that contradicts the ledger is
+//! also when the trainer rewrote its file in place (the hub diffs its own copy) and when that
+//! copy was lost while the hub was down (it is rebuilt from the store's anchor and deltas). An `--init` that contradicts the ledger is
 //! refused with both versions and digests named.
 
 use std::process::Stdio;
@@ -49,14 +49,22 @@ fn a_restarted_hub_resumes_at_its_latest_version_and_actors_follow() {
         assert_eq!(wait_for(rx, "active 7 ", dl), tb.active_line(7));
     }
 
-    // The trainer rewrites the file version 7 came from; a restarted hub must not diff the
-    // next version against it: it rebuilds version 7 from the anchor and the delta chain.
-    tb.kill_hub();
+    // The trainer rewrites the file version 7 came from, in place, while the hub runs: the
+    // hub diffs its own copy (`hub-store/snapshot/`), so nothing changes for it.
     let seven = std::fs::read(&tb.steps[7]).expect("read step 7");
     std::fs::copy(&tb.steps[2], &tb.steps[7]).expect("overwrite step 7");
+    let hub_store = tb.root.join("hub-store");
+    let copy = |v: u64| hub_store.join(format!("snapshot/v{v:08}.safetensors"));
+    assert!(copy(7).exists(), "the hub keeps its own copy of version 7");
+    assert!(!copy(6).exists(), "and only of the newest version");
+    // Its copy is lost while it is down: the restarted hub must not diff the next version
+    // against anything else; it rebuilds version 7 from the anchor and the delta chain.
+    tb.kill_hub();
+    std::fs::remove_file(copy(7)).expect("remove the hub's copy");
     tb.restart_hub();
+    assert!(copy(7).exists(), "the hub rebuilt version 7 into its store");
+    // Published with trainer credentials this time (from the rewritten file's original bytes).
     std::fs::write(&tb.steps[7], &seven).expect("restore step 7 for the checks");
-    // Published with trainer credentials this time.
     let mut publish = std::process::Command::new(starling_tests::bin("starling-hub"));
     publish
         .args([
@@ -75,11 +83,6 @@ fn a_restarted_hub_resumes_at_its_latest_version_and_actors_follow() {
     }
     tb.assert_store_is("a1", 8);
     tb.assert_store_is("a2", 8);
-    let snapshot = tb.root.join("hub-store/snapshot/v00000007.safetensors");
-    assert!(
-        snapshot.exists(),
-        "the hub rebuilt version 7 into its store"
-    );
 
     // A different initial checkpoint against this ledger is refused.
     let out = tb

@@ -11,6 +11,7 @@ mod durable;
 mod jobs;
 pub mod keys;
 mod rollouts;
+mod snapshot;
 pub mod serve;
 mod status;
 pub mod verify;

@@ -10,8 +10,8 @@
 //! Sending (striping, `Fetch`, `Ping`) is shared with the relays
 //! (`starling_transport::fanout`).
 //!
-//! The hub keeps the *path* of the last published checkpoint as its snapshot, so the
-//! trainer must keep that file until the next publish.
+//! The hub diffs its own copy of each published checkpoint (`snapshot`), never the trainer's
+//! file, so the trainer may delete or rewrite that file as soon as the publish returns.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -50,6 +50,8 @@ use starling_transport::framed::{MessageReader, send};
 use starling_transport::identity::{Credentials, Role};
 use starling_transport::link::LinkProfile;
 use tokio::sync::Mutex;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
 
 /// What `serve` needs.
 #[derive(Debug, Clone)]
@@ -118,15 +120,32 @@ pub(crate) struct Hub {
     pub(crate) trainer_seed: [u8; 32],
     /// What prompts must fit (vocabulary, context).
     pub(crate) limits: ModelLimits,
+    /// Cancelled when the hub stops: long-lived work (the scheduler, event streams, the HTTP
+    /// server) ends on it.
+    pub(crate) stop: CancellationToken,
+    /// Every task the hub spawns (connections, anchor writes, the scheduler, HTTP): waited
+    /// for, within the grace period, when it stops.
+    tasks: TaskTracker,
+    /// Snapshot copies an anchor is being written from: not released until it is written.
+    pinned: std::sync::Mutex<std::collections::BTreeSet<PathBuf>>,
 }
 
-/// Aborts a task when dropped: the owner of a background loop of `serve`.
-#[derive(Debug)]
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
+impl Hub {
+    fn pins(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<PathBuf>> {
+        self.pinned
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
 
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
+    /// Runs `work` as a task of the hub, until it ends or the hub stops.
+    fn spawn_until_stopped(&self, work: impl Future<Output = ()> + Send + 'static) {
+        let stop = self.stop.clone();
+        self.tasks.spawn(async move {
+            tokio::select! {
+                () = work => {}
+                () = stop.cancelled() => {}
+            }
+        });
     }
 }
 
@@ -233,10 +252,12 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
     let book = VersionBook::new(first, cfg.retain);
     for v in first + 1..=resumed.version {
         let path = durable::delta_path(&cfg.store, v);
-        let bytes = std::fs::read(&path).with_context(|| format!("read {}", path.display()))?;
-        book.load_delta(&bytes, &trust)
+        let map = starling_transport::book::map_store_file(&path)
+            .with_context(|| format!("read {}", path.display()))?;
+        book.load_delta_mapped(map, &trust)
             .with_context(|| format!("load {}", path.display()))?;
     }
+    crate::snapshot::tidy(&cfg.store, &resumed.snapshot);
     println!("base-digest {}", resumed.version);
     if resumed.version != cfg.init_version {
         tracing::info!(
@@ -269,19 +290,24 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
         limits,
         cfg,
         signing,
+        stop: CancellationToken::new(),
+        tasks: TaskTracker::new(),
+        pinned: Default::default(),
     });
-    let _scheduler = AbortOnDrop(tokio::spawn(crate::jobs::run_scheduler(
+    hub.spawn_until_stopped(crate::jobs::run_scheduler(
         hub.ledger.clone(),
         hub.metrics.clone(),
         hub.board.clone(),
         hub.cfg.schedule_tick,
-    )));
+    ));
     if resumed_version(&hub).await == hub.cfg.init_version && !hub.anchors.has(hub.cfg.init_version)
     {
         // A full-checkpoint copy: in the background, so the hub serves at once (until it is
         // written, a subscriber asking for an anchor is refused and asks again later).
-        let (hub, init, v) = (hub.clone(), hub.cfg.init.clone(), hub.cfg.init_version);
-        tokio::spawn(async move {
+        let (owner, init, v) = (hub.clone(), hub.cfg.init.clone(), hub.cfg.init_version);
+        // Not cancelled by a stop: the copy is on a blocking thread, waited for in the drain.
+        hub.tasks.spawn(async move {
+            let hub = owner;
             if let Err(e) = write_anchor(&hub, init, v).await {
                 tracing::error!(version = v, "anchor not written: {e:#}");
                 hub.board.fault(
@@ -301,8 +327,11 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
             .with_context(|| format!("bind HTTP on {http}"))?;
         let routes = crate::api::router(hub.clone()).merge(crate::status::router(hub.clone()));
         let metrics = hub.metrics.clone();
-        tokio::spawn(async move {
-            if let Err(e) = starling_telemetry::http::serve(listener, metrics, routes).await {
+        let stop = hub.stop.clone().cancelled_owned();
+        hub.tasks.spawn(async move {
+            if let Err(e) =
+                starling_telemetry::http::serve_until(listener, metrics, routes, stop).await
+            {
                 tracing::error!("HTTP server stopped: {e}");
             }
         });
@@ -319,11 +348,12 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
             },
             () = &mut shutdown => break,
         };
-        let hub = hub.clone();
         let Ok((connecting, ceiling)) = accept_capped(incoming, &base, &hub.cfg.link) else {
             continue;
         };
-        tokio::spawn(async move {
+        let owner = hub.clone();
+        hub.tasks.spawn(async move {
+            let hub = owner;
             match connecting.await {
                 Ok(conn) => {
                     if let Err(e) = serve_connection(hub, conn.clone(), ceiling).await {
@@ -339,18 +369,26 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
     Ok(())
 }
 
-/// The end of [`serve`]: see there.
+/// The end of [`serve`]: see there. New connections are no longer accepted when this runs.
 async fn drain(hub: &Hub, endpoint: &quinn::Endpoint) {
     tracing::info!(grace_s = SHUTDOWN_GRACE.as_secs(), "stopping");
     let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
-        // The state lock is held across a publish: taking it waits for the one in progress.
+        // The state lock is held across a publish: taking it waits for the one in progress,
+        // whose segments keep flowing to the subscribers meanwhile.
         let _no_publish = hub.state.lock().await;
+        hub.stop.cancel();
         endpoint.close(CLOSE_SHUTDOWN.into(), b"hub shutting down");
-        endpoint.wait_idle().await;
+        hub.tasks.close();
+        // Connection tasks end with their connections; anchor writes finish (flushed).
+        tokio::join!(hub.tasks.wait(), endpoint.wait_idle());
     })
     .await;
     if drained.is_err() {
-        tracing::warn!("grace period over; stopping with work in flight");
+        tracing::warn!(
+            tasks = hub.tasks.len(),
+            "grace period over; stopping with work in flight"
+        );
+        hub.stop.cancel();
         endpoint.close(CLOSE_SHUTDOWN.into(), b"hub shutting down");
     }
     hub.ledger.close().await;
@@ -504,9 +542,16 @@ async fn publish_locked(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> Resul
     let base = state.version;
     let version = base + 1;
     let old = state.snapshot.clone();
-    let new = path.to_owned();
+    let previous = old.clone();
     let dest = durable::delta_path(&hub.cfg.store, version);
-    let source = durable::FileStamp::of(path)?;
+    // The hub's own copy, never the trainer's file: see `snapshot`.
+    let copy = {
+        let (store, source) = (hub.cfg.store.clone(), path.to_owned());
+        tokio::task::spawn_blocking(move || crate::snapshot::copy_in(&store, version, &source))
+            .await
+            .context("copy task")??
+    };
+    let new = copy.path().to_owned();
     let created = now_ms();
     let span = tracing::info_span!("publish", version);
     let mut opts = DiffOptions::new(&hub.cfg.model_id, base, version, created);
@@ -568,6 +613,17 @@ async fn publish_locked(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> Resul
             return Err(e);
         }
     };
+    let sealed = tokio::task::spawn_blocking(move || copy.seal())
+        .await
+        .context("seal task")
+        .and_then(|r| r);
+    let (snapshot, source) = match sealed.and_then(|p| Ok((durable::FileStamp::of(&p)?, p))) {
+        Ok((stamp, p)) => (p, stamp),
+        Err(e) => {
+            hub.book.abort(version);
+            return Err(e).context("keep the hub's copy of the checkpoint");
+        }
+    };
     if live.is_none() {
         let live = hub.book.begin(version, base, id)?;
         let file = tokio::fs::read(&dest)
@@ -612,17 +668,33 @@ async fn publish_locked(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> Resul
         crate::board::now_ms(),
     );
     hub.book.complete(version)?;
+    // From now on its subscribers read it from the durable file, not from memory.
+    spill(&hub.book, version, &dest).await;
     hub.metrics.set_active(version);
     hub.metrics.observe_publish(bytes, elapsed);
     state.version = version;
-    state.snapshot = path.to_owned();
+    state.snapshot = snapshot.clone();
     state.digest = manifest.post_digest;
     drop(state);
+    if !hub.pins().contains(&previous) {
+        crate::snapshot::release(&hub.cfg.store, &previous);
+    }
     if hub.cfg.anchor_every > 0 && version % hub.cfg.anchor_every == 0 {
         // In the background: the next publish need not wait for a full-checkpoint write.
-        let (hub, path) = (hub.clone(), path.to_owned());
-        tokio::spawn(async move {
-            if let Err(e) = write_anchor(&hub, path, version).await {
+        // From the hub's copy, pinned until the anchor is written (a publish meanwhile does
+        // not release it; this task does, once it is no longer the newest).
+        let (owner, path) = (hub.clone(), snapshot);
+        hub.pins().insert(path.clone());
+        hub.tasks.spawn(async move {
+            let hub = owner;
+            let written = write_anchor(&hub, path.clone(), version).await;
+            hub.pins().remove(&path);
+            if let Ok(state) = hub.state.try_lock()
+                && state.snapshot != path
+            {
+                crate::snapshot::release(&hub.cfg.store, &path);
+            }
+            if let Err(e) = written {
                 tracing::error!(version, "anchor not written: {e:#}");
                 hub.board.fault(
                     "anchor_failed",
@@ -647,6 +719,27 @@ async fn publish_locked(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> Resul
         changes: manifest.total_changes(),
         bytes,
     })
+}
+
+/// Serves a complete version from its delta file in the store instead of from memory (see
+/// `LiveVersion::spill`). Should that fail, the version stays served from memory.
+/// On a blocking thread: checking the file against the frames reads the whole delta.
+async fn spill(book: &VersionBook, version: u64, file: &Path) {
+    let Some(live) = book.get(version) else {
+        return;
+    };
+    let file = file.to_owned();
+    let spilled = tokio::task::spawn_blocking(move || {
+        starling_transport::book::map_store_file(&file)
+            .map_err(|e| anyhow::anyhow!("map {}: {e}", file.display()))
+            .and_then(|map| Ok(live.spill(map)?))
+    })
+    .await
+    .context("spill task")
+    .and_then(|r| r);
+    if let Err(e) = spilled {
+        tracing::warn!(version, "version stays in memory: {e:#}");
+    }
 }
 
 /// Offers one encoded frame to subscribers: segments and the manifest (the file header and

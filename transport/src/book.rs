@@ -22,18 +22,64 @@ use starling_proto::segment::Segment;
 use thiserror::Error;
 use tokio::sync::watch;
 
+/// A frame's bytes: in memory while its version streams, or a range of the delta file the
+/// server owns once the version is complete and durable ([`LiveVersion::spill`]), so that
+/// the retained versions of a server cost page cache, not heap.
+#[derive(Debug, Clone)]
+pub enum FrameBytes {
+    Owned(Vec<u8>),
+    Mapped {
+        map: Arc<memmap2::Mmap>,
+        range: std::ops::Range<usize>,
+    },
+}
+
+impl FrameBytes {
+    pub fn as_slice(&self) -> &[u8] {
+        match self {
+            Self::Owned(v) => v,
+            Self::Mapped { map, range } => &map[range.clone()],
+        }
+    }
+}
+
+impl std::ops::Deref for FrameBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.as_slice()
+    }
+}
+
+/// Maps a delta file of the caller's own store for [`LiveVersion::spill`] and
+/// [`VersionBook::load_delta_mapped`].
+pub fn map_store_file(path: &std::path::Path) -> std::io::Result<Arc<memmap2::Mmap>> {
+    let file = std::fs::File::open(path)?;
+    // SAFETY: a store's delta files are written once under a temporary name, made durable
+    // and renamed into place, and never written again while the process runs (pruning
+    // unlinks, which leaves the mapping intact); every read through the map is bounds-checked
+    // against its length (`split_frames`, `WireFrame::parse_bytes`).
+    #[allow(unsafe_code)]
+    let map = unsafe { memmap2::Mmap::map(&file) }?;
+    Ok(Arc::new(map))
+}
+
 /// One frame as it goes on the wire (header, body, BLAKE3), shared by every sender.
 #[derive(Debug)]
 pub struct WireFrame {
     pub kind: FrameKind,
     /// The segment number (segments only).
     pub seq: Option<u32>,
-    pub bytes: Vec<u8>,
+    pub bytes: FrameBytes,
 }
 
 impl WireFrame {
     /// Indexes an encoded frame. The caller has checked (or produced) its hash.
     pub fn parse(bytes: Vec<u8>) -> Result<Self, DecodeError> {
+        Self::parse_bytes(FrameBytes::Owned(bytes))
+    }
+
+    /// [`WireFrame::parse`] of bytes in memory or in a mapped file.
+    pub fn parse_bytes(bytes: FrameBytes) -> Result<Self, DecodeError> {
         let mut h = [0u8; FRAME_HEADER_LEN];
         h.copy_from_slice(
             bytes
@@ -173,6 +219,46 @@ impl LiveVersion {
     pub fn snapshot(&self) -> Vec<Arc<WireFrame>> {
         self.state.borrow().frames.clone()
     }
+
+    /// Serves a complete version from `map`, its durable delta file (`.sdc`: the file header,
+    /// these frames in this order, a trailer), instead of from memory: each frame is checked
+    /// to be the same bytes and then replaced by its range of the file. Senders in the middle
+    /// of a transmission keep the frames they hold; the memory goes when they are done.
+    /// The file must never be rewritten while mapped (the server owns it; files in a store
+    /// are written once, under a temporary name, then renamed).
+    pub fn spill(&self, map: Arc<memmap2::Mmap>) -> Result<(), LoadError> {
+        let base = map.as_ptr() as usize;
+        let mut mapped = Vec::new();
+        for f in starling_proto::container::split_frames(&map)? {
+            let start = f.as_ptr() as usize - base;
+            let w = WireFrame::parse_bytes(FrameBytes::Mapped {
+                map: map.clone(),
+                range: start..start + f.len(),
+            })?;
+            if w.kind != FrameKind::Trailer {
+                mapped.push(Arc::new(w));
+            }
+        }
+        let mut result = Ok(());
+        self.state.send_if_modified(|s| {
+            let same = s.progress == Progress::Complete
+                && s.frames.len() == mapped.len()
+                && s.frames
+                    .iter()
+                    .zip(&mapped)
+                    .all(|(a, b)| a.kind == b.kind && a.seq == b.seq && *a.bytes == *b.bytes);
+            if same {
+                s.frames = std::mem::take(&mut mapped);
+            } else {
+                result = Err(LoadError::Differs {
+                    version: self.version,
+                });
+            }
+            // The same frames at the same positions: nobody needs waking.
+            false
+        });
+        result
+    }
 }
 
 /// Reads a live version's frames by index.
@@ -226,6 +312,8 @@ pub enum LoadError {
     WrongVersion { found: u64, expected: u64 },
     #[error(transparent)]
     Book(#[from] BookError),
+    #[error("the delta file of version {version} is not what was sent (or it is not complete)")]
+    Differs { version: u64 },
 }
 
 #[derive(Debug)]
@@ -354,6 +442,37 @@ impl VersionBook {
         bytes: &[u8],
         trust: &starling_proto::manifest::TrustPolicy,
     ) -> Result<u64, LoadError> {
+        let expected = self.load_frames(bytes, trust, |f| Ok(FrameBytes::Owned(f.to_vec())))?;
+        self.complete(expected)?;
+        Ok(expected)
+    }
+
+    /// [`VersionBook::load_delta`] of a delta file the caller owns, mapped: its frames are
+    /// served from the file, not copied into memory.
+    pub fn load_delta_mapped(
+        &self,
+        map: Arc<memmap2::Mmap>,
+        trust: &starling_proto::manifest::TrustPolicy,
+    ) -> Result<u64, LoadError> {
+        let base = map.as_ptr() as usize;
+        let expected = self.load_frames(&map, trust, |f| {
+            let start = f.as_ptr() as usize - base;
+            Ok(FrameBytes::Mapped {
+                map: map.clone(),
+                range: start..start + f.len(),
+            })
+        })?;
+        self.complete(expected)?;
+        Ok(expected)
+    }
+
+    /// Verifies a whole delta file and starts its version with its frames (not completed).
+    fn load_frames(
+        &self,
+        bytes: &[u8],
+        trust: &starling_proto::manifest::TrustPolicy,
+        keep: impl Fn(&[u8]) -> Result<FrameBytes, LoadError>,
+    ) -> Result<u64, LoadError> {
         let expected = self.latest() + 1;
         let delta = starling_proto::container::read_delta(bytes, trust)?;
         let m = &delta.manifest.manifest;
@@ -365,12 +484,11 @@ impl VersionBook {
         }
         let live = self.begin(expected, m.base_version, m.delta_id())?;
         for f in starling_proto::container::split_frames(bytes)? {
-            let w = WireFrame::parse(f.to_vec())?;
+            let w = WireFrame::parse_bytes(keep(f)?)?;
             if w.kind != FrameKind::Trailer {
                 live.push(w);
             }
         }
-        self.complete(expected)?;
         Ok(expected)
     }
 
@@ -442,6 +560,65 @@ mod tests {
             Next::End(Progress::Complete)
         ));
         assert_eq!(book.latest(), 1);
+    }
+
+    /// A file as the store holds it: the file header, the frames, a trailer-kind frame.
+    fn store_file(dir: &std::path::Path, frames: &[&WireFrame], flip: bool) -> Arc<memmap2::Mmap> {
+        let mut bytes = starling_proto::container::file_header().to_vec();
+        for f in frames {
+            bytes.extend_from_slice(&f.bytes);
+        }
+        if flip {
+            let at = bytes.len() - 40;
+            bytes[at] ^= 1;
+        }
+        bytes.extend_from_slice(&encode_frame(FrameKind::Trailer, b"end"));
+        let path = dir.join("v1.sdc");
+        std::fs::write(&path, bytes).unwrap();
+        map_store_file(&path).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_complete_version_is_served_from_its_file_with_the_same_bytes() {
+        let dir = tempfile::tempdir().unwrap();
+        let book = VersionBook::new(0, 4);
+        let live = book.begin(1, 0, [7; 32]).unwrap();
+        let (a, b) = (seg([7; 32], 0), seg([7; 32], 1));
+        let file = store_file(dir.path(), &[&a, &b], false);
+        live.push(seg([7; 32], 0));
+        live.push(seg([7; 32], 1));
+        // Not while it streams: the file may not hold every frame yet.
+        assert!(matches!(
+            live.spill(file.clone()),
+            Err(LoadError::Differs { version: 1 })
+        ));
+        book.complete(1).unwrap();
+        live.spill(file).unwrap();
+        let mut c = live.cursor();
+        for (i, want) in [a, b].iter().enumerate() {
+            let Next::Frame(f) = c.get(i).await else {
+                panic!("frame {i} missing");
+            };
+            assert!(matches!(f.bytes, FrameBytes::Mapped { .. }));
+            assert_eq!(*f.bytes, *want.bytes);
+        }
+        assert!(matches!(c.get(2).await, Next::End(Progress::Complete)));
+    }
+
+    #[tokio::test]
+    async fn a_file_that_differs_from_what_was_sent_is_not_served() {
+        let dir = tempfile::tempdir().unwrap();
+        let book = VersionBook::new(0, 4);
+        let live = book.begin(1, 0, [7; 32]).unwrap();
+        let a = seg([7; 32], 0);
+        let file = store_file(dir.path(), &[&a], true);
+        live.push(seg([7; 32], 0));
+        book.complete(1).unwrap();
+        assert!(live.spill(file).is_err());
+        let Next::Frame(f) = live.cursor().get(0).await else {
+            panic!("frame missing");
+        };
+        assert!(matches!(f.bytes, FrameBytes::Owned(_)), "still from memory");
     }
 
     #[tokio::test]
