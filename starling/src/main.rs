@@ -64,9 +64,10 @@ fn main() -> ExitCode {
         Cmd::Hub { args } => starling_hub::cli::main_from(with_name("starling hub", args)),
         Cmd::Relay { args } => starling_relay::cli::main_from(with_name("starling relay", args)),
         Cmd::Actor { args } => starling_actor::cli::main_from(with_name("starling actor", args)),
-        Cmd::Demo(args) => match demo::run(&args) {
+        Cmd::Demo(args) => match procs::stop_children_on_signal().and_then(|()| demo::run(&args)) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
+                procs::wait_if_stopping();
                 eprintln!("error: {e:#}");
                 ExitCode::FAILURE
             }

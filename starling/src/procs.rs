@@ -1,11 +1,93 @@
 //! The demo's child processes: each role runs as `starling <role> …` (this executable), its
 //! output appended to a log file in the run's directory, killed when its owner is dropped.
+//!
+//! A demo stopped by a signal runs no destructor, so every live child is also in a registry
+//! that [`stop_children_on_signal`] uses: on SIGTERM or SIGINT the demo passes SIGTERM on to
+//! its children (which drain within their own grace periods), waits for them, SIGKILLs any
+//! left after [`CHILD_GRACE`], and exits 128 + the signal. No child outlives the demo.
 
+use std::collections::BTreeSet;
 use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use nix::sys::signal::{Signal, kill};
+use nix::unistd::Pid;
+
+/// The children alive now, by process id.
+static CHILDREN: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());
+
+/// Set once a signal asked the demo to stop: from then on the signal thread owns the exit.
+static STOPPING: AtomicBool = AtomicBool::new(false);
+
+/// Once the demo is stopping, the calling thread waits for the signal thread to end the
+/// process (so a child that exits on the passed-on SIGTERM is not reported as a failure).
+pub(crate) fn wait_if_stopping() {
+    while STOPPING.load(Ordering::SeqCst) {
+        std::thread::park();
+    }
+}
+
+/// How long a stopping demo waits for its children after passing the signal on (the hub's
+/// own grace period is 10 s).
+pub(crate) const CHILD_GRACE: Duration = Duration::from_secs(12);
+
+fn children() -> std::sync::MutexGuard<'static, BTreeSet<u32>> {
+    CHILDREN.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Starts the thread that stops the children when the demo gets SIGTERM or SIGINT.
+pub(crate) fn stop_children_on_signal() -> Result<()> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let mut signals = signal_hook::iterator::Signals::new([SIGTERM, SIGINT])
+        .context("install signal handlers")?;
+    std::thread::Builder::new()
+        .name("signals".into())
+        .spawn(move || {
+            if let Some(sig) = signals.forever().next() {
+                STOPPING.store(true, Ordering::SeqCst);
+                eprintln!("stopping: signal {sig}; stopping the hub, relays and actors");
+                stop_children();
+                std::process::exit(128 + sig);
+            }
+        })
+        .context("start the signal thread")?;
+    Ok(())
+}
+
+/// SIGTERM to every child, then SIGKILL to those still running after [`CHILD_GRACE`].
+fn stop_children() {
+    let pids: Vec<Pid> = children()
+        .iter()
+        .filter_map(|&p| i32::try_from(p).ok())
+        .map(Pid::from_raw)
+        .collect();
+    for &p in &pids {
+        let _ = kill(p, Signal::SIGTERM);
+    }
+    let deadline = Instant::now() + CHILD_GRACE;
+    while Instant::now() < deadline && pids.iter().any(|&p| running(p)) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for &p in pids.iter().filter(|&&p| running(p)) {
+        let _ = kill(p, Signal::SIGKILL);
+    }
+}
+
+/// Whether `pid` is still running (not gone, not a zombie waiting to be reaped).
+fn running(pid: Pid) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next().map(|st| st != "Z"))
+        })
+        .unwrap_or(false)
+}
 
 /// A running child process; dropping it kills and reaps it.
 #[derive(Debug)]
@@ -29,6 +111,7 @@ impl Proc {
             .stderr(err)
             .spawn()
             .with_context(|| format!("start {name}"))?;
+        children().insert(child.id());
         Ok(Self {
             name: name.to_owned(),
             log: log.to_owned(),
@@ -39,6 +122,7 @@ impl Proc {
     /// Fails with the end of the log if the process has exited.
     pub(crate) fn check_alive(&mut self) -> Result<()> {
         if let Some(status) = self.child.try_wait().context("poll a child")? {
+            wait_if_stopping();
             bail!(
                 "{} exited ({status}); the end of {}:\n{}",
                 self.name,
@@ -55,6 +139,7 @@ impl Drop for Proc {
         // Best effort: the child may already be gone.
         let _ = self.child.kill();
         let _ = self.child.wait();
+        children().remove(&self.child.id());
     }
 }
 

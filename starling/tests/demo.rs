@@ -111,6 +111,81 @@ fn a_short_run_trains_through_the_hub_and_leaves_a_summary_and_a_plot() {
     assert!(err.contains("exists") && err.contains("--out"), "{err}");
 }
 
+/// The process ids whose parent is `parent`, from `/proc`.
+fn children_of(parent: u32) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").expect("list /proc").flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid ...
+        let ppid = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        if ppid == Some(parent) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// Running: present in `/proc` and not a zombie.
+fn running(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| {
+            s.rsplit_once(')')
+                .and_then(|(_, r)| r.split_whitespace().next().map(|st| st != "Z"))
+        })
+        .unwrap_or(false)
+}
+
+#[test]
+fn a_sigterm_stops_the_demo_and_every_process_it_started() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut demo = starling()
+        .args(["demo", "--steps", "50", "--warm-steps", "20", "--out"])
+        .arg(dir.path().join("run"))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start the demo");
+    let stdout = demo.stdout.take().expect("stdout");
+    // Once every actor is registered, the hub, relays and actors are all running.
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    let ready = lines
+        .by_ref()
+        .map_while(Result::ok)
+        .any(|l| l.contains("registered for work"));
+    assert!(ready, "the demo never got its actors registered");
+    let kids = children_of(demo.id());
+    assert!(kids.len() >= 4, "hub, relays and actors: {kids:?}");
+    let status = Command::new("kill")
+        .args(["-TERM", &demo.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let exit = loop {
+        if let Some(s) = demo.try_wait().expect("wait") {
+            break s;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the demo did not stop within 30 s of SIGTERM"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    assert_eq!(exit.code(), Some(128 + 15), "exit status 128 + SIGTERM");
+    let left: Vec<u32> = kids.into_iter().filter(|&p| running(p)).collect();
+    assert!(left.is_empty(), "children left running: {left:?}");
+}
+
 #[test]
 fn a_port_in_use_is_refused_with_what_to_do() {
     let dir = tempfile::tempdir().expect("tempdir");
