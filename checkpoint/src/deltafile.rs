@@ -32,14 +32,14 @@ use crate::writer::{AtomicFile, SafetensorsWriter};
 pub enum DeltaFileError {
     #[error(transparent)]
     Checkpoint(#[from] CheckpointError),
-    #[error("{op} {path}: {source}")]
+    #[error("{op} {path}")]
     Io {
         op: &'static str,
         path: PathBuf,
         #[source]
         source: std::io::Error,
     },
-    #[error("{path}: {source}")]
+    #[error("delta file {path}")]
     Decode {
         path: PathBuf,
         #[source]

@@ -30,7 +30,7 @@ const MAX_HEADER: u64 = 100 << 20;
 /// Why a checkpoint could not be read.
 #[derive(Debug, Error)]
 pub enum CheckpointError {
-    #[error("read {path}: {source}")]
+    #[error("read {path}")]
     Io {
         path: PathBuf,
         #[source]

@@ -73,9 +73,9 @@ fn default_act() -> String {
 /// Why a config cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("parse config.json: {0}")]
+    #[error("parse config.json")]
     Parse(#[from] serde_json::Error),
-    #[error("read config.json: {0}")]
+    #[error("read config.json")]
     Io(#[from] std::io::Error),
     #[error("config field `{field}`: {problem}")]
     Invalid {

@@ -22,7 +22,7 @@ use crate::kernels::{self, Packed, Rope};
 /// Why weights could not be loaded.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("invalid config: {0}")]
+    #[error("invalid config")]
     Config(#[from] ConfigError),
     #[error("tensor {name} is missing (expected shape {expected:?})")]
     Missing { name: String, expected: Vec<usize> },

@@ -25,7 +25,7 @@ pub enum NetemError {
     },
 
     /// Binding a UDP socket failed.
-    #[error("cannot bind UDP socket to {addr}: {source}")]
+    #[error("cannot bind UDP socket to {addr}")]
     Bind {
         /// The address asked for.
         addr: SocketAddr,
@@ -35,7 +35,7 @@ pub enum NetemError {
     },
 
     /// Another socket or thread operation failed.
-    #[error("{context}: {source}")]
+    #[error("{context}")]
     Io {
         /// What the emulator was doing.
         context: &'static str,

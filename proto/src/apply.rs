@@ -101,7 +101,7 @@ pub enum StageError {
     MissingSegments(Vec<u32>),
     #[error("segment {seq} does not match the manifest ({detail})")]
     ManifestMismatch { seq: u32, detail: String },
-    #[error("refused manifest: {0}")]
+    #[error("refused manifest")]
     Signature(#[from] SignatureError),
     #[error(
         "state digest after the delta would be {computed}, the manifest says {expected}: the base has drifted or the delta is corrupt"

@@ -380,7 +380,7 @@ pub enum AssembleError {
     NoManifest,
     #[error("segments missing: {0:?}")]
     MissingSegments(Vec<u32>),
-    #[error("refused manifest signature: {0}")]
+    #[error("refused manifest signature")]
     Signature(#[from] crate::manifest::SignatureError),
     #[error(transparent)]
     Decode(#[from] DecodeError),

@@ -34,7 +34,7 @@ pub(crate) struct Panel {
 
 #[derive(Debug, thiserror::Error)]
 pub(crate) enum PlotError {
-    #[error("write {path}: {source}")]
+    #[error("write {path}")]
     Io {
         path: String,
         source: std::io::Error,

@@ -48,7 +48,7 @@ pub struct LogArgs {
 #[derive(Debug, thiserror::Error)]
 pub enum LogInitError {
     /// The filter directives do not parse.
-    #[error("--log {directives:?} is not a valid filter: {source}")]
+    #[error("--log {directives:?} is not a valid filter")]
     Filter {
         /// What was given.
         directives: String,

@@ -17,7 +17,7 @@ use serde_json::Value;
 /// Why a request failed.
 #[derive(Debug, thiserror::Error)]
 pub enum HubError {
-    #[error("cannot reach the hub at {addr}: {source}")]
+    #[error("cannot reach the hub at {addr}")]
     Unreachable {
         addr: String,
         source: std::io::Error,

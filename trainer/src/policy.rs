@@ -21,7 +21,7 @@ use starling_engine::{Bf16Tensor, Bf16Tensors, ModelConfig};
 /// Errors of the policy.
 #[derive(Debug, thiserror::Error)]
 pub enum PolicyError {
-    #[error("tensor computation: {0}")]
+    #[error("tensor computation")]
     Candle(#[from] candle_core::Error),
     #[error("checkpoint lacks tensor `{0}`")]
     Missing(String),
@@ -31,12 +31,12 @@ pub enum PolicyError {
         got: Vec<usize>,
         want: Vec<usize>,
     },
-    #[error("write checkpoint {path}: {source}")]
+    #[error("write checkpoint {path}")]
     Write {
         path: String,
         source: std::io::Error,
     },
-    #[error("serialize checkpoint: {0}")]
+    #[error("serialize checkpoint")]
     Serialize(#[from] safetensors::SafeTensorError),
 }
 

@@ -39,12 +39,12 @@ pub enum TrainError {
         secs: u64,
         accepted: usize,
     },
-    #[error("keep version {version} for the log-prob check: {source}")]
+    #[error("keep version {version} for the log-prob check")]
     Keep {
         version: u64,
         source: starling_engine::LoadError,
     },
-    #[error("create checkpoint directory {path}: {source}")]
+    #[error("create checkpoint directory {path}")]
     Dir {
         path: String,
         source: std::io::Error,

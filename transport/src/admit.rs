@@ -30,7 +30,7 @@ pub struct Admitted {
 /// Why admission could not even be attempted.
 #[derive(Debug, Error)]
 pub enum AdmitError {
-    #[error("accept control stream: {0}")]
+    #[error("accept control stream")]
     Accept(#[from] quinn::ConnectionError),
     #[error(transparent)]
     Framed(#[from] FramedError),
@@ -80,7 +80,10 @@ pub async fn admit(
             format!("{server} does not serve {role:?}s"),
         ))
     } else if let Err(e) = verify_peer(conn, cert_role, cert_name) {
-        Some((RefuseReason::NotAuthorized, e.to_string()))
+        Some((
+            RefuseReason::NotAuthorized,
+            starling_telemetry::error_chain(&e),
+        ))
     } else if theirs != model_id {
         Some((
             RefuseReason::Protocol,

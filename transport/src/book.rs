@@ -304,9 +304,9 @@ pub enum BookError {
 /// Why a stored delta file could not be added to a book.
 #[derive(Debug, Error)]
 pub enum LoadError {
-    #[error("unreadable delta: {0}")]
+    #[error("unreadable delta")]
     Decode(#[from] DecodeError),
-    #[error("delta does not verify: {0}")]
+    #[error("delta does not verify")]
     Verify(#[from] starling_proto::container::AssembleError),
     #[error("the file holds version {found}, the book needs {expected}")]
     WrongVersion { found: u64, expected: u64 },

@@ -30,13 +30,13 @@ const SOCKET_BUFFER: usize = 4 << 20;
 pub enum EndpointError {
     #[error("invalid {what} PEM: {detail}")]
     Pem { what: &'static str, detail: String },
-    #[error("TLS configuration: {0}")]
+    #[error("TLS configuration")]
     Tls(#[from] rustls::Error),
     #[error("TLS client verifier: {0}")]
     Verifier(String),
     #[error("QUIC configuration: {0}")]
     Quic(String),
-    #[error("socket {addr}: {source}")]
+    #[error("socket {addr}")]
     Socket {
         addr: SocketAddr,
         #[source]

@@ -39,11 +39,11 @@ use starling_telemetry::Metrics;
 pub enum FanoutError {
     #[error(transparent)]
     Framed(#[from] FramedError),
-    #[error("open data stream: {0}")]
+    #[error("open data stream")]
     Open(#[from] quinn::ConnectionError),
-    #[error("send data: {0}")]
+    #[error("send data")]
     Write(#[from] quinn::WriteError),
-    #[error("finish data stream: {0}")]
+    #[error("finish data stream")]
     Closed(#[from] quinn::ClosedStream),
     #[error("expected Subscribe, got {0}")]
     NoSubscribe(String),
@@ -285,7 +285,12 @@ async fn answer_requests(
                         Filter::Only(Arc::new(seqs.into_iter().collect()))
                     };
                     if let Err(e) = sender.resend(&book, &ctl, version, only).await {
-                        tracing::warn!(peer = %sender.name, version, "resend failed: {e}");
+                        tracing::warn!(
+                            peer = %sender.name,
+                            version,
+                            "resend failed: {}",
+                            starling_telemetry::error_chain(&e)
+                        );
                     }
                 });
             }
@@ -294,7 +299,12 @@ async fn answer_requests(
                 requests.spawn(async move {
                     let skip = Filter::Except(Arc::new(have.into_iter().collect()));
                     if let Err(e) = sender.resend(&book, &ctl, version, skip).await {
-                        tracing::warn!(peer = %sender.name, version, "resume failed: {e}");
+                        tracing::warn!(
+                            peer = %sender.name,
+                            version,
+                            "resume failed: {}",
+                            starling_telemetry::error_chain(&e)
+                        );
                     }
                 });
             }
@@ -306,7 +316,11 @@ async fn answer_requests(
                     if let Err(e) =
                         send_anchor(&conn, &ctl, anchors.as_deref(), after_version).await
                     {
-                        tracing::warn!(peer = %name, "anchor not sent: {e}");
+                        tracing::warn!(
+                            peer = %name,
+                            "anchor not sent: {}",
+                            starling_telemetry::error_chain(&e)
+                        );
                     }
                 });
             }

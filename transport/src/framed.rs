@@ -9,11 +9,11 @@ use thiserror::Error;
 /// Why a message could not be sent or received.
 #[derive(Debug, Error)]
 pub enum FramedError {
-    #[error("stream write: {0}")]
+    #[error("stream write")]
     Write(#[from] quinn::WriteError),
-    #[error("stream read: {0}")]
+    #[error("stream read")]
     Read(#[from] quinn::ReadError),
-    #[error("malformed message: {0}")]
+    #[error("malformed message")]
     Decode(#[from] DecodeError),
     #[error("stream ended inside a message")]
     Truncated,

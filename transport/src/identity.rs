@@ -67,14 +67,14 @@ pub fn peer_dns_name(role: Role, name: &str) -> String {
 /// Why identity files could not be created or read.
 #[derive(Debug, Error)]
 pub enum IdentityError {
-    #[error("{op} {path}: {source}")]
+    #[error("{op} {path}")]
     Io {
         op: &'static str,
         path: PathBuf,
         #[source]
         source: std::io::Error,
     },
-    #[error("certificate generation: {0}")]
+    #[error("certificate generation")]
     Rcgen(#[from] rcgen::Error),
     #[error(
         "invalid peer name {0:?}: use 1–63 characters of a–z, 0–9 and '-', not starting or ending with '-'"

@@ -64,7 +64,7 @@ pub enum UpstreamError {
     Endpoint(#[from] EndpointError),
     #[error(transparent)]
     Framed(#[from] FramedError),
-    #[error("open control stream: {0}")]
+    #[error("open control stream")]
     Connection(#[from] quinn::ConnectionError),
     #[error("refused: {0}")]
     Refused(String),
@@ -153,7 +153,7 @@ pub async fn subscribe(
                     continue;
                 }
                 Ok(None) => UpstreamEvent::Closed("upstream closed the control stream".into()),
-                Err(e) => UpstreamEvent::Closed(e.to_string()),
+                Err(e) => UpstreamEvent::Closed(starling_telemetry::error_chain(&e)),
             };
             let closed = matches!(ev, UpstreamEvent::Closed(_));
             if tx.send(ev).await.is_err() || closed {
@@ -187,7 +187,7 @@ async fn read_data_stream(recv: quinn::RecvStream, ev: mpsc::Sender<UpstreamEven
             return;
         }
         Ok(other) => return tracing::warn!("data stream began with {other:?}"),
-        Err(e) => return tracing::warn!("data stream: {e}"),
+        Err(e) => return tracing::warn!("data stream: {}", starling_telemetry::error_chain(&e)),
     };
     let started = UpstreamEvent::StreamStarted {
         version,
@@ -212,7 +212,7 @@ async fn read_data_stream(recv: quinn::RecvStream, ev: mpsc::Sender<UpstreamEven
                 }
             }
             Ok(None) => break None,
-            Err(e) => break Some(e.to_string()),
+            Err(e) => break Some(starling_telemetry::error_chain(&e)),
         }
     };
     let _ = ev
