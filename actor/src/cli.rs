@@ -71,7 +71,7 @@ where
 {
     let a = Args::parse_from(args);
     if let Err(e) = starling_telemetry::logging::init(&a.log) {
-        eprintln!("error: {e}");
+        eprintln!("error: {}", starling_telemetry::error_chain(&e));
         return std::process::ExitCode::from(2);
     }
     let mut sources = Vec::new();

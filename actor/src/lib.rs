@@ -298,10 +298,12 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
                     source = %source.name,
                     role = source.role.as_str(),
                     addr = %source.addr,
-                    "source not reached: {e}"
+                    "source not reached: {}",
+                    starling_telemetry::error_chain(&e)
                 );
                 if failures > MAX_FAILOVERS {
-                    bail!("no source reachable after {failures} attempts: {e}");
+                    return Err(e)
+                        .context(format!("no source reachable after {failures} attempts"));
                 }
                 tokio::time::sleep(std::time::Duration::from_millis(200)).await;
                 continue;
@@ -649,7 +651,11 @@ impl Pipeline<'_> {
             }
         };
         if let Err(e) = staged {
-            tracing::warn!(version, "staging failed ({e}); fetching it again");
+            tracing::warn!(
+                version,
+                "staging failed ({}); fetching it again",
+                starling_telemetry::error_chain(&e)
+            );
             self.pending.remove(&version);
             let _ = self.refetch(control, version, Vec::new()).await;
         }
@@ -764,7 +770,11 @@ impl Pipeline<'_> {
         match failed {
             None => p.stager = Some(stager),
             Some(e) => {
-                tracing::warn!(version, "staging failed ({e}); it will be fetched again");
+                tracing::warn!(
+                    version,
+                    "staging failed ({}); it will be fetched again",
+                    starling_telemetry::error_chain(&e)
+                );
                 self.pending.remove(&version);
             }
         }

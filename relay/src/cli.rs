@@ -65,7 +65,7 @@ where
 {
     let a = Args::parse_from(args);
     if let Err(e) = starling_telemetry::logging::init(&a.log) {
-        eprintln!("error: {e}");
+        eprintln!("error: {}", starling_telemetry::error_chain(&e));
         return std::process::ExitCode::from(2);
     }
     if !(a.wan_mbit.is_finite() && a.wan_mbit > 0.0) {

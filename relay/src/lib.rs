@@ -290,21 +290,24 @@ async fn follow_hub(
             Some((version, _)) => *version,
             None => f.done_through(),
         };
-        let mut up = match subscribe(creds, cfg.hub, Role::Hub, "hub", &hello, after, &cfg.wan)
-            .await
-        {
-            Ok(up) => up,
-            Err(UpstreamError::Refused(why)) => bail!("the hub refused this relay: {why}"),
-            Err(e @ UpstreamError::Endpoint(EndpointError::ForeignCluster { .. })) => {
-                return Err(e).context("subscribe to the hub");
-            }
-            Err(e) => {
-                tracing::warn!(hub = %cfg.hub, "hub not reached: {e}; trying again in {backoff:?}");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(RECONNECT_MAX);
-                continue;
-            }
-        };
+        let mut up =
+            match subscribe(creds, cfg.hub, Role::Hub, "hub", &hello, after, &cfg.wan).await {
+                Ok(up) => up,
+                Err(UpstreamError::Refused(why)) => bail!("the hub refused this relay: {why}"),
+                Err(e @ UpstreamError::Endpoint(EndpointError::ForeignCluster { .. })) => {
+                    return Err(e).context("subscribe to the hub");
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        hub = %cfg.hub,
+                        "hub not reached: {}; trying again in {backoff:?}",
+                        starling_telemetry::error_chain(&e)
+                    );
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(RECONNECT_MAX);
+                    continue;
+                }
+            };
         backoff = RECONNECT_MIN;
         println!("upstream hub");
         tracing::info!(hub = %cfg.hub, after_version = after, "subscribed to the hub");
@@ -484,7 +487,11 @@ impl Follower<'_> {
             Err(e) => return tracing::warn!(version, "dropped a frame: {e}"),
         }
         if let Err(e) = inc.assembler.add(frame.as_frame()) {
-            return tracing::warn!(version, "dropped a frame: {e}");
+            return tracing::warn!(
+                version,
+                "dropped a frame: {}",
+                starling_telemetry::error_chain(&e)
+            );
         }
         if frame.kind != FrameKind::Trailer {
             match WireFrame::parse(frame.bytes) {
@@ -520,7 +527,11 @@ impl Follower<'_> {
         // A failed send means the connection is going: its end arrives as an event, and the
         // next connection resumes from what is here.
         if let Err(e) = send(control, &Message::Fetch { version, seqs }).await {
-            tracing::warn!(version, "fetch not sent: {e}");
+            tracing::warn!(
+                version,
+                "fetch not sent: {}",
+                starling_telemetry::error_chain(&e)
+            );
         }
         Ok(())
     }
@@ -550,7 +561,7 @@ impl Follower<'_> {
             let outcome = inc
                 .assembler
                 .finish(&trust)
-                .map_err(|e| e.to_string())
+                .map_err(|e| starling_telemetry::error_chain(&e))
                 .map(|_| {
                     if let Some(dir) = &cache {
                         if let Err(e) = write_cache(dir, &inc.live) {
@@ -591,7 +602,11 @@ impl Follower<'_> {
                     missing: Vec::new(),
                 };
                 if let Err(e) = send(control, &staged).await {
-                    tracing::debug!(version, "staged report not sent: {e}");
+                    tracing::debug!(
+                        version,
+                        "staged report not sent: {}",
+                        starling_telemetry::error_chain(&e)
+                    );
                 }
             }
             Err(e) => {
@@ -642,7 +657,11 @@ fn load_cache(dir: &Path, book: &VersionBook, trust: &TrustPolicy) -> Result<usi
             return Ok(n);
         };
         if let Err(e) = book.load_delta(&bytes, trust) {
-            tracing::warn!(path = %path.display(), "cache file refused: {e}; ignoring the cache from here");
+            tracing::warn!(
+                path = %path.display(),
+                "cache file refused: {}; ignoring the cache from here",
+                starling_telemetry::error_chain(&e)
+            );
             return Ok(n);
         }
         n += 1;

@@ -469,7 +469,10 @@ pub(crate) fn run_mode(
             Ok(s) => {
                 link_stats.insert(name, s);
             }
-            Err(e) => println!("   link {name}: no statistics ({e})"),
+            Err(e) => println!(
+                "   link {name}: no statistics ({:#})",
+                anyhow::Error::new(e)
+            ),
         }
     }
 

@@ -51,7 +51,10 @@ impl ApiError {
         }
     }
 
-    fn internal(what: &str, e: impl std::fmt::Display) -> Self {
+    /// `what: ` and the whole chain of `e` (a ledger error says only "ledger database"; its
+    /// cause is in its source).
+    fn internal(what: &str, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        let e = starling_telemetry::error_chain(&*e.into());
         Self::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal",
@@ -184,7 +187,11 @@ async fn create(
         return Err(ApiError::new(
             StatusCode::UNPROCESSABLE_ENTITY,
             "unreadable_checkpoint",
-            format!("{}: {e}", req.path.display()),
+            format!(
+                "{}: {}",
+                req.path.display(),
+                starling_telemetry::error_chain(&e)
+            ),
         ));
     }
     match publish(&hub, &req.path, req.step).await {

@@ -458,7 +458,7 @@ where
 {
     let cli = Cli::parse_from(args);
     if let Err(e) = starling_telemetry::logging::init(&cli.log) {
-        eprintln!("error: {e}");
+        eprintln!("error: {}", starling_telemetry::error_chain(&e));
         return std::process::ExitCode::from(2);
     }
     match run(cli) {

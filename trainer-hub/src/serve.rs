@@ -476,7 +476,7 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
     hub.metrics.peer_connected(role.as_str(), -1);
     // A connection that ended on its own is still a fault when the peer did not close it.
     let why = match (&served, conn.close_reason()) {
-        (Err(e), _) => Some(e.to_string()),
+        (Err(e), _) => Some(format!("{e:#}")),
         (Ok(()), Some(quinn::ConnectionError::ApplicationClosed(_))) | (Ok(()), None) => None,
         (Ok(()), Some(reason)) => Some(reason.to_string()),
     };

@@ -23,7 +23,7 @@ fn main() {
     let cfg = match cfg {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("failed to build the config: {e}");
+            eprintln!("failed to build the config: {:#}", anyhow::Error::from(e));
             std::process::exit(1);
         }
     };
@@ -31,7 +31,7 @@ fn main() {
     let mut model = match Model::from_tensors(cfg, &weights) {
         Ok(m) => m,
         Err(e) => {
-            eprintln!("failed to load the model: {e}");
+            eprintln!("failed to load the model: {:#}", anyhow::Error::from(e));
             std::process::exit(1);
         }
     };
