@@ -3,7 +3,8 @@
 //! For each learning rate it generates a consecutive checkpoint pair with the workload
 //! generator and measures, in the same run and on the same bytes:
 //! - encoded size of Starling and of the peers' encodings (implemented here from their
-//!   papers' descriptions), and the empirical entropy bounds;
+//!   papers' descriptions, and slime's from its source: the new BF16 bytes XOR the base's,
+//!   zstd-1 per changed tensor), and the empirical entropy bounds;
 //! - diff+encode throughput (dense GB/s scanned) on 1 thread and on all threads, next to
 //!   a plain two-buffer compare loop over the same bytes;
 //! - decode (staging) speed, commit-time apply next to a bare scatter of the same pairs,
@@ -44,6 +45,9 @@ struct Args {
     /// Only run diff+encode this many times on the first learning rate (for profilers).
     #[arg(long)]
     profile_encode: Option<usize>,
+    /// Only measure encoded sizes (they do not depend on timing); skip the speed tables.
+    #[arg(long)]
+    sizes_only: bool,
 }
 
 type Model = BTreeMap<String, Vec<u16>>;
@@ -110,10 +114,14 @@ fn main() -> Result<()> {
         );
         let (old, new) = (&steps[1], &steps[2]);
         size_rows.push(sizes(lr, old, new, &row_lens));
-        speed_rows.push(speeds(lr, old, new, args.reps, threads)?);
+        if !args.sizes_only {
+            speed_rows.push(speeds(lr, old, new, args.reps, threads)?);
+        }
     }
     print_sizes(&size_rows);
-    print_speeds(&speed_rows, threads);
+    if !args.sizes_only {
+        print_speeds(&speed_rows, threads);
+    }
     Ok(())
 }
 
@@ -125,6 +133,9 @@ struct SizeRow {
     naive: usize,
     sparrow: usize,
     pulse: usize,
+    /// int32 flat positions + BF16 values, zstd-1 over the whole model.
+    pos_vals: usize,
+    /// slime's disk delta: each changed tensor's BF16 bytes XORed with the base, zstd-1.
     slime: usize,
     bound: f64,
     bound_ctx: f64,
@@ -141,6 +152,9 @@ fn header(model: &Model) -> DeltaHeader {
     }
 }
 
+/// zstd level 1: the level of the PULSE-style baseline, and the level slime hard-codes for its
+/// XOR deltas (`zstandard.ZstdCompressor(level=1)` in THUDM/slime's
+/// `update_weight_from_disk_delta.py`).
 fn zstd1(b: &[u8]) -> usize {
     zstd::bulk::compress(b, 1)
         .map(|c| c.len())
@@ -159,6 +173,8 @@ fn sizes(lr: f32, old: &Model, new: &Model, row_lens: &BTreeMap<String, usize>) 
     let mut sparrow = Vec::new();
     let (mut p_rows, mut p_cols, mut p_vals) = (Vec::new(), Vec::new(), Vec::new());
     let (mut s_pos, mut s_vals) = (Vec::new(), Vec::new());
+    let mut slime = 0;
+    let mut xor = Vec::new();
     let mut changes = 0u64;
     let mut elements = 0u64;
     let mut mask_bits = 0f64;
@@ -200,10 +216,19 @@ fn sizes(lr: f32, old: &Model, new: &Model, row_lens: &BTreeMap<String, usize>) 
         for v in &d.new {
             p_vals.extend_from_slice(&v.to_le_bytes());
         }
-        // slime-style: int32 flat positions + BF16 values, zstd-1.
+        // int32 flat positions + BF16 values, zstd-1 (a sparse COO baseline).
         for (&p, &v) in d.positions.iter().zip(&d.new) {
             s_pos.extend_from_slice(&(p as u32).to_le_bytes());
             s_vals.extend_from_slice(&v.to_le_bytes());
+        }
+        // slime (disk delta, its default `xor` encoding): the new tensor's bytes XOR the
+        // base's over every element, dense and mostly zeros, zstd-1 per tensor; a tensor
+        // without changes is not sent. (Its safetensors header and per-tensor checksums are
+        // left out, as Starling's per-tensor BLAKE3 is.)
+        if !d.is_empty() {
+            xor.clear();
+            xor.extend(o.iter().zip(n).flat_map(|(a, b)| (a ^ b).to_le_bytes()));
+            slime += zstd1(&xor);
         }
         // Bounds: order-0 mask entropy per tensor; mask entropy given the base value's
         // BF16 exponent; order-0 entropy of the ULP step over all changes.
@@ -234,8 +259,8 @@ fn sizes(lr: f32, old: &Model, new: &Model, row_lens: &BTreeMap<String, usize>) 
     let mut pulse_all = p_rows;
     pulse_all.extend_from_slice(&p_cols);
     pulse_all.extend_from_slice(&p_vals);
-    let mut slime_all = s_pos;
-    slime_all.extend_from_slice(&s_vals);
+    let mut pos_vals = s_pos;
+    pos_vals.extend_from_slice(&s_vals);
     SizeRow {
         lr,
         elements,
@@ -244,7 +269,8 @@ fn sizes(lr: f32, old: &Model, new: &Model, row_lens: &BTreeMap<String, usize>) 
         naive,
         sparrow: sparrow.len(),
         pulse: zstd1(&pulse_all),
-        slime: zstd1(&slime_all),
+        pos_vals: zstd1(&pos_vals),
+        slime,
         bound: (mask_bits + residual_bits) / 8.0,
         bound_ctx: (mask_ctx_bits + residual_bits) / 8.0,
     }
@@ -261,14 +287,19 @@ fn h2(p: f64) -> f64 {
 fn print_sizes(rows: &[SizeRow]) {
     println!("### Encoded size (bytes per changed element; whole-model totals in MB)\n");
     println!(
-        "| lr | density | changes | naive i32+bf16 | SparrowRL | PULSE-style | slime-style | **Starling** | bound (mask+step) | bound (mask\\|exp + step) | vs SparrowRL | vs best baseline | vs bound |"
+        "| lr | density | changes | naive i32+bf16 | SparrowRL | PULSE-style | i32 pos + bf16, zstd-1 | slime (XOR, zstd-1) | **Starling** | bound (mask+step) | bound (mask\\|exp + step) | vs SparrowRL | vs slime | vs best baseline | vs bound |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         let per = |b: f64| b / r.changes.max(1) as f64;
-        let best = r.naive.min(r.sparrow).min(r.pulse).min(r.slime) as f64;
+        let best = r
+            .naive
+            .min(r.sparrow)
+            .min(r.pulse)
+            .min(r.pos_vals)
+            .min(r.slime) as f64;
         println!(
-            "| {:.0e} | {:.2}% | {} | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | **{:.2} ({:.1})** | {:.2} | {:.2} | {:.2}× smaller | {:.2}× smaller | {:.2}× the bound |",
+            "| {:.0e} | {:.2}% | {} | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | **{:.2} ({:.1})** | {:.2} | {:.2} | {:.2}× smaller | {:.2}× smaller | {:.2}× smaller | {:.2}× the bound |",
             r.lr,
             100.0 * r.changes as f64 / r.elements as f64,
             r.changes,
@@ -278,6 +309,8 @@ fn print_sizes(rows: &[SizeRow]) {
             r.sparrow as f64 / 1e6,
             per(r.pulse as f64),
             r.pulse as f64 / 1e6,
+            per(r.pos_vals as f64),
+            r.pos_vals as f64 / 1e6,
             per(r.slime as f64),
             r.slime as f64 / 1e6,
             per(r.starling as f64),
@@ -285,6 +318,7 @@ fn print_sizes(rows: &[SizeRow]) {
             per(r.bound),
             per(r.bound_ctx),
             r.sparrow as f64 / r.starling as f64,
+            r.slime as f64 / r.starling as f64,
             best / r.starling as f64,
             r.starling as f64 / r.bound,
         );
