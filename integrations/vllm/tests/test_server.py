@@ -139,6 +139,10 @@ def test_generation_equals_a_fresh_vllm(server, ckpts, workdir, results):
     fresh = Server(ckpts[-1], workdir / "vllm-fresh.log", extension=False)
     try:
         reference = [fresh.greedy(p) for p in PROMPTS]
+        # a vLLM started without the extension: the actor must see an error that names it
+        r = requests.post(fresh.url + "/collective_rpc", json={"method": "starling_status", "args": []}, timeout=60)
+        results["without_extension"] = {"http_status": r.status_code, "body": r.text[:300]}
+        assert r.status_code != 200 or "starling_status" in r.text, r.text
     finally:
         fresh.stop()
     for (ids, lps), (rids, rlps) in zip(updated, reference):
