@@ -235,7 +235,11 @@ async fn note_if_finished(ledger: &Ledger, board: &Board, batch: i64) {
             board.batch_finished(batch, now_ms());
         }
         Ok(_) => {}
-        Err(e) => tracing::warn!(batch, "read batch status: {e:#}"),
+        Err(e) => tracing::warn!(
+            batch,
+            "read batch status: {}",
+            starling_telemetry::error_chain(&e)
+        ),
     }
 }
 
@@ -263,12 +267,18 @@ pub(crate) async fn run_scheduler(
                     }
                 }
             }
-            Err(e) => tracing::error!("lease sweep failed: {e:#}"),
+            Err(e) => tracing::error!(
+                "lease sweep failed: {}",
+                starling_telemetry::error_chain(&e)
+            ),
         }
         let batches = match ledger.unscheduled_batches(64).await {
             Ok(b) => b,
             Err(e) => {
-                tracing::error!("read posted batches: {e:#}");
+                tracing::error!(
+                    "read posted batches: {}",
+                    starling_telemetry::error_chain(&e)
+                );
                 continue;
             }
         };
@@ -285,7 +295,11 @@ pub(crate) async fn run_scheduler(
                 }
                 // No actor can run it yet: try again next tick.
                 Err(ScheduleError::NoEligibleActors(_)) => {}
-                Err(e) => tracing::error!(batch = b.raw(), "schedule batch: {e:#}"),
+                Err(e) => tracing::error!(
+                    batch = b.raw(),
+                    "schedule batch: {}",
+                    starling_telemetry::error_chain(&e)
+                ),
             }
         }
     }
