@@ -26,15 +26,19 @@ pub use metrics::{Component, Metrics};
 ///
 /// Starling's errors never repeat their source in their own message (the source is reachable
 /// through [`std::error::Error::source`]), so `to_string()` alone drops the cause; this puts it
-/// back. A cause whose message the message above it already ends with (a third-party error
-/// that prints its source itself) is not repeated.
+/// back. A cause whose message the message above it already is or ends with after a `": "` (a
+/// third-party error that prints its source itself) is not repeated.
 pub fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut last = text.clone();
     let mut cause = error.source();
     while let Some(e) = cause {
         let message = e.to_string();
-        if !message.is_empty() && !last.ends_with(&message) {
+        let repeated = last == message
+            || last
+                .strip_suffix(message.as_str())
+                .is_some_and(|head| head.ends_with(": "));
+        if !message.is_empty() && !repeated {
             text.push_str(": ");
             text.push_str(&message);
         }
@@ -101,5 +105,11 @@ mod tests {
         assert_eq!(error_chain(&e), "outer: inner");
         let plain = std::io::Error::other("alone");
         assert_eq!(error_chain(&plain), "alone");
+        // A message that merely ends with the same words is a different cause.
+        #[derive(Debug, thiserror::Error)]
+        #[error("refused manifest")]
+        struct Outer(#[source] std::io::Error);
+        let e = Outer(std::io::Error::other("manifest"));
+        assert_eq!(error_chain(&e), "refused manifest: manifest");
     }
 }
