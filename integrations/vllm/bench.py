@@ -1,12 +1,12 @@
 """Time to make a version live in a running vLLM: sparse in place vs full reload vs restart.
 
-    <venv python> integrations/vllm/bench.py --model 0.5b --versions 3 --out /var/tmp/starling-vllm-bench
+    <venv python> integrations/vllm/bench.py --model 0.5b --versions 4 --out /var/tmp/starling-vllm-bench
 
 Run with the venv from install.sh (PYTHONPATH is set by the script for src/ and tests/).
 Generates versions+1 checkpoints with `starling-hub bench gen` (STARLING_BIN_DIR), starts
 `vllm.entrypoints.openai.api_server` with the extension on the first, then per version:
 /pause?mode=keep, starling_apply(patch file), /resume (timed from the client, HTTP included),
-and a full in-place reload of the same version (starling_load_full, digest included) and the
+(odd versions through vLLM's loader, even ones by direct scatter), and a full in-place reload of the same version (starling_load_full, digest included) and the
 server's cold start for comparison. Prints one JSON object."""
 
 import argparse
@@ -27,7 +27,7 @@ from vllm_harness import MODEL_ID, Server, write_patch  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="0.5b")
-    ap.add_argument("--versions", type=int, default=3)
+    ap.add_argument("--versions", type=int, default=4)
     ap.add_argument("--out", default="/var/tmp/starling-vllm-bench")
     a = ap.parse_args()
     out = Path(a.out) / a.model
@@ -58,6 +58,7 @@ def main() -> None:
         assert r["ok"], r
         res["attach_full_digest_s"] = time.perf_counter() - t0
         old = load_file(dirs[0] / "model.safetensors")
+        pre = r["digest"]  # vLLM's, equal to the generator's (the tests check that)
         numel = sum(t.numel() for t in old.values())
         res["parameters"] = numel
         rows = []
@@ -65,15 +66,17 @@ def main() -> None:
             new = load_file(dirs[k] / "model.safetensors")
             path = out / f"patch-{k:04}.safetensors"
             t0 = time.perf_counter()
-            p = write_patch(path, old, new, k - 1, k)
+            p = write_patch(path, old, new, k - 1, k, pre=pre)
+            pre = p.post_digest
             make_s = time.perf_counter() - t0
+            mode = "loader" if k % 2 else "scatter"
             t0 = time.perf_counter()
             s.post("/pause?mode=keep")
-            r = s.rpc("starling_apply", str(path))
+            r = s.rpc("starling_apply", str(path), mode)
             s.post("/resume")
             wall = time.perf_counter() - t0
             assert r["ok"], r
-            rows.append({"version": k, "changes": p.num_changes, "fraction": p.num_changes / numel,
+            rows.append({"version": k, "mode": mode, "changes": p.num_changes, "fraction": p.num_changes / numel,
                          "patch_bytes": path.stat().st_size, "make_patch_s": make_s,
                          "pause_apply_resume_s": wall, "extension": r["seconds"]})
             old = new
@@ -85,7 +88,9 @@ def main() -> None:
         assert r["ok"], r
         res["full_reload_extension"] = r["seconds"]
         assert s.greedy([1, 17, 230, 4711, 99]) == ids
-        res["median_sparse_pause_apply_resume_s"] = statistics.median(x["pause_apply_resume_s"] for x in rows)
+        for m in ("loader", "scatter"):
+            res[f"median_{m}_pause_apply_resume_s"] = statistics.median(
+                x["pause_apply_resume_s"] for x in rows if x["mode"] == m)
         res["median_changed_fraction"] = statistics.median(x["fraction"] for x in rows)
     finally:
         s.stop()

@@ -100,11 +100,20 @@ def _transformers_checkpoints(raw: Path, versions: int) -> tuple[list[Path], str
 
 def write_patch(path: Path, old: dict, new: dict, base: int, version: int, model_id: str = MODEL_ID,
                 pre: str | None = None, post: str | None = None) -> sp.Patch:
-    p = sp.Patch(
-        model_id=model_id, base_version=base, version=version,
-        pre_digest=pre or state_digest(model_id, old), post_digest=post or state_digest(model_id, new),
-        changes=sp.diff(old, new),
-    )
+    """The patch old -> new. Digests: ``pre`` if given (else hashed from ``old``); ``post`` if
+    given, else ``pre`` moved by the changed elements only (the additive digest)."""
+    changes = sp.diff(old, new)
+    pre = pre or state_digest(model_id, old)
+    if post is None:
+        key = dg.DigestKey(model_id)
+        d = dg.from_hex(pre)
+        for c in changes:
+            idx = c.indices.numpy()
+            d -= dg.tensor_sum(key, c.name, old[c.name].reshape(-1)[c.indices].view(torch.int16).numpy().view("uint16"), idx)
+            d += dg.tensor_sum(key, c.name, c.values.view(torch.int16).numpy().view("uint16"), idx)
+        post = dg.to_hex(d)
+    p = sp.Patch(model_id=model_id, base_version=base, version=version, pre_digest=pre,
+                 post_digest=post, changes=changes)
     sp.write(str(path), p)
     return p
 

@@ -189,8 +189,16 @@ class StarlingWorkerExtension:
         except Exception as e:
             return self._fail(e, False)
 
-    def starling_apply(self, path: str) -> dict:
-        """Applies one patch file in place (docs/vllm.md); answers the state digest reached."""
+    def starling_apply(self, path: str, mode: str = "auto") -> dict:
+        """Applies one patch file in place (docs/vllm.md); answers the state digest reached.
+
+        ``mode``: ``loader`` writes through vLLM's ``load_checkpoint_weight_patches`` (the
+        model's own ``load_weights``: its name mapping and tensor-parallel slicing; O(tensor)
+        per touched tensor, since unchanged positions ride as NaN in a full-size staging
+        tensor); ``scatter`` writes the positions straight into the parameters through the
+        extension's checkpoint-coordinate views (O(changes); tensor parallel 1 only);
+        ``auto`` (default): ``scatter`` when tensor parallel is 1, else ``loader``. Both copy
+        bits; the tests alternate them and compare with vLLM's own load."""
         from vllm.model_executor.model_loader.checkpoint_weight_patch import (
             CheckpointWeightPatch,
             load_checkpoint_weight_patches,
@@ -208,6 +216,10 @@ class StarlingWorkerExtension:
             if st["model_id"] is None:
                 raise Refused("no version is known: call starling_attach or starling_load_full first")
             self._check_tp1("starling_apply")
+            if mode not in ("auto", "loader", "scatter"):
+                raise Refused(f"mode must be auto, loader or scatter, not {mode!r}")
+            if mode == "auto":
+                mode = "scatter" if self._tp() == 1 else "loader"
             p = read_patch(path)
             if p.model_id != st["model_id"]:
                 raise Refused(
@@ -248,11 +260,20 @@ class StarlingWorkerExtension:
                 old_sum += dg.tensor_sum(key, c.name, _bits(old), c.indices.numpy())
             t1 = time.perf_counter()
             wrote = True
-            loaded = load_checkpoint_weight_patches(
-                self._model(),
-                [CheckpointWeightPatch(c.name, tuple(c.shape), torch.bfloat16, c.values, c.indices)
-                 for c in p.changes],
-            )
+            if mode == "loader":
+                loaded = load_checkpoint_weight_patches(
+                    self._model(),
+                    [CheckpointWeightPatch(c.name, tuple(c.shape), torch.bfloat16, c.values, c.indices)
+                     for c in p.changes],
+                )
+            else:
+                loaded = set()
+                for c in p.changes:
+                    slot = layout[c.name]
+                    # a view into the parameter's storage (rows of a contiguous tensor); the
+                    # read-back below would catch a copy
+                    slot.view().reshape(-1).index_copy_(0, c.indices, c.values)
+                    loaded.add(slot.param_name)
             t2 = time.perf_counter()
             repacked = self._repack(loaded)
             t3 = time.perf_counter()
@@ -272,7 +293,7 @@ class StarlingWorkerExtension:
             st.update(version=p.version, digest=d)
             return {
                 "ok": True, "version": p.version, "digest": dg.to_hex(d), "changes": p.num_changes,
-                "tensors": len(p.changes), "layers_repacked": repacked,
+                "tensors": len(p.changes), "layers_repacked": repacked, "mode": mode,
                 "seconds": {"validate": t1 - t0, "write": t2 - t1, "repack": t3 - t2,
                             "verify": t4 - t3, "total": t4 - t0},
             }
