@@ -11,7 +11,7 @@ mod durable;
 mod jobs;
 pub mod keys;
 mod rollouts;
-mod snapshot;
 pub mod serve;
+mod snapshot;
 mod status;
 pub mod verify;
