@@ -183,19 +183,22 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         status_rx.clone(),
         metrics.clone(),
     ));
+    let mut http_server = None;
     if let Some(http) = cfg.http {
         let (listener, at) = starling_telemetry::http::bind(http)
             .await
             .with_context(|| format!("bind HTTP on {http}"))?;
         let m = metrics.clone();
         let routes = status::router(shown.clone());
-        tokio::spawn(async move {
+        // Owned by `run`: aborted when it returns or is dropped (SIGTERM, SIGINT).
+        http_server = Some(AbortOnDrop(tokio::spawn(async move {
             if let Err(e) = starling_telemetry::http::serve(listener, m, routes).await {
                 tracing::error!("HTTP server stopped: {e}");
             }
-        });
+        })));
         println!("http on {at}");
     }
+    let _http_server = http_server;
     let engine: Option<Arc<dyn Engine>> = match &cfg.engine {
         None => None,
         Some(e) => {

@@ -110,7 +110,11 @@ pub enum Message {
         version: u64,
         missing: Vec<u32>,
     },
-    /// Activate `version` at the next safe point. Idempotent; out of order is refused.
+    /// Activate `version` at the next safe point. Idempotent. Versions activate strictly in
+    /// order: a `Commit` for a later version than the next one is held until every version
+    /// before it is active (a server may commit v+2 while the receiver is still activating
+    /// v+1), is never applied on another base (the delta's base version and digest are checked
+    /// at seal), and one for a version at or below the active one is ignored.
     Commit {
         version: u64,
     },

@@ -35,6 +35,7 @@ use starling_proto::container::{DeltaAssembler, FrameKind};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::msg::{MAX_SEQS, Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::{Component, Metrics};
+use tokio::task::JoinSet;
 use tracing::Instrument;
 
 use crate::status::RelayStatus;
@@ -115,13 +116,16 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
         cfg.hub,
         book.clone(),
     ));
+    // Every task the relay spawns, owned here: when `run` returns or is dropped (SIGTERM,
+    // SIGINT), they are aborted with it.
+    let mut owned: JoinSet<()> = JoinSet::new();
     if let Some(http) = cfg.http {
         let (listener, at) = starling_telemetry::http::bind(http)
             .await
             .with_context(|| format!("bind HTTP on {http}"))?;
         let m = metrics.clone();
         let routes = status::router(status.clone());
-        tokio::spawn(async move {
+        owned.spawn(async move {
             if let Err(e) = starling_telemetry::http::serve(listener, m, routes).await {
                 tracing::error!("HTTP server stopped: {e}");
             }
@@ -133,7 +137,7 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
         "listening on {}",
         endpoint.local_addr().context("local address")?
     );
-    let downstream = {
+    {
         let book = book.clone();
         let model_id = cfg.model_id.clone();
         let fanout = FanoutConfig {
@@ -143,8 +147,11 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
         };
         let metrics = metrics.clone();
         let status = status.clone();
-        tokio::spawn(async move {
+        owned.spawn(async move {
+            // Each actor's connection is owned by this accept loop, so by `run`.
+            let mut connections = JoinSet::new();
             while let Some(incoming) = endpoint.accept().await {
+                while connections.try_join_next().is_some() {}
                 let (book, model_id, fanout, metrics, status) = (
                     book.clone(),
                     model_id.clone(),
@@ -152,7 +159,7 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
                     metrics.clone(),
                     status.clone(),
                 );
-                tokio::spawn(async move {
+                connections.spawn(async move {
                     match incoming.await {
                         Ok(conn) => {
                             let r = serve_actor(
@@ -171,10 +178,11 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
                     }
                 });
             }
-        })
-    };
+        });
+    }
     let result = follow_hub(&cfg, &creds, &trust, &book, &metrics, &status).await;
-    downstream.abort();
+    // Dropping `owned` ends the HTTP server, the accept loop and every actor's connection.
+    drop(owned);
     result
 }
 
