@@ -166,8 +166,10 @@ pub(crate) fn zstd_decompress(
     what: &'static str,
 ) -> Result<Vec<u8>, DecodeError> {
     // The frame header states the content size; check it against the bound before
-    // allocating anything, so a forged header cannot make us allocate gigabytes.
-    match zstd::zstd_safe::get_frame_content_size(data) {
+    // allocating anything, and reserve exactly that much: a forged header or part count can
+    // make us reserve no more than the frame itself says it holds. Starling's encoder always
+    // writes the size, so a frame without one is refused rather than sized by the bound.
+    let stated = match zstd::zstd_safe::get_frame_content_size(data) {
         Ok(Some(n)) if n > max_out as u64 => {
             return Err(DecodeError::TooLarge {
                 what,
@@ -175,14 +177,20 @@ pub(crate) fn zstd_decompress(
                 limit: max_out as u64,
             });
         }
-        Ok(_) => {}
+        Ok(Some(n)) => n as usize,
+        Ok(None) => {
+            return Err(DecodeError::Zstd {
+                what,
+                detail: "the zstd frame does not state its content size".into(),
+            });
+        }
         Err(_) => {
             return Err(DecodeError::Zstd {
                 what,
                 detail: "not a zstd frame".into(),
             });
         }
-    }
+    };
     let err = |e: std::io::Error| DecodeError::Zstd {
         what,
         detail: e.to_string(),
@@ -193,8 +201,34 @@ pub(crate) fn zstd_decompress(
             *d = zstd::bulk::Decompressor::new().ok();
         }
         match d.as_mut() {
-            Some(z) => z.decompress(data, max_out).map_err(err),
-            None => zstd::bulk::decompress(data, max_out).map_err(err),
+            Some(z) => z.decompress(data, stated).map_err(err),
+            None => zstd::bulk::decompress(data, stated).map_err(err),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_frame_decompresses_into_exactly_its_stated_size_within_the_bound() {
+        let data = vec![7u8; 1000];
+        let z = zstd_compress(&data, 1);
+        assert_eq!(zstd_decompress(&z, 1000, "t").expect("fits"), data);
+        assert_eq!(zstd_decompress(&z, 1 << 30, "t").expect("fits").len(), 1000);
+        assert!(matches!(
+            zstd_decompress(&z, 999, "t"),
+            Err(DecodeError::TooLarge { value: 1000, .. })
+        ));
+    }
+
+    #[test]
+    fn a_frame_that_does_not_state_its_size_is_refused() {
+        // A streaming encoder does not know the size up front, so its frame omits it.
+        let z = zstd::stream::encode_all(&[1u8; 64][..], 1).expect("encode");
+        let e = zstd_decompress(&z, 1 << 20, "t").expect_err("refused");
+        assert!(e.to_string().contains("content size"), "{e}");
+        assert!(zstd_decompress(b"not zstd", 1 << 20, "t").is_err());
+    }
 }
