@@ -70,6 +70,36 @@ impl AnchorSeal {
     }
 }
 
+/// A seal as stored beside its anchor file: version, size (u64 LE each), hash, signature.
+pub const SEAL_LEN: usize = 8 + 8 + 32 + 64;
+
+impl AnchorSeal {
+    /// The seal's stored form ([`SEAL_LEN`] bytes).
+    pub fn to_bytes(&self) -> [u8; SEAL_LEN] {
+        let mut b = [0u8; SEAL_LEN];
+        b[0..8].copy_from_slice(&self.version.to_le_bytes());
+        b[8..16].copy_from_slice(&self.size.to_le_bytes());
+        b[16..48].copy_from_slice(&self.hash);
+        b[48..].copy_from_slice(&self.signature);
+        b
+    }
+
+    /// Reads a stored seal; `None` unless `b` is exactly [`SEAL_LEN`] bytes. Says nothing of
+    /// the signature: [`AnchorSeal::verify`] it.
+    pub fn from_bytes(b: &[u8]) -> Option<Self> {
+        let b: &[u8; SEAL_LEN] = b.try_into().ok()?;
+        let (version, rest) = b.split_at(8);
+        let (size, rest) = rest.split_at(8);
+        let (hash, signature) = rest.split_at(32);
+        Some(Self {
+            version: u64::from_le_bytes(version.try_into().ok()?),
+            size: u64::from_le_bytes(size.try_into().ok()?),
+            hash: hash.try_into().ok()?,
+            signature: signature.try_into().ok()?,
+        })
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -101,5 +131,14 @@ mod tests {
             seal.verify("m", &TrustPolicy::AnySigner),
             Err(SignatureError::Unsigned)
         );
+    }
+
+    #[test]
+    fn a_seal_survives_its_stored_form_and_a_wrong_length_is_refused() {
+        let key = SigningKey::from_bytes(&[7; 32]);
+        let seal = AnchorSeal::sign(&key, "m", 8, 1234, [9; 32]);
+        assert_eq!(AnchorSeal::from_bytes(&seal.to_bytes()), Some(seal));
+        assert_eq!(AnchorSeal::from_bytes(&seal.to_bytes()[1..]), None);
+        assert_eq!(AnchorSeal::from_bytes(&[0; SEAL_LEN + 1]), None);
     }
 }

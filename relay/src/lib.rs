@@ -17,7 +17,11 @@
 //!   region's actors keep their subscription and simply see the rest arrive.
 //! - Complete versions are also written to a disk cache (`.sdc` files), so a restarted relay
 //!   serves its region's laggards without refetching over the WAN.
+//! - A relay further behind than the hub retains deltas restores the hub's newest anchor into
+//!   its cache ([`anchors`]), restarts its chain there, and offers that anchor to its actors
+//!   that are behind too: one full checkpoint over the WAN per region, not per actor.
 
+mod anchors;
 pub mod cli;
 mod status;
 
@@ -33,7 +37,7 @@ use quinn::{Connection, SendStream};
 use starling_checkpoint::deltafile::write_frames;
 use starling_proto::container::{DeltaAssembler, FrameKind};
 use starling_proto::manifest::TrustPolicy;
-use starling_proto::msg::{MAX_SEQS, Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_proto::msg::{MAX_SEQS, Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
 use starling_telemetry::{Component, Metrics};
 use tokio::task::JoinSet;
 use tracing::Instrument;
@@ -95,12 +99,27 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
     let key = VerifyingKey::from_bytes(&manifest_key(&cfg.credentials)?)
         .context("signing.pub is not an ed25519 key")?;
     let trust = TrustPolicy::Keys(vec![key]);
+    // Anchors live in the disk cache: a relay without one cannot restore from an anchor.
+    let anchors = match &cfg.cache {
+        Some(dir) => Some(Arc::new(anchors::RelayAnchors::open(
+            dir,
+            &cfg.model_id,
+            &trust,
+        )?)),
+        None => None,
+    };
     // A disk cache that starts later than `from_version` (older files were pruned) makes
-    // its first version the start of the chain.
-    let start = match cfg.cache.as_deref().and_then(oldest_cached) {
+    // its first version the start of the chain; an anchor held restarts it there.
+    let cached = match cfg.cache.as_deref().and_then(oldest_cached) {
         Some(first) if first > cfg.from_version + 1 => first - 1,
         _ => cfg.from_version,
     };
+    let start = cached.max(
+        anchors
+            .as_ref()
+            .and_then(|a| a.newest_version())
+            .unwrap_or(0),
+    );
     let book = Arc::new(VersionBook::new(start, cfg.retain));
     if let Some(dir) = &cfg.cache {
         let n = load_cache(dir, &book, &trust)?;
@@ -142,7 +161,9 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
         let model_id = cfg.model_id.clone();
         let fanout = FanoutConfig {
             stripes: cfg.stripes,
-            anchors: None,
+            anchors: anchors
+                .clone()
+                .map(|a| a as Arc<dyn starling_transport::fanout::AnchorSource>),
             observer: Some(status.clone()),
         };
         let metrics = metrics.clone();
@@ -180,7 +201,16 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
             }
         });
     }
-    let result = follow_hub(&cfg, &creds, &trust, &book, &metrics, &status).await;
+    let result = follow_hub(
+        &cfg,
+        &creds,
+        &trust,
+        &book,
+        anchors.as_deref(),
+        &metrics,
+        &status,
+    )
+    .await;
     // Dropping `owned` ends the HTTP server, the accept loop and every actor's connection.
     drop(owned);
     result
@@ -225,6 +255,10 @@ struct Follower<'a> {
     cfg: &'a RelayConfig,
     trust: &'a TrustPolicy,
     book: &'a VersionBook,
+    /// Where an anchor is restored into (none: no disk cache).
+    anchors: Option<&'a anchors::RelayAnchors>,
+    /// An anchor was asked of the hub on this connection.
+    anchor_asked: bool,
     metrics: &'a Metrics,
     status: &'a RelayStatus,
     incoming: BTreeMap<u64, Incoming>,
@@ -265,6 +299,7 @@ async fn follow_hub(
     creds: &Credentials,
     trust: &TrustPolicy,
     book: &VersionBook,
+    anchors: Option<&anchors::RelayAnchors>,
     metrics: &Metrics,
     status: &RelayStatus,
 ) -> Result<()> {
@@ -281,6 +316,8 @@ async fn follow_hub(
         cfg,
         trust,
         book,
+        anchors,
+        anchor_asked: false,
         metrics,
         status,
         incoming: BTreeMap::new(),
@@ -317,6 +354,7 @@ async fn follow_hub(
                 }
             };
         backoff = RECONNECT_MIN;
+        f.anchor_asked = false;
         println!("upstream hub");
         tracing::info!(hub = %cfg.hub, after_version = after, "subscribed to the hub");
         metrics.set_upstream_connected(true);
@@ -372,9 +410,81 @@ impl Follower<'_> {
                         println!("rtt-us {rtt}");
                     }
                 }
+                Some(UpstreamEvent::Anchor { seal, mut stream }) => {
+                    return self.restore(seal, &mut stream).await;
+                }
+                Some(UpstreamEvent::Refused { reason, detail }) => {
+                    tracing::warn!("hub refused: {reason:?}: {detail}");
+                    if reason == RefuseReason::VersionUnavailable
+                        && let Some(why) = self.version_unavailable(&mut up.control).await?
+                    {
+                        return Ok(why);
+                    }
+                }
                 Some(ev) => self.handle(ev, &mut up.control).await?,
             }
         }
+    }
+
+    /// The hub no longer retains the version the relay needs next: ask it for its newest
+    /// anchor, once per connection. `Some(why)` ends the connection: the hub has no anchor
+    /// either (the relay tries again later).
+    async fn version_unavailable(&mut self, control: &mut SendStream) -> Result<Option<String>> {
+        if self.anchors.is_none() {
+            bail!(
+                "the hub no longer retains version {} and this relay has no disk cache to \
+                 restore an anchor into: start it with --cache DIR",
+                self.done_through() + 1
+            );
+        }
+        if self.anchor_asked {
+            tokio::time::sleep(RECONNECT_MAX).await;
+            return Ok(Some(
+                "the hub has neither the next delta nor a newer anchor".into(),
+            ));
+        }
+        self.anchor_asked = true;
+        let after_version = self.done_through();
+        tracing::info!(after_version, "asking the hub for its newest anchor");
+        let _ = send(control, &Message::FetchAnchor { after_version }).await;
+        Ok(None)
+    }
+
+    /// Restores the hub's anchor: received into the disk cache and checked against its seal,
+    /// then the chain restarts at its version (older versions dropped; actors still waiting
+    /// for one are told it is gone, and fetch this anchor from the relay). Ends the
+    /// connection either way: the next one subscribes after the anchor.
+    async fn restore(
+        &mut self,
+        seal: starling_proto::anchor::AnchorSeal,
+        stream: &mut starling_transport::framed::DataStreamReader,
+    ) -> Result<String> {
+        let Some(anchors) = self.anchors else {
+            return Ok("an anchor came unasked and there is no cache to keep it".into());
+        };
+        if seal.version <= self.done_through() {
+            return Ok(format!(
+                "anchor {} is not newer than version {}",
+                seal.version,
+                self.done_through()
+            ));
+        }
+        if let Err(e) = anchors.receive(seal, stream).await {
+            tracing::warn!(version = seal.version, "anchor refused: {e:#}");
+            return Ok(format!("anchor {} refused", seal.version));
+        }
+        self.book.restart_at(seal.version)?;
+        self.incoming.clear();
+        self.commits.clear();
+        // A verification still running is of an older version; its result is not wanted.
+        self.verifying = None;
+        if let Some(dir) = &self.cfg.cache {
+            prune_cache_through(dir, seal.version);
+        }
+        self.metrics.set_active(seal.version);
+        println!("restored anchor {}", seal.version);
+        tracing::info!(version = seal.version, "restored the hub's anchor");
+        Ok(format!("restored anchor {}", seal.version))
     }
 
     /// The newest version that needs nothing more from the hub: cached, or whole and being
@@ -435,12 +545,8 @@ impl Follower<'_> {
                 }
             }
             UpstreamEvent::Pong(_) => {}
-            UpstreamEvent::Refused { reason, detail } => {
-                tracing::warn!("hub refused: {reason:?}: {detail}")
-            }
-            UpstreamEvent::Anchor { seal, .. } => {
-                tracing::warn!(version = seal.version, "ignored an unrequested anchor")
-            }
+            // Handled in `follow`: they end the connection.
+            UpstreamEvent::Refused { .. } | UpstreamEvent::Anchor { .. } => {}
             UpstreamEvent::Closed(_) => {}
         }
         self.complete_ready()
@@ -645,6 +751,25 @@ fn oldest_cached(dir: &Path) -> Option<u64> {
                 .ok()
         })
         .min()
+}
+
+/// Removes the cached deltas up to `version` (an anchor of it replaced them).
+fn prune_cache_through(dir: &Path, version: u64) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        let name = e.file_name();
+        let v = name.to_str().and_then(|n| {
+            n.strip_prefix('v')?
+                .strip_suffix(".sdc")?
+                .parse::<u64>()
+                .ok()
+        });
+        if v.is_some_and(|v| v <= version) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
 }
 
 /// Writes a complete version as a `.sdc` file (segments in order, manifest, trailer).

@@ -428,6 +428,82 @@ fn a_late_actor_restores_from_an_anchor_and_catches_up_on_the_chain() {
     assert!(store.join("deltas/v00000005.sdc").exists());
 }
 
+/// A relay that was away while the hub moved past its retained deltas: it restores the hub's
+/// newest anchor into its disk cache, restarts its chain there and follows the deltas after
+/// it; its actor, behind too, restores the same anchor from the relay (never from the hub:
+/// one full checkpoint over the WAN per region). Restarted with the same command, the relay
+/// resumes from its anchor and cache without fetching the anchor again.
+#[test]
+fn a_relay_behind_the_hubs_retention_restores_an_anchor_and_serves_it_to_its_actor() {
+    let peers = [("relay", "r"), ("actor", "a")];
+    let hub_args = [
+        "--retain",
+        "3",
+        "--anchor-every",
+        "4",
+        "--keep-anchors",
+        "2",
+    ];
+    let mut tb = Testbed::with_model("tiny", 1e-5, 11, 43, &peers, &[], &hub_args);
+    let dl = tb.deadline;
+    for k in 1..=10 {
+        tb.publish(k);
+    }
+    wait_for(&tb.hub_out, "anchor 8", dl);
+    let cache = tb.root.join("r-cache");
+    let cache_arg = cache.display().to_string();
+    let (addr, relay) = tb.relay_with("r", &["--cache", &cache_arg]);
+    assert_eq!(
+        wait_for(&relay, "restored anchor ", dl),
+        "restored anchor 8"
+    );
+    wait_for(&relay, "cached 10", dl);
+    assert!(cache.join("anchors/v00000008.safetensors").exists());
+    assert!(cache.join("anchors/v00000008.seal").exists());
+
+    let a = tb.actor("a", &[format!("r@{addr}")]);
+    // Every source the actor subscribed to before it restored: the relay only.
+    let mut upstreams = Vec::new();
+    loop {
+        let line = wait_for(&a, "", dl);
+        if let Some(u) = line.strip_prefix("upstream ") {
+            upstreams.push(u.to_owned());
+        }
+        if line.starts_with("restored anchor ") {
+            assert_eq!(line, "restored anchor 8");
+            break;
+        }
+    }
+    assert_eq!(upstreams, ["relay r"], "the anchor came from the relay");
+    assert_eq!(wait_for(&a, "active 8 ", dl), tb.active_line(8));
+    assert_eq!(wait_for(&a, "active 10 ", dl), tb.active_line(10));
+
+    // The relay, stopped and started with the very same command, holds anchor 8 and the
+    // deltas after it: it does not fetch the anchor again, and version 11 flows through it.
+    // Processes: 0 hub, 1 relay, 2 actor.
+    let (status, _) = tb.terminate(1, Duration::from_secs(5));
+    assert!(status.success(), "the relay on SIGTERM: {status}");
+    let listen = addr.clone();
+    let hub = tb.hub_addr.clone();
+    let (_, relay) = tb.relay_on("r", &listen, &hub, &["--cache", &cache_arg]);
+    tb.publish(11);
+    let mut relay_lines = Vec::new();
+    loop {
+        let line = wait_for(&relay, "", dl);
+        let done = line == "cached 11";
+        relay_lines.push(line);
+        if done {
+            break;
+        }
+    }
+    assert!(
+        !relay_lines.iter().any(|l| l.starts_with("restored anchor")),
+        "resumed from its own anchor: {relay_lines:?}"
+    );
+    assert_eq!(wait_for(&a, "active 11 ", dl), tb.active_line(11));
+    tb.assert_store_is("a", 11);
+}
+
 /// An actor started with another cluster's credentials cannot complete a handshake with the
 /// hub: it says so once, naming the cause and what to do, and exits instead of retrying.
 #[test]

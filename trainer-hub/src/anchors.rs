@@ -17,15 +17,13 @@ use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use ed25519_dalek::SigningKey;
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::writer::{AtomicFile, SafetensorsWriter};
 use starling_proto::anchor::AnchorSeal;
 use starling_proto::manifest::TrustPolicy;
 use starling_transport::fanout::AnchorSource;
-
-const SEAL_LEN: usize = 8 + 8 + 32 + 64;
 
 /// The anchors of one hub.
 #[derive(Debug)]
@@ -107,7 +105,7 @@ impl Anchors {
         let (size, hash) = hash_file(&dest)?;
         let seal = AnchorSeal::sign(&self.key, &self.model_id, version, size, hash);
         let mut s = AtomicFile::create(&self.seal_file(version))?;
-        s.write_all(&encode_seal(&seal))?;
+        s.write_all(&seal.to_bytes())?;
         s.commit()?;
         if let Ok(mut i) = self.index.lock() {
             i.insert(version, seal);
@@ -177,33 +175,14 @@ fn hash_file(path: &Path) -> Result<(u64, [u8; 32])> {
     Ok((size, *h.finalize().as_bytes()))
 }
 
-fn encode_seal(s: &AnchorSeal) -> Vec<u8> {
-    let mut b = Vec::with_capacity(SEAL_LEN);
-    b.extend_from_slice(&s.version.to_le_bytes());
-    b.extend_from_slice(&s.size.to_le_bytes());
-    b.extend_from_slice(&s.hash);
-    b.extend_from_slice(&s.signature);
-    b
-}
-
 fn read_seal(path: &Path) -> Result<AnchorSeal> {
     let b = std::fs::read(path)?;
-    if b.len() != SEAL_LEN {
-        bail!("a seal is {SEAL_LEN} bytes, this one {}", b.len());
-    }
-    let mut version = [0u8; 8];
-    let mut size = [0u8; 8];
-    let mut hash = [0u8; 32];
-    let mut signature = [0u8; 64];
-    version.copy_from_slice(&b[0..8]);
-    size.copy_from_slice(&b[8..16]);
-    hash.copy_from_slice(&b[16..48]);
-    signature.copy_from_slice(&b[48..112]);
-    Ok(AnchorSeal {
-        version: u64::from_le_bytes(version),
-        size: u64::from_le_bytes(size),
-        hash,
-        signature,
+    AnchorSeal::from_bytes(&b).with_context(|| {
+        format!(
+            "a seal is {} bytes, this one {}",
+            starling_proto::anchor::SEAL_LEN,
+            b.len()
+        )
     })
 }
 

@@ -492,6 +492,31 @@ impl VersionBook {
         Ok(expected)
     }
 
+    /// Restarts the chain at `version` (a relay that restored an anchor of it): every version
+    /// up to it is dropped (one still streaming is aborted), `version` becomes the newest
+    /// complete one, and a subscriber still waiting for an older version learns it is gone
+    /// (it restores the anchor in turn). Never moves the chain back.
+    pub fn restart_at(&self, version: u64) -> Result<(), BookError> {
+        {
+            let mut s = self.inner.lock().map_err(|_| BookError::Poisoned)?;
+            if version <= s.latest {
+                return Err(BookError::Stale {
+                    version,
+                    latest: s.latest,
+                });
+            }
+            let kept = s.versions.split_off(&(version + 1));
+            for old in std::mem::replace(&mut s.versions, kept).into_values() {
+                if old.progress() == Progress::Streaming {
+                    old.end(Progress::Aborted);
+                }
+            }
+            s.latest = version;
+        }
+        self.changes.send_modify(|n| *n += 1);
+        Ok(())
+    }
+
     /// Abandons an unfinished version (its producer failed); receivers drop it.
     pub fn abort(&self, version: u64) {
         if let Ok(mut s) = self.inner.lock()
@@ -560,6 +585,22 @@ mod tests {
             Next::End(Progress::Complete)
         ));
         assert_eq!(book.latest(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_restart_at_an_anchor_drops_older_versions_and_tells_their_waiters() {
+        let book = VersionBook::new(0, 8);
+        book.begin(1, 0, [1; 32]).unwrap();
+        book.complete(1).unwrap();
+        let streaming = book.begin(2, 1, [2; 32]).unwrap();
+        book.restart_at(5).unwrap();
+        assert_eq!((book.latest(), book.oldest()), (5, 6));
+        assert_eq!(streaming.progress(), Progress::Aborted);
+        assert!(matches!(book.wait_for(3).await, Lookup::Gone));
+        assert!(matches!(book.restart_at(5), Err(BookError::Stale { .. })));
+        book.begin(6, 5, [6; 32]).unwrap();
+        book.complete(6).unwrap();
+        assert_eq!(book.latest(), 6);
     }
 
     /// A file as the store holds it: the file header, the frames, a trailer-kind frame.

@@ -17,9 +17,12 @@
 //! - [`fanout`] and [`upstream`]: sending versions striped over several streams, and
 //!   receiving them frame by frame; [`reception`]: what of a version is missing and when to
 //!   ask for it again;
+//! - [`anchor_file`]: receiving an anchor (full checkpoint) into a file, checked against its
+//!   seal, off the event loop;
 //! - [`service`]: running a service binary until it is stopped.
 
 pub mod admit;
+pub mod anchor_file;
 pub mod book;
 pub mod ceiling;
 pub mod endpoint;
