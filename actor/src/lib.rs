@@ -119,7 +119,13 @@ struct Pending {
     buffered: Vec<StreamFrame>,
     /// Every frame's wire bytes (for the store's journal).
     raw: Vec<Vec<u8>>,
+    /// Wire bytes held for this version (staged or buffered), against [`Pipeline::version_cap`].
+    held: u64,
 }
+
+/// Versions beyond the active one that the actor holds frames of: a server streams one
+/// version at a time per subscriber, so more than this ahead is a broken or hostile source.
+const MAX_VERSIONS_AHEAD: u64 = 8;
 
 /// What handling an event led to.
 #[derive(Debug, PartialEq, Eq)]
@@ -149,6 +155,13 @@ struct Pipeline<'a> {
     engine: Option<Arc<dyn Engine>>,
     /// What the worker reports to the hub.
     status: watch::Sender<PipelineStatus>,
+    /// The most wire bytes one version may take: a delta is never larger than the whole
+    /// model coded densely (its BF16 bytes) plus framing; a source that sends more, or more
+    /// than twice this over every version in flight (an honest source streams the next
+    /// version while the one before awaits its commit, never more), is dropped.
+    version_cap: u64,
+    /// Why the current source is being dropped (it broke a bound), if it is.
+    misbehaved: Option<String>,
 }
 
 /// Runs until every source failed too often or the process is stopped. Prints `active
@@ -244,7 +257,10 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         anchor_asked: false,
         engine: engine.clone(),
         status,
+        version_cap: 0,
+        misbehaved: None,
     };
+    p.version_cap = version_cap(p.state.weights());
     metrics.set_active(p.state.version());
     p.load_engine()?;
     println!("active {} {}", p.state.version(), p.state.digest());
@@ -255,8 +271,20 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
     // The source to try next: after a loss, the one after the source lost (relays in order,
     // then the hub); after the preferred source (the first) answers again, the preferred one.
     let mut next = 0usize;
+    // Sources that broke a bound, and until when they are not used.
+    let mut quarantined: BTreeMap<usize, tokio::time::Instant> = BTreeMap::new();
     loop {
-        let index = next % cfg.sources.len();
+        let now = tokio::time::Instant::now();
+        quarantined.retain(|_, until| *until > now);
+        let Some(index) = (0..cfg.sources.len())
+            .map(|k| (next + k) % cfg.sources.len())
+            .find(|i| !quarantined.contains_key(i))
+        else {
+            // Every source misbehaved: wait for the first quarantine to end.
+            let until = quarantined.values().min().copied().unwrap_or(now);
+            tokio::time::sleep_until(until).await;
+            continue;
+        };
         let source = &cfg.sources[index];
         next = index + 1;
         let active = p.state.version();
@@ -333,7 +361,7 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         loop {
             let ev = tokio::select! {
                 ev = up.events.recv() => ev,
-                _ = probe.tick(), if index > 0 => {
+                _ = probe.tick(), if index > 0 && !quarantined.contains_key(&0) => {
                     if p.pending.is_empty() && preferred_is_back(&cfg.sources[0], &creds, &hello, &cfg.link, p.state.version()).await {
                         returning = true;
                         break;
@@ -354,6 +382,9 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         }
         up.close().await;
         shown.source(&source.name, source.role.as_str(), false);
+        if p.misbehaved.take().is_some() {
+            quarantined.insert(index, tokio::time::Instant::now() + QUARANTINE);
+        }
         if returning {
             // At a version boundary (nothing half-received): back to the preferred source.
             tracing::info!(
@@ -370,6 +401,17 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         }
     }
 }
+
+/// [`Pipeline::version_cap`] for a model: its BF16 bytes, an eighth more for framing, hashes
+/// and segment headers, and 1 MiB for the manifest of a small model.
+fn version_cap(weights: &Model) -> u64 {
+    let bf16: u64 = weights.values().map(|t| t.len() as u64 * 2).sum();
+    bf16 + bf16 / 8 + (1 << 20)
+}
+
+/// How long a source that broke a bound (sent more than a version can hold, announced a
+/// version far ahead) is not used: the actor takes the next source meanwhile.
+const QUARANTINE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How often an actor on a fallback source checks whether its preferred one is back.
 const PREFERRED_PROBE: std::time::Duration = std::time::Duration::from_secs(2);
@@ -526,18 +568,36 @@ impl Pipeline<'_> {
                 };
             }
         }
-        Ok(if self.activate_ready(control).await? {
+        if self.drop_if_misbehaved() {
+            return Ok(Outcome::Resubscribe);
+        }
+        let activated = self.activate_ready(control).await?;
+        Ok(if self.drop_if_misbehaved() {
+            Outcome::Resubscribe
+        } else if activated {
             Outcome::Activated
         } else {
             Outcome::Nothing
         })
     }
 
-    /// Restores from an anchor: receives the file next to the store while hashing it,
-    /// checks size, hash and the hub's seal, checks it is this model at the sealed version,
-    /// and only then replaces the active weights (file renamed into place, atomically).
+    /// Whether the current source broke a bound; if it did, nothing it sent is kept (what
+    /// was held for its versions is dropped with them) and the caller leaves it.
+    fn drop_if_misbehaved(&mut self) -> bool {
+        let Some(why) = &self.misbehaved else {
+            return false;
+        };
+        tracing::error!(source = %self.peer, "dropping this source for {QUARANTINE:?}: {why}");
+        self.metrics.source_dropped(&self.peer);
+        self.pending.clear();
+        true
+    }
+
+    /// Restores from an anchor: receives the file next to the store while hashing it (on a
+    /// blocking thread), checks size, hash and the hub's seal, checks it is this model at the
+    /// sealed version, and only then replaces the active weights (file renamed into place,
+    /// atomically).
     async fn restore(&mut self, seal: AnchorSeal, mut stream: DataStreamReader) -> Result<()> {
-        use std::io::Write;
         seal.verify(&self.cfg.model_id, self.trust)
             .context("anchor seal")?;
         if seal.version <= self.state.version() {
@@ -549,42 +609,28 @@ impl Pipeline<'_> {
         }
         std::fs::create_dir_all(&self.cfg.store).context("create store")?;
         let partial = self.cfg.store.join("anchor.partial");
-        let mut file = std::fs::File::create(&partial)
-            .with_context(|| format!("create {}", partial.display()))?;
-        let mut hasher = blake3::Hasher::new();
-        let mut size = 0u64;
-        while let Some(chunk) = stream.chunk().await? {
-            size += chunk.len() as u64;
-            if size > seal.size {
-                bail!("anchor longer than its sealed {} bytes", seal.size);
+        // Hashed and written on a blocking thread as it arrives; size and hash checked.
+        starling_transport::anchor_file::receive(&seal, &mut stream, &partial).await?;
+        let (model_id, layout) = (&self.cfg.model_id, &self.layout);
+        let (weights, digest) = tokio::task::block_in_place(|| -> Result<_> {
+            let c = Checkpoint::open(&partial).context("open anchor")?;
+            if c.version() != Some(seal.version) {
+                bail!("anchor file says version {:?}", c.version());
             }
-            hasher.update(&chunk);
-            file.write_all(&chunk)?;
-        }
-        if size != seal.size || *hasher.finalize().as_bytes() != seal.hash {
-            bail!(
-                "anchor bytes do not match the seal ({size} of {} bytes)",
-                seal.size
-            );
-        }
-        file.sync_all()?;
-        drop(file);
-        let c = Checkpoint::open(&partial).context("open anchor")?;
-        if c.version() != Some(seal.version) {
-            bail!("anchor file says version {:?}", c.version());
-        }
-        let layout: Layout = c
-            .tensors()
-            .iter()
-            .map(|t| (t.name.clone(), t.shape.clone()))
-            .collect();
-        if layout != self.layout {
-            bail!("anchor is not this model (tensor layout differs)");
-        }
-        let weights = c.read_all()?;
-        let names: Vec<String> = weights.keys().cloned().collect();
-        let digest = full_digest(&self.cfg.model_id, &weights, &names);
-        self.store.install_snapshot(&partial, seal.version)?;
+            let found: Layout = c
+                .tensors()
+                .iter()
+                .map(|t| (t.name.clone(), t.shape.clone()))
+                .collect();
+            if &found != layout {
+                bail!("anchor is not this model (tensor layout differs)");
+            }
+            let weights = c.read_all()?;
+            let names: Vec<String> = weights.keys().cloned().collect();
+            let digest = full_digest(model_id, &weights, &names);
+            Ok((weights, digest))
+        })?;
+        tokio::task::block_in_place(|| self.store.install_snapshot(&partial, seal.version))?;
         self.state = VersionedWeights::new(&self.cfg.model_id, weights, seal.version, digest);
         self.pending.clear();
         self.commits.clear();
@@ -597,6 +643,14 @@ impl Pipeline<'_> {
 
     fn entry(&mut self, version: u64, base: u64, delta_id: [u8; 32]) -> Option<&mut Pending> {
         if version <= self.state.version() {
+            return None;
+        }
+        if version > self.state.version() + MAX_VERSIONS_AHEAD {
+            self.misbehaved = Some(format!(
+                "it announced version {version}, more than {MAX_VERSIONS_AHEAD} ahead of the \
+                 active {}",
+                self.state.version()
+            ));
             return None;
         }
         let fresh = self
@@ -612,6 +666,7 @@ impl Pipeline<'_> {
                     stager,
                     buffered: Vec::new(),
                     raw: Vec::new(),
+                    held: 0,
                 },
             );
         }
@@ -628,6 +683,13 @@ impl Pipeline<'_> {
         control: &mut SendStream,
     ) {
         let weights = self.state.weights();
+        // What the other versions in flight hold: with this one, at most two versions' worth.
+        let others: u64 = self
+            .pending
+            .iter()
+            .filter(|&(&v, _)| v != version)
+            .map(|(_, p)| p.held)
+            .sum();
         let Some(p) = self.pending.get_mut(&version) else {
             return;
         };
@@ -641,13 +703,36 @@ impl Pipeline<'_> {
             Ok(Added::Duplicate) => return,
             Err(e) => return tracing::warn!(version, "dropped a frame: {e}"),
         }
+        p.held += frame.bytes.len() as u64;
+        let over = if p.held > self.version_cap {
+            Some(format!(
+                "it sent more than {} bytes of version {version}, more than the whole model \
+                 coded densely",
+                self.version_cap
+            ))
+        } else if others + p.held > 2 * self.version_cap {
+            Some(format!(
+                "the versions it is sending hold more than {} bytes, two whole models' worth",
+                2 * self.version_cap
+            ))
+        } else {
+            None
+        };
+        if let Some(why) = over {
+            self.misbehaved = Some(why);
+            self.pending.remove(&version);
+            return;
+        }
         if p.reception.complete() {
             println!("staged {version}");
             self.status.send_modify(|s| s.staged = Some(version));
         }
         p.raw.push(frame.bytes.clone());
         let staged = match &mut p.stager {
-            Some(stager) => stager.stage_frame(frame.as_frame(), weights),
+            // Decoding and verifying a segment is CPU work: off the runtime's workers.
+            Some(stager) => {
+                tokio::task::block_in_place(|| stager.stage_frame(frame.as_frame(), weights))
+            }
             None => {
                 p.buffered.push(frame);
                 Ok(())
@@ -675,7 +760,13 @@ impl Pipeline<'_> {
         println!("refetch {version}");
         self.metrics.refetch(&self.peer);
         if *n > MAX_REFETCHES {
-            bail!("version {version} failed {n} times");
+            // This source keeps sending what does not verify: drop it (for a while) and take
+            // the version from the next one, which starts with a fresh count.
+            self.retries.remove(&version);
+            self.misbehaved = Some(format!(
+                "version {version} failed verification {MAX_REFETCHES} times from it"
+            ));
+            return Ok(());
         }
         tracing::warn!(
             version,
@@ -709,7 +800,7 @@ impl Pipeline<'_> {
             };
             let transfer = p.reception.started.elapsed();
             let raw = std::mem::take(&mut p.raw);
-            match self.seal_and_commit(p) {
+            match tokio::task::block_in_place(|| self.seal_and_commit(p)) {
                 Ok(apply) => {
                     any = true;
                     self.commits.remove(&next);
@@ -718,7 +809,7 @@ impl Pipeline<'_> {
                     self.metrics.observe_apply(apply);
                     self.metrics.set_active(next);
                     let frames: Vec<&[u8]> = raw.iter().map(Vec::as_slice).collect();
-                    self.store.record(next, &frames, &self.state)?;
+                    tokio::task::block_in_place(|| self.store.record(next, &frames, &self.state))?;
                     self.load_engine()?;
                     println!("active {} {}", self.state.version(), self.state.digest());
                     let _ = send(
@@ -729,7 +820,7 @@ impl Pipeline<'_> {
                         },
                     )
                     .await;
-                    self.start_staging(next + 1);
+                    tokio::task::block_in_place(|| self.start_staging(next + 1));
                 }
                 Err(e) => {
                     tracing::error!(version = next, "version refused: {e:#}");

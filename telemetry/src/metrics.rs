@@ -11,6 +11,7 @@
 //! | `delta_sent_bytes_total`, `delta_sent_segments_total` | counter | ✓ | ✓ | | `peer` |
 //! | `delta_received_bytes_total`, `delta_received_segments_total` | counter | | ✓ | ✓ | `peer` |
 //! | `refetches_total` | counter | | ✓ | ✓ | `peer` |
+//! | `sources_dropped_total` | counter | | | ✓ | `peer` |
 //! | `versions_staged_total` | counter | | ✓ | ✓ | |
 //! | `published_version` / `newest_version` / `active_version` | gauge | ✓ | ✓ | ✓ | |
 //! | `connected_peers` | gauge | ✓ | | | `role` |
@@ -203,6 +204,7 @@ struct Inner {
     segments_sent: Family<PeerLabel, Counter>,
     segments_received: Family<PeerLabel, Counter>,
     refetches: Family<PeerLabel, Counter>,
+    sources_dropped: Family<PeerLabel, Counter>,
     versions_staged: Counter,
     version: Gauge,
     connected_peers: Family<RoleLabel, Gauge>,
@@ -236,6 +238,7 @@ impl Metrics {
             segments_sent: Family::default(),
             segments_received: Family::default(),
             refetches: Family::default(),
+            sources_dropped: Family::default(),
             versions_staged: Counter::default(),
             version: Gauge::default(),
             connected_peers: Family::default(),
@@ -282,6 +285,13 @@ impl Metrics {
     pub fn refetch(&self, peer: &str) {
         let m = &*self.inner;
         m.refetches.get_or_create(&m.peers.label(peer)).inc();
+    }
+
+    /// `peer` broke a bound (sent more than a version can hold, announced a version far
+    /// ahead) and is not used for a while.
+    pub fn source_dropped(&self, peer: &str) {
+        let m = &*self.inner;
+        m.sources_dropped.get_or_create(&m.peers.label(peer)).inc();
     }
 
     /// A version was staged: complete and verified, ready to commit.
@@ -463,6 +473,13 @@ impl Inner {
                 "Versions received completely and verified, ready to commit",
                 self.versions_staged.clone(),
             );
+            if on(&[Actor]) {
+                r.register(
+                    "sources_dropped",
+                    "Sources dropped for a while for breaking a bound (oversized or far-ahead versions), by peer",
+                    self.sources_dropped.clone(),
+                );
+            }
             r.register_with_unit(
                 "transfer",
                 "Time from a version's first segment to the version being complete",
