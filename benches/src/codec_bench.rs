@@ -21,6 +21,7 @@ use rayon::prelude::*;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_in_memory};
 use starling_proto::apply::{VersionedWeights, full_digest, scatter};
 use starling_proto::codec::value::ulp_step_zigzag;
+use starling_proto::codec::{IndexCodec, ValueCodec};
 use starling_proto::container::read_delta;
 use starling_proto::diff::{count_differences, diff_range};
 use starling_proto::digest::DigestKey;
@@ -130,6 +131,8 @@ struct SizeRow {
     elements: u64,
     changes: u64,
     starling: usize,
+    /// The same encoder limited to the first release's codecs.
+    starling_v1: usize,
     naive: usize,
     sparrow: usize,
     pulse: usize,
@@ -162,13 +165,19 @@ fn zstd1(b: &[u8]) -> usize {
 }
 
 /// `row_lens`: last dimension of each tensor, for the 2-D COO baseline.
+/// The encoder restricted to the codecs of the first release (no base-conditioned
+/// contexts), for the side-by-side columns.
+fn v1_config() -> EncoderConfig {
+    let mut c = EncoderConfig::default();
+    c.choice.index = IndexCodec::V1.to_vec();
+    c.choice.value = ValueCodec::V1.to_vec();
+    c
+}
+
 fn sizes(lr: f32, old: &Model, new: &Model, row_lens: &BTreeMap<String, usize>) -> SizeRow {
-    let (bytes, _) = encode_in_memory(
-        header(old),
-        EncoderConfig::default(),
-        &flat_pairs(old, new),
-        None,
-    );
+    let pairs = flat_pairs(old, new);
+    let (bytes, _) = encode_in_memory(header(old), EncoderConfig::default(), &pairs, None);
+    let (v1_bytes, _) = encode_in_memory(header(old), v1_config(), &pairs, None);
     let mut naive = 0;
     let mut sparrow = Vec::new();
     let (mut p_rows, mut p_cols, mut p_vals) = (Vec::new(), Vec::new(), Vec::new());
@@ -266,6 +275,7 @@ fn sizes(lr: f32, old: &Model, new: &Model, row_lens: &BTreeMap<String, usize>) 
         elements,
         changes,
         starling: bytes.len(),
+        starling_v1: v1_bytes.len(),
         naive,
         sparrow: sparrow.len(),
         pulse: zstd1(&pulse_all),
@@ -287,9 +297,9 @@ fn h2(p: f64) -> f64 {
 fn print_sizes(rows: &[SizeRow]) {
     println!("### Encoded size (bytes per changed element; whole-model totals in MB)\n");
     println!(
-        "| lr | density | changes | naive i32+bf16 | SparrowRL | PULSE-style | i32 pos + bf16, zstd-1 | slime (XOR, zstd-1) | **Starling** | bound (mask+step) | bound (mask\\|exp + step) | vs SparrowRL | vs slime | vs best baseline | vs bound |"
+        "| lr | density | changes | naive i32+bf16 | SparrowRL | PULSE-style | i32 pos + bf16, zstd-1 | slime (XOR, zstd-1) | Starling v1 codecs | **Starling** | bound (mask+step) | bound (mask\\|exp + step) | vs SparrowRL | vs slime | vs best baseline | vs v1 codecs | vs bound (mask+step) | vs bound (mask\\|exp + step) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         let per = |b: f64| b / r.changes.max(1) as f64;
         let best = r
@@ -299,7 +309,7 @@ fn print_sizes(rows: &[SizeRow]) {
             .min(r.pos_vals)
             .min(r.slime) as f64;
         println!(
-            "| {:.0e} | {:.2}% | {} | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | **{:.2} ({:.1})** | {:.2} | {:.2} | {:.2}× smaller | {:.2}× smaller | {:.2}× smaller | {:.2}× the bound |",
+            "| {:.1e} | {:.2}% | {} | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | **{:.2} ({:.1})** | {:.2} | {:.2} | {:.2}× smaller | {:.2}× smaller | {:.2}× smaller | {:.2}× smaller | {:.2}× | {:.2}× |",
             r.lr,
             100.0 * r.changes as f64 / r.elements as f64,
             r.changes,
@@ -313,6 +323,8 @@ fn print_sizes(rows: &[SizeRow]) {
             r.pos_vals as f64 / 1e6,
             per(r.slime as f64),
             r.slime as f64 / 1e6,
+            per(r.starling_v1 as f64),
+            r.starling_v1 as f64 / 1e6,
             per(r.starling as f64),
             r.starling as f64 / 1e6,
             per(r.bound),
@@ -320,7 +332,9 @@ fn print_sizes(rows: &[SizeRow]) {
             r.sparrow as f64 / r.starling as f64,
             r.slime as f64 / r.starling as f64,
             best / r.starling as f64,
+            r.starling_v1 as f64 / r.starling as f64,
             r.starling as f64 / r.bound,
+            r.starling as f64 / r.bound_ctx,
         );
     }
     let r = &rows[0];

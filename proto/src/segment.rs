@@ -118,9 +118,15 @@ impl EncodedPart {
         let allowed_v = |c| choice.value.contains(&c);
 
         let mut best_index = Best::default();
+        // The base-conditioned mask scans the whole range once; it is the usual winner.
+        if allowed_i(IndexCodec::ExpClassGapsRc) && len <= u64::from(u32::MAX) {
+            best_index.offer(IndexCodec::ExpClassGapsRc, || {
+                codec::index::encode(IndexCodec::ExpClassGapsRc, &diff.positions, len, level, old)
+            });
+        }
         if allowed_i(IndexCodec::RiceGaps) {
             best_index.offer(IndexCodec::RiceGaps, || {
-                codec::index::encode(IndexCodec::RiceGaps, &diff.positions, len, level)
+                codec::index::encode(IndexCodec::RiceGaps, &diff.positions, len, level, old)
             });
         }
         // LEB128 spends at least a byte per gap: size it only when the best so far does not.
@@ -129,21 +135,26 @@ impl EncodedPart {
             && best_index.beaten_by(codec::index::leb128_gaps_len(&diff.positions))
         {
             best_index.offer(IndexCodec::Leb128Gaps, || {
-                codec::index::encode(IndexCodec::Leb128Gaps, &diff.positions, len, level)
+                codec::index::encode(IndexCodec::Leb128Gaps, &diff.positions, len, level, old)
             });
         }
         if allowed_i(IndexCodec::Leb128GapsZstd) && (all || best_index.is_empty()) {
             best_index.offer(IndexCodec::Leb128GapsZstd, || {
-                codec::index::encode(IndexCodec::Leb128GapsZstd, &diff.positions, len, level)
+                codec::index::encode(IndexCodec::Leb128GapsZstd, &diff.positions, len, level, old)
             });
         }
         if allowed_i(IndexCodec::BitmapZstd) && (all || best_index.is_empty() || n * 8 >= len) {
             best_index.offer(IndexCodec::BitmapZstd, || {
-                codec::index::encode(IndexCodec::BitmapZstd, &diff.positions, len, level)
+                codec::index::encode(IndexCodec::BitmapZstd, &diff.positions, len, level, old)
             });
         }
 
         let mut best_value = Best::default();
+        if allowed_v(ValueCodec::UlpStepRc) {
+            best_value.offer(ValueCodec::UlpStepRc, || {
+                codec::value::encode(ValueCodec::UlpStepRc, &diff.new, &diff.old, level)
+            });
+        }
         if allowed_v(ValueCodec::UlpResidualZstd) {
             best_value.offer(ValueCodec::UlpResidualZstd, || {
                 codec::value::encode(ValueCodec::UlpResidualZstd, &diff.new, &diff.old, level)
@@ -184,7 +195,13 @@ impl EncodedPart {
             // No codec allowed at all: fall back to the always-valid SparrowRL form.
             index: IndexCodec::Leb128Gaps,
             value: ValueCodec::Raw,
-            index_bytes: codec::index::encode(IndexCodec::Leb128Gaps, &diff.positions, len, level),
+            index_bytes: codec::index::encode(
+                IndexCodec::Leb128Gaps,
+                &diff.positions,
+                len,
+                level,
+                old,
+            ),
             value_bytes: codec::value::encode(ValueCodec::Raw, &diff.new, &diff.old, level),
         });
         Self {
@@ -272,7 +289,7 @@ impl EncodedPart {
     /// Whether decoding needs the base values of the range.
     pub fn needs_base(&self) -> bool {
         match &self.payload {
-            PartPayload::Sparse { value, .. } => value.needs_base(),
+            PartPayload::Sparse { index, value, .. } => index.needs_base() || value.needs_base(),
             PartPayload::Dense { codec, .. } => codec.needs_base(),
         }
     }
@@ -299,7 +316,8 @@ impl EncodedPart {
                 index_bytes,
                 value_bytes,
             } => {
-                let positions = codec::index::decode(*index, index_bytes, self.changes, self.len)?;
+                let positions =
+                    codec::index::decode(*index, index_bytes, self.changes, self.len, base)?;
                 let old: Option<Vec<u16>> = match (value.needs_base(), base) {
                     (true, Some(b)) => Some(positions.iter().map(|&p| b[p as usize]).collect()),
                     _ => None,

@@ -3,8 +3,15 @@
 //! Positions are `u64` throughout, so no tensor is capped at 2^31 or 2^32 elements. All
 //! gap codecs code `x₀ = p₀` and `xᵢ = pᵢ − pᵢ₋₁ − 1`, so any decoded sequence is strictly
 //! increasing by construction; the decoder then checks the count and the range bound.
+//!
+//! [`IndexCodec::ExpClassGapsRc`] conditions the change mask on the base: both sides hold the
+//! base values, so each element's exponent class is known to the decoder before it reads a
+//! bit, and gaps are counted within a class (see [`exp_class_gaps`]). Its decoder scans the
+//! whole range once (about a nanosecond per element, no allocation beyond the positions) and
+//! needs the base values of exactly the part's range.
 
 use super::bits::{BitReader, BitWriter};
+use super::rc::{EXP_CLASSES, IntModel, RangeDecoder, RangeEncoder, exp_class};
 use super::{IndexCodec, zstd_compress, zstd_decompress};
 use crate::error::DecodeError;
 use crate::wire::{Reader, put_varint, varint_len};
@@ -14,9 +21,28 @@ const RICE_BLOCK: usize = 1024;
 /// Quotients at or above this many ones take the escape path (raw bit width + bits).
 const RICE_ESCAPE: u64 = 40;
 
-/// Encodes strictly increasing `positions`, all below `range_len`, with `codec`.
-pub fn encode(codec: IndexCodec, positions: &[u64], range_len: u64, zstd_level: i32) -> Vec<u8> {
+/// Encodes strictly increasing `positions`, all below `range_len`, with `codec`. `base`
+/// must be the base values of the whole range when the codec
+/// [needs the base](IndexCodec::needs_base) (it is ignored otherwise).
+///
+/// # Panics
+/// If the codec needs the base and `base` does not cover exactly `range_len` elements, or
+/// `range_len` is 2³² or more (a caller error: parts are far smaller).
+pub fn encode(
+    codec: IndexCodec,
+    positions: &[u64],
+    range_len: u64,
+    zstd_level: i32,
+    base: &[u16],
+) -> Vec<u8> {
     match codec {
+        IndexCodec::ExpClassGapsRc => {
+            assert!(
+                base.len() as u64 == range_len && range_len <= u64::from(u32::MAX),
+                "exp-class gaps need the base values of the whole range"
+            );
+            exp_class_gaps(positions, base)
+        }
         IndexCodec::Leb128Gaps => leb128_gaps(positions),
         IndexCodec::Leb128GapsZstd => zstd_compress(&leb128_gaps(positions), zstd_level),
         IndexCodec::RiceGaps => rice_gaps(positions),
@@ -24,12 +50,14 @@ pub fn encode(codec: IndexCodec, positions: &[u64], range_len: u64, zstd_level: 
     }
 }
 
-/// Decodes exactly `count` positions below `range_len`.
+/// Decodes exactly `count` positions below `range_len`. `base` must be the base values of the
+/// whole range when the codec [needs the base](IndexCodec::needs_base).
 pub fn decode(
     codec: IndexCodec,
     bytes: &[u8],
     count: u64,
     range_len: u64,
+    base: Option<&[u16]>,
 ) -> Result<Vec<u64>, DecodeError> {
     if count > range_len {
         return Err(DecodeError::malformed(
@@ -44,6 +72,21 @@ pub fn decode(
             decode_leb128_gaps(&raw, count, range_len)?
         }
         IndexCodec::RiceGaps => decode_rice_gaps(bytes, count, range_len)?,
+        IndexCodec::ExpClassGapsRc => {
+            let Some(base) = base.filter(|b| b.len() as u64 == range_len) else {
+                return Err(DecodeError::malformed(
+                    "exp-class gaps",
+                    "decoding needs the base values of the whole range",
+                ));
+            };
+            if range_len > u64::from(u32::MAX) {
+                return Err(DecodeError::malformed(
+                    "exp-class gaps",
+                    "range of 2^32 elements or more",
+                ));
+            }
+            decode_exp_class_gaps(bytes, count, base)?
+        }
         IndexCodec::BitmapZstd => {
             let want = range_len.div_ceil(8) as usize;
             let raw = zstd_decompress(bytes, want, "index bitmap")?;
@@ -251,6 +294,131 @@ fn decode_bitmap(raw: &[u8], count: u64, range_len: u64) -> Result<Vec<u64>, Dec
     Ok(out)
 }
 
+/// [`IndexCodec::ExpClassGapsRc`]: every element of the range belongs to the class of its
+/// base value ([`exp_class`]); within each class, the changed elements are coded as gaps
+/// counted in elements *of that class*, so each class's gaps follow that class's change
+/// probability. The gaps of all classes share one range-coded stream, in the order a
+/// decoder scanning the range needs them: a class's first gap when its first element is
+/// met, its next gap at each of its changes; a class's last gap counts its remaining
+/// elements (so the scan never stops early).
+fn exp_class_gaps(positions: &[u64], base: &[u16]) -> Vec<u8> {
+    // Pass 1: per class, the gaps in class-local element counts, and its first element.
+    let mut gaps: Vec<Vec<u32>> = vec![Vec::new(); EXP_CLASSES];
+    let mut seen = [0u32; EXP_CLASSES];
+    let mut last = [0u32; EXP_CLASSES];
+    let mut first = [u32::MAX; EXP_CLASSES];
+    let mut from = 0usize;
+    let count_run =
+        |seen: &mut [u32; EXP_CLASSES], first: &mut [u32; EXP_CLASSES], a: usize, b: usize| {
+            for (i, &v) in base[a..b].iter().enumerate() {
+                let c = exp_class(v);
+                if first[c] == u32::MAX {
+                    first[c] = (a + i) as u32;
+                }
+                seen[c] += 1;
+            }
+        };
+    for &p in positions {
+        let p = p as usize;
+        count_run(&mut seen, &mut first, from, p);
+        let c = exp_class(base[p]);
+        if first[c] == u32::MAX {
+            first[c] = p as u32;
+        }
+        gaps[c].push(seen[c] - last[c]);
+        seen[c] += 1;
+        last[c] = seen[c];
+        from = p + 1;
+    }
+    count_run(&mut seen, &mut first, from, base.len());
+    for c in 0..EXP_CLASSES {
+        if first[c] != u32::MAX {
+            gaps[c].push(seen[c] - last[c]);
+        }
+    }
+    // Pass 2: code the gaps in the decoder's order (first elements of classes and changes,
+    // by position; a class's first element comes before a change at the same place).
+    let mut starts: Vec<(u32, usize)> = (0..EXP_CLASSES)
+        .filter(|&c| first[c] != u32::MAX)
+        .map(|c| (first[c], c))
+        .collect();
+    starts.sort_unstable();
+    let mut models = vec![IntModel::default(); EXP_CLASSES];
+    let mut next = [0usize; EXP_CLASSES];
+    let mut e = RangeEncoder::with_capacity(positions.len() + 16);
+    let mut emit = |e: &mut RangeEncoder, c: usize| {
+        models[c].encode(e, u64::from(gaps[c][next[c]]));
+        next[c] += 1;
+    };
+    let mut s = starts.into_iter().peekable();
+    for &p in positions {
+        while let Some(&(f, c)) = s.peek()
+            && u64::from(f) <= p
+        {
+            emit(&mut e, c);
+            s.next();
+        }
+        emit(&mut e, exp_class(base[p as usize]));
+    }
+    for (_, c) in s {
+        emit(&mut e, c);
+    }
+    e.finish()
+}
+
+fn decode_exp_class_gaps(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u64>, DecodeError> {
+    const WHAT: &str = "exp-class gaps";
+    let range_len = base.len() as u64;
+    let mut d = RangeDecoder::new(bytes);
+    let mut models = vec![IntModel::default(); EXP_CLASSES];
+    // `rem[c]`: elements of class `c` still to skip before its next change.
+    let mut rem = [0u32; EXP_CLASSES];
+    let mut started = [false; EXP_CLASSES];
+    // `count ≤ range_len = base.len()`: bounded by what the caller holds.
+    let mut out = Vec::with_capacity(count as usize);
+    let mut gap = |d: &mut RangeDecoder<'_>, c: usize| -> Result<u32, DecodeError> {
+        let g = models[c].decode(d);
+        if g > range_len || d.overran() {
+            return Err(DecodeError::malformed(WHAT, "gap beyond the range"));
+        }
+        Ok(g as u32)
+    };
+    for (i, &v) in base.iter().enumerate() {
+        let c = exp_class(v);
+        if rem[c] != 0 {
+            rem[c] -= 1;
+            continue;
+        }
+        if !started[c] {
+            started[c] = true;
+            rem[c] = gap(&mut d, c)?;
+            if rem[c] != 0 {
+                rem[c] -= 1;
+                continue;
+            }
+        }
+        if out.len() as u64 == count {
+            return Err(DecodeError::malformed(WHAT, "more changes than declared"));
+        }
+        out.push(i as u64);
+        rem[c] = gap(&mut d, c)?;
+    }
+    if out.len() as u64 != count {
+        return Err(DecodeError::malformed(
+            WHAT,
+            format!("{} changes decoded, {count} declared", out.len()),
+        ));
+    }
+    if rem.iter().any(|&r| r != 0) {
+        return Err(DecodeError::malformed(
+            WHAT,
+            "a class's last gap overruns the range",
+        ));
+    }
+    d.finish(WHAT)?;
+    Ok(out)
+}
+
 /// Exact size in bytes [`IndexCodec::Leb128Gaps`] takes, without encoding.
 pub fn leb128_gaps_len(positions: &[u64]) -> usize {
     gaps(positions).map(varint_len).sum()
@@ -261,9 +429,22 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// Base values with exponents spread over every class (none for huge ranges, which
+    /// only the gap codecs are tested on).
+    fn test_base(range_len: u64) -> Vec<u16> {
+        if range_len > 1 << 24 {
+            return Vec::new();
+        }
+        (0..range_len)
+            .map(|i| (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 48) as u16)
+            .collect()
+    }
+
     fn round_trip(codec: IndexCodec, positions: &[u64], range_len: u64) {
-        let enc = encode(codec, positions, range_len, 1);
-        let dec = decode(codec, &enc, positions.len() as u64, range_len).expect("decodes");
+        let base = test_base(range_len);
+        let enc = encode(codec, positions, range_len, 1, &base);
+        let dec =
+            decode(codec, &enc, positions.len() as u64, range_len, Some(&base)).expect("decodes");
         assert_eq!(dec, positions, "{}", codec.name());
     }
 
@@ -275,7 +456,7 @@ mod tests {
     fn golden_leb128_gaps() {
         // p = 3, 4, 200: gaps 3, 0, 195 (195 = 0xC3 -> c3 01).
         assert_eq!(
-            encode(IndexCodec::Leb128Gaps, &[3, 4, 200], 1000, 1),
+            encode(IndexCodec::Leb128Gaps, &[3, 4, 200], 1000, 1, &[]),
             [3, 0, 0xc3, 0x01]
         );
     }
@@ -284,10 +465,10 @@ mod tests {
     fn golden_rice_gaps() {
         // Two gaps of 0 in a block: k = 0, each gap is a single 0 bit.
         // Bits (LSB first): k=0 in 6 bits, then 0, 0 -> one byte, 0x00.
-        assert_eq!(encode(IndexCodec::RiceGaps, &[0, 1], 10, 1), [0x00]);
+        assert_eq!(encode(IndexCodec::RiceGaps, &[0, 1], 10, 1, &[]), [0x00]);
         // One gap of 5 with k = 2: '1' then '0' (q = 1), then 01 (low bits of 5).
         // 6 bits of k (010000 LSB-first) + 1 + 0 + 1 + 0 => bits 0..10.
-        let enc = encode(IndexCodec::RiceGaps, &[5], 10, 1);
+        let enc = encode(IndexCodec::RiceGaps, &[5], 10, 1, &[]);
         let mut r = BitReader::new(&enc);
         let k = r.read(6).expect("k") as u32;
         let q = r.read_unary(64).expect("q");
@@ -335,22 +516,137 @@ mod tests {
     #[test]
     fn decoders_refuse_out_of_range_and_wrong_counts() {
         for codec in IndexCodec::ALL {
-            let enc = encode(codec, &[1, 5, 9], 10, 1);
+            let base = test_base(10);
+            let enc = encode(codec, &[1, 5, 9], 10, 1, &base);
             // Fewer elements in the range than the positions need.
             if codec != IndexCodec::BitmapZstd {
-                assert!(decode(codec, &enc, 3, 9).is_err(), "{}", codec.name());
+                let b = codec.needs_base().then_some(&base[..9]);
+                assert!(decode(codec, &enc, 3, 9, b).is_err(), "{}", codec.name());
             }
             // A count that does not match the payload.
-            assert!(decode(codec, &enc, 4, 10).is_err(), "{}", codec.name());
+            assert!(
+                decode(codec, &enc, 4, 10, Some(&base)).is_err(),
+                "{}",
+                codec.name()
+            );
             // A smaller count either fails or (when the rest hides in a partial byte of a
             // bit-packed payload) yields exactly the prefix; it never invents positions.
-            if let Ok(p) = decode(codec, &enc, 2, 10) {
+            if let Ok(p) = decode(codec, &enc, 2, 10, Some(&base)) {
                 assert_eq!(p, [1, 5], "{}", codec.name());
             }
         }
     }
 
+    /// Weight-like base values: exponents 110..=127, either sign, any mantissa.
+    fn weight_like_base(seed: u64, len: usize) -> Vec<u16> {
+        (0..len as u64)
+            .map(|i| {
+                let h = (i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                let e = 110 + (h % 18) as u16;
+                ((h >> 8) as u16 & 0x8000) | (e << 7) | ((h >> 16) as u16 & 0x7F)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn exp_class_gaps_edge_cases() {
+        let c = IndexCodec::ExpClassGapsRc;
+        let base = weight_like_base(1, 4096);
+        // None changed, all changed, one element, first and last only.
+        round_trip_with(c, &[], &base);
+        round_trip_with(c, &(0..4096).collect::<Vec<u64>>(), &base);
+        round_trip_with(c, &[0], &base[..1]);
+        round_trip_with(c, &[], &base[..1]);
+        round_trip_with(c, &[0, 4095], &base);
+        // Every element in one class.
+        round_trip_with(c, &[3, 4, 1000], &vec![0x3F80; 2000]);
+        // The wrong base length is an error, never a panic.
+        let enc = encode(c, &[0, 4095], 4096, 1, &base);
+        assert!(decode(c, &enc, 2, 4096, Some(&base[..4095])).is_err());
+        assert!(decode(c, &enc, 2, 4096, None).is_err());
+    }
+
+    #[test]
+    fn exp_class_gaps_beat_rice_when_changes_follow_the_exponent() {
+        // Small weights change often, large ones rarely: what a real RL step looks like.
+        let base = weight_like_base(7, 200_000);
+        let positions: Vec<u64> = base
+            .iter()
+            .enumerate()
+            .filter(|&(i, &b)| {
+                let e = (b >> 7) & 0xFF;
+                let h = (i as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93) >> 40;
+                h.is_multiple_of(1 << (e - 108))
+            })
+            .map(|(i, _)| i as u64)
+            .collect();
+        let ctx = encode(IndexCodec::ExpClassGapsRc, &positions, 200_000, 1, &base).len();
+        let rice = encode(IndexCodec::RiceGaps, &positions, 200_000, 1, &base).len();
+        assert!(ctx * 10 < rice * 9, "{ctx} vs rice {rice}");
+        round_trip_with(IndexCodec::ExpClassGapsRc, &positions, &base);
+    }
+
+    #[test]
+    fn exp_class_gaps_refuse_truncated_and_flipped_payloads() {
+        let base = weight_like_base(3, 3000);
+        let positions: Vec<u64> = (0..3000u64)
+            .filter(|i| i.is_multiple_of(37) || i.is_multiple_of(41))
+            .collect();
+        let enc = encode(IndexCodec::ExpClassGapsRc, &positions, 3000, 1, &base);
+        let n = positions.len() as u64;
+        for cut in 0..enc.len() {
+            assert!(
+                decode(
+                    IndexCodec::ExpClassGapsRc,
+                    &enc[..cut],
+                    n,
+                    3000,
+                    Some(&base)
+                )
+                .is_err(),
+                "cut at {cut}"
+            );
+        }
+        for i in 0..enc.len() * 8 {
+            let mut b = enc.clone();
+            b[i / 8] ^= 1 << (i % 8);
+            if let Ok(p) = decode(IndexCodec::ExpClassGapsRc, &b, n, 3000, Some(&base)) {
+                assert_eq!(p.len() as u64, n);
+                assert!(p.windows(2).all(|w| w[0] < w[1]) && p.iter().all(|&x| x < 3000));
+            }
+        }
+    }
+
+    fn round_trip_with(codec: IndexCodec, positions: &[u64], base: &[u16]) {
+        let range_len = base.len() as u64;
+        let enc = encode(codec, positions, range_len, 1, base);
+        let dec =
+            decode(codec, &enc, positions.len() as u64, range_len, Some(base)).expect("decodes");
+        assert_eq!(dec, positions, "{}", codec.name());
+    }
+
     proptest! {
+        #[test]
+        fn exp_class_gaps_round_trip_any_mask_and_base(
+            bits in proptest::collection::vec((any::<u16>(), 0u8..=255), 0..3000),
+            density in 0u8..=255,
+            weights in any::<bool>(),
+        ) {
+            // A mask of any density (0 = none, 255 = all) over any or weight-like bases.
+            let base: Vec<u16> = if weights {
+                weight_like_base(bits.len() as u64, bits.len())
+            } else {
+                bits.iter().map(|b| b.0).collect()
+            };
+            let positions: Vec<u64> = bits
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| density == 255 || b.1 < density)
+                .map(|(i, _)| i as u64)
+                .collect();
+            round_trip_with(IndexCodec::ExpClassGapsRc, &positions, &base);
+        }
+
         #[test]
         fn every_index_codec_round_trips(positions in sorted_positions(20_000)) {
             for codec in IndexCodec::ALL {
@@ -370,13 +666,14 @@ mod tests {
 
         #[test]
         fn leb128_length_is_exact(positions in sorted_positions(1 << 40)) {
-            prop_assert_eq!(leb128_gaps_len(&positions), encode(IndexCodec::Leb128Gaps, &positions, 1 << 40, 1).len());
+            prop_assert_eq!(leb128_gaps_len(&positions), encode(IndexCodec::Leb128Gaps, &positions, 1 << 40, 1, &[]).len());
         }
 
         #[test]
         fn decoders_never_panic_on_garbage(bytes in proptest::collection::vec(any::<u8>(), 0..64), count in 0u64..100, range in 0u64..1000) {
+            let base = test_base(range);
             for codec in IndexCodec::ALL {
-                if let Ok(p) = decode(codec, &bytes, count, range) {
+                if let Ok(p) = decode(codec, &bytes, count, range, Some(&base)) {
                     prop_assert_eq!(p.len() as u64, count);
                     prop_assert!(p.windows(2).all(|w| w[0] < w[1]));
                     prop_assert!(p.iter().all(|&x| x < range));
