@@ -350,10 +350,13 @@ struct SpeedRow {
     changes: u64,
     compare_1: f64,
     encode_1: f64,
+    /// The encoder limited to the first release's codecs.
+    encode_1_v1: f64,
     compare_n: f64,
     encode_n: f64,
     sparrow_1: f64,
     decode_1: f64,
+    decode_1_v1: f64,
     commit: f64,
     scatter: f64,
     digest_ns: f64,
@@ -401,6 +404,11 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
             .0
             .len()
     };
+    let encode_v1 = || {
+        encode_in_memory(hdr.clone(), v1_config(), &ts, None)
+            .0
+            .len()
+    };
     let sparrow = || -> usize {
         ts.par_iter()
             .map(|t| {
@@ -423,6 +431,7 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
     let memcpy = time(reps, || memcpy_dst.copy_from_slice(&memcpy_src));
     let compare_1 = one.install(|| time(reps, compare));
     let encode_1 = one.install(|| time(reps, encode));
+    let encode_1_v1 = one.install(|| time(reps, encode_v1));
     let sparrow_1 = one.install(|| time(reps, sparrow));
     let compare_n = all.install(|| time(reps, compare));
     let encode_n = all.install(|| time(reps, encode));
@@ -430,18 +439,23 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
     // Decode = staging (verify, decode to absolute bits, gather undo log, digest change).
     let (bytes, _) = encode_in_memory(hdr.clone(), EncoderConfig::default(), &ts, None);
     let delta = read_delta(&bytes, &TrustPolicy::AnySigner)?;
+    let (bytes_v1, _) = encode_in_memory(hdr.clone(), v1_config(), &ts, None);
+    let delta_v1 = read_delta(&bytes_v1, &TrustPolicy::AnySigner)?;
     let pre = hdr.pre_digest.unwrap_or_default();
-    let stage = |w: &VersionedWeights<Model>| -> Result<_> {
-        let mut st = w.stager();
-        for s in &delta.segments {
-            let e = &delta.manifest.manifest.segments[s.seq as usize];
-            st.stage_segment(s, e.hash, e.frame_len, w.weights())?;
-        }
-        st.stage_manifest(delta.manifest.clone())?;
-        Ok(st.seal(&TrustPolicy::AnySigner)?)
-    };
+    let stage_delta =
+        |delta: &starling_proto::container::Delta, w: &VersionedWeights<Model>| -> Result<_> {
+            let mut st = w.stager();
+            for s in &delta.segments {
+                let e = &delta.manifest.manifest.segments[s.seq as usize];
+                st.stage_segment(s, e.hash, e.frame_len, w.weights())?;
+            }
+            st.stage_manifest(delta.manifest.clone())?;
+            Ok(st.seal(&TrustPolicy::AnySigner)?)
+        };
+    let stage = |w: &VersionedWeights<Model>| stage_delta(&delta, w);
     let w = VersionedWeights::new("bench", old.clone(), 1, pre);
     let decode_1 = one.install(|| time(reps, || stage(&w).map(|_| ())));
+    let decode_1_v1 = one.install(|| time(reps, || stage_delta(&delta_v1, &w).map(|_| ())));
     // Commit vs bare scatter of the same pairs, each on a fresh copy of the base.
     let mut commits = Vec::new();
     let mut scatters = Vec::new();
@@ -488,10 +502,12 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
         changes,
         compare_1,
         encode_1,
+        encode_1_v1,
         compare_n,
         encode_n,
         sparrow_1,
         decode_1,
+        decode_1_v1,
         commit: median(commits),
         scatter: median(scatters),
         digest_ns: digest_only * 1e9 / changes.max(1) as f64,
@@ -502,17 +518,19 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
 fn print_speeds(rows: &[SpeedRow], threads: usize) {
     println!("### Speed (dense GB/s scanned = both checkpoints' bytes / time)\n");
     println!(
-        "| lr | compare loop 1T | **diff+encode 1T** | ratio | SparrowRL diff+encode 1T | compare loop {threads}T | **diff+encode {threads}T** | ratio | scaling 1T→{threads}T | memcpy GB/s |"
+        "| lr | compare loop 1T | **diff+encode 1T** | ratio | diff+encode 1T, v1 codecs | ratio | SparrowRL diff+encode 1T | compare loop {threads}T | **diff+encode {threads}T** | ratio | scaling 1T→{threads}T | memcpy GB/s |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         let g = |t: f64| r.dense_bytes / t / 1e9;
         println!(
-            "| {:.0e} | {:.2} | **{:.2}** | {:.2} | {:.2} | {:.2} | **{:.2}** | {:.2} | {:.2}× | {:.2} |",
+            "| {:.1e} | {:.2} | **{:.2}** | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | **{:.2}** | {:.2} | {:.2}× | {:.2} |",
             r.lr,
             g(r.compare_1),
             g(r.encode_1),
             r.compare_1 / r.encode_1,
+            g(r.encode_1_v1),
+            r.compare_1 / r.encode_1_v1,
             g(r.sparrow_1),
             g(r.compare_n),
             g(r.encode_n),
@@ -523,15 +541,16 @@ fn print_speeds(rows: &[SpeedRow], threads: usize) {
     }
     println!("\n### Decode and apply\n");
     println!(
-        "| lr | changes | staging (decode+verify+undo) 1T, ns/change | **commit apply**, ms | bare scatter, ms | commit / scatter | digest update, ns/change |"
+        "| lr | changes | staging (decode+verify+undo) 1T, ns/change | same, v1 codecs | **commit apply**, ms | bare scatter, ms | commit / scatter | digest update, ns/change |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {:.0e} | {} | {:.1} | **{:.2}** | {:.2} | {:.2} | {:.1} |",
+            "| {:.1e} | {} | {:.1} | {:.1} | **{:.2}** | {:.2} | {:.2} | {:.1} |",
             r.lr,
             r.changes,
             r.decode_1 * 1e9 / r.changes.max(1) as f64,
+            r.decode_1_v1 * 1e9 / r.changes.max(1) as f64,
             r.commit * 1e3,
             r.scatter * 1e3,
             r.commit / r.scatter,

@@ -27,6 +27,9 @@ pub const RATE_LIMIT: u32 = 1022;
 const P_MIN: u32 = 1 << 16;
 const P_HALF: u32 = 1 << 31;
 const TOP: u32 = 1 << 24;
+/// Direct (equiprobable) bits are coded this many at a time; the range stays at least
+/// 2²⁴ ≫ 2¹⁶ before each chunk, so its sub-ranges are never empty.
+pub const DIRECT_CHUNK: u32 = 16;
 
 /// `65536 / (n + 2)` for every `n ≤ RATE_LIMIT`: the adaptation rate as a 16-bit fraction.
 const RECIP: [u32; RATE_LIMIT as usize + 1] = {
@@ -55,13 +58,12 @@ impl Default for Bit {
 impl Bit {
     #[inline]
     fn update(&mut self, bit: bool) {
-        let target: i64 = if bit { 0 } else { (1i64 << 32) - 1 };
+        // Branch-free: the coded bits are close to unpredictable for the CPU.
+        let target = i64::from(!bit) * ((1i64 << 32) - 1);
         let p = i64::from(self.p0);
         let step = ((target - p) * i64::from(RECIP[self.n as usize])) >> 16;
         self.p0 = (p + step).clamp(i64::from(P_MIN), (1i64 << 32) - i64::from(P_MIN)) as u32;
-        if self.n < RATE_LIMIT {
-            self.n += 1;
-        }
+        self.n += u32::from(self.n < RATE_LIMIT);
     }
 }
 
@@ -115,12 +117,10 @@ impl RangeEncoder {
     #[inline]
     fn code(&mut self, p0: u32, bit: bool) {
         let bound = ((u64::from(self.range) * u64::from(p0)) >> 32) as u32;
-        if bit {
-            self.low += u64::from(bound);
-            self.range -= bound;
-        } else {
-            self.range = bound;
-        }
+        // Branch-free select between the two sub-ranges.
+        let m = 0u32.wrapping_sub(u32::from(bit));
+        self.low += u64::from(bound & m);
+        self.range = (bound & !m) | ((self.range - bound) & m);
         while self.range < TOP {
             self.range <<= 8;
             self.shift_low();
@@ -134,11 +134,22 @@ impl RangeEncoder {
         ctx.update(bit);
     }
 
-    /// Codes the low `count` bits of `value`, most significant first, each with
-    /// probability one half.
+    /// Codes the low `count ≤ 64` bits of `value` as uniform symbols of at most
+    /// [`DIRECT_CHUNK`] bits, most significant chunk first: a chunk of `n` bits `v` narrows
+    /// the range to `[v · (range >> n), (v + 1) · (range >> n))`.
     pub fn direct(&mut self, value: u64, count: u32) {
-        for i in (0..count).rev() {
-            self.code(P_HALF, (value >> i) & 1 != 0);
+        let mut left = count;
+        while left > 0 {
+            let n = left.min(DIRECT_CHUNK);
+            left -= n;
+            let v = (value >> left) as u32 & ((1 << n) - 1);
+            let bound = self.range >> n;
+            self.low += u64::from(v) * u64::from(bound);
+            self.range = bound;
+            while self.range < TOP {
+                self.range <<= 8;
+                self.shift_low();
+            }
         }
     }
 
@@ -198,14 +209,10 @@ impl<'a> RangeDecoder<'a> {
     #[inline]
     fn decode(&mut self, p0: u32) -> bool {
         let bound = ((u64::from(self.range) * u64::from(p0)) >> 32) as u32;
-        let bit = if self.code < bound {
-            self.range = bound;
-            false
-        } else {
-            self.code -= bound;
-            self.range -= bound;
-            true
-        };
+        let bit = self.code >= bound;
+        let m = 0u32.wrapping_sub(u32::from(bit));
+        self.code -= bound & m;
+        self.range = (bound & !m) | ((self.range - bound) & m);
         while self.range < TOP {
             self.range <<= 8;
             self.code = (self.code << 8) | u32::from(self.next_byte());
@@ -221,11 +228,24 @@ impl<'a> RangeDecoder<'a> {
         b
     }
 
-    /// Decodes `count ≤ 64` bits of probability one half, most significant first.
+    /// Decodes `count ≤ 64` bits coded by [`RangeEncoder::direct`]. On a corrupt stream a
+    /// chunk's value is clamped to its `n` bits (the result is then garbage that the
+    /// callers' checks or [`finish`](Self::finish) refuse; nothing panics).
     pub fn direct(&mut self, count: u32) -> u64 {
         let mut v = 0u64;
-        for _ in 0..count {
-            v = (v << 1) | u64::from(self.decode(P_HALF));
+        let mut left = count;
+        while left > 0 {
+            let n = left.min(DIRECT_CHUNK);
+            left -= n;
+            let bound = self.range >> n;
+            let c = (self.code / bound).min((1 << n) - 1);
+            self.code -= c * bound;
+            self.range = bound;
+            while self.range < TOP {
+                self.range <<= 8;
+                self.code = (self.code << 8) | u32::from(self.next_byte());
+            }
+            v = (v << n) | u64::from(c);
         }
         v
     }
@@ -322,16 +342,35 @@ pub const EXP_CLASSES: usize = 32;
 /// 16 and above, infinities and NaNs) share class 31.
 pub const EXP_LO: u16 = 100;
 
+/// `CLASS_OF[bits >> 7]`: the class of every (sign, exponent) pair.
+static CLASS_OF: [u8; 512] = {
+    let mut t = [0u8; 512];
+    let mut i = 0;
+    while i < 512 {
+        let e = (i & 0xFF) as u16;
+        let e = if e < EXP_LO {
+            EXP_LO
+        } else if e > EXP_LO + EXP_CLASSES as u16 - 1 {
+            EXP_LO + EXP_CLASSES as u16 - 1
+        } else {
+            e
+        };
+        t[i] = (e - EXP_LO) as u8;
+        i += 1;
+    }
+    t
+};
+
 /// The context class of a base value: its BF16 exponent field, clamped to
 /// `[EXP_LO, EXP_LO + 31]`, minus `EXP_LO`. Whether a weight changes, and by how many ULPs,
 /// depends mostly on its magnitude (an update survives rounding only if it is large against
 /// the ULP, which the exponent sets); the sign does not enter.
 #[inline]
 pub fn exp_class(bits: u16) -> usize {
-    let e = (bits >> 7) & 0xFF;
-    (e.clamp(EXP_LO, EXP_LO + EXP_CLASSES as u16 - 1) - EXP_LO) as usize
+    // The mask is a no-op on the table's values; it lets the compiler drop bounds checks
+    // on per-class arrays.
+    usize::from(CLASS_OF[usize::from(bits >> 7)]) & (EXP_CLASSES - 1)
 }
-
 #[cfg(test)]
 mod tests {
     use super::*;
