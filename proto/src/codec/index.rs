@@ -427,8 +427,11 @@ fn exp_class_gaps(positions: &[u64], base: &[u16]) -> Vec<u8> {
     let mut escape = IntModel::default();
     let mut next = [1usize; EXP_CLASSES];
     let mut e = RangeEncoder::with_capacity(positions.len() + 16);
-    for c in 0..EXP_CLASSES {
-        models[c].encode(&mut e, &mut escape, u64::from(gaps[c][0]));
+    // First gaps: one Exp-Golomb model for all classes, which learns fast that absent
+    // classes code 0 (a class's own model would pay its start-up cost once per class).
+    let mut firsts = IntModel::default();
+    for class_gaps in &gaps {
+        firsts.encode(&mut e, u64::from(class_gaps[0]));
     }
     for &p in positions {
         let c = exp_class(base[p as usize]);
@@ -453,8 +456,13 @@ fn decode_exp_class_gaps(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u
     };
     // `rem[c]`: elements of class `c` still to skip before its next change.
     let mut rem = [0u32; EXP_CLASSES];
-    for (c, r) in rem.iter_mut().enumerate() {
-        *r = gap(&mut d, c)?;
+    let mut firsts = IntModel::default();
+    for r in &mut rem {
+        let g = firsts.decode(&mut d);
+        if g > range_len || d.overran() {
+            return Err(DecodeError::malformed(WHAT, "gap beyond the range"));
+        }
+        *r = g as u32;
     }
     // `count ≤ range_len = base.len()`: bounded by what the caller holds.
     let mut out = Vec::with_capacity(count as usize);
@@ -615,6 +623,18 @@ mod tests {
             })
             .collect()
     }
+
+    #[test]
+    fn golden_exp_class_gaps() {
+        // Four elements of class 27 (1.0) and one of class 0 (0.0); changes at 1 and 3.
+        let base = [0x3F80, 0x3F80, 0x0000, 0x3F80, 0x3F80];
+        let enc = encode(IndexCodec::ExpClassGapsRc, &[1, 3], 5, 1, &base);
+        assert_eq!(enc, GOLDEN_EXP_CLASS_GAPS);
+        round_trip_with(IndexCodec::ExpClassGapsRc, &[1, 3], &base);
+    }
+
+    /// Pinned: any change to these bytes is a format change (see docs/format.md).
+    const GOLDEN_EXP_CLASS_GAPS: [u8; 6] = [0x80, 0x1f, 0x9e, 0x84, 0xd7, 0xd9];
 
     #[test]
     fn exp_class_gaps_edge_cases() {

@@ -4,6 +4,13 @@
 //! **sparse** (positions by an [`IndexCodec`], new values by a [`ValueCodec`]) or **dense**
 //! (a [`DenseCodec`] over the whole range). The encoder tries the candidates and keeps the
 //! smallest, per part, by measured size (see [`crate::encode`]).
+//!
+//! Codecs that [need the base](IndexCodec::needs_base) condition on the base values of the
+//! part's range, which every receiver holds when it stages a segment:
+//! [`IndexCodec::ExpClassGapsRc`] and [`ValueCodec::UlpStepRc`] model the change mask and the
+//! ULP step with contexts from each base value's BF16 exponent (the adaptive range coder
+//! and the classes are in [`rc`]). Ids are only ever added: the `V1` lists name the codecs
+//! of the first release, which every reader knows.
 
 pub mod bits;
 pub mod dense;

@@ -303,6 +303,22 @@ mod tests {
         assert_eq!(raw, [0, 2, 1, 2]);
     }
 
+    #[test]
+    fn golden_ulp_step_rc() {
+        // +1, −1, +1 ULP and one 0x100-ULP jump.
+        let old = [0x3F80, 0x3F80, 0xBC00, 0x3F80];
+        let new = [0x3F81, 0x3F7F, 0xBBFF, 0x4080];
+        let enc = encode(ValueCodec::UlpStepRc, &new, &old, 1);
+        assert_eq!(enc, GOLDEN_ULP_STEP_RC);
+        assert_eq!(
+            decode(ValueCodec::UlpStepRc, &enc, 4, Some(&old)),
+            Ok(new.to_vec())
+        );
+    }
+
+    /// Pinned: any change to these bytes is a format change (see docs/format.md).
+    const GOLDEN_ULP_STEP_RC: [u8; 7] = [0xd9, 0x7f, 0xbf, 0xfe, 0xdf, 0xe0, 0x00];
+
     proptest! {
         #[test]
         fn every_value_codec_round_trips_any_bits(pairs in proptest::collection::vec((any::<u16>(), any::<u16>()), 0..500)) {
