@@ -27,6 +27,7 @@ use starling_proto::diff::{count_differences, diff_range};
 use starling_proto::digest::DigestKey;
 use starling_proto::encode::{DeltaHeader, EncoderConfig, encode_in_memory, flat_pairs};
 use starling_proto::manifest::TrustPolicy;
+use starling_proto::segment::PartPayload;
 use starling_proto::wire::put_varint;
 
 #[derive(Parser, Debug)]
@@ -138,6 +139,13 @@ struct SizeRow {
     starling: usize,
     /// The same encoder limited to the first release's codecs.
     starling_v1: usize,
+    /// Payload bytes of positions, values and dense parts.
+    split: [usize; 3],
+    split_v1: [usize; 3],
+    /// The bounds' parts, in bytes.
+    mask_bits: f64,
+    mask_ctx_bits: f64,
+    step_bits: f64,
     naive: usize,
     sparrow: usize,
     pulse: usize,
@@ -183,6 +191,25 @@ fn sizes(lr: f32, old: &Model, new: &Model, row_lens: &BTreeMap<String, usize>) 
     let pairs = flat_pairs(old, new);
     let (bytes, _) = encode_in_memory(header(old), EncoderConfig::default(), &pairs, None);
     let (v1_bytes, _) = encode_in_memory(header(old), v1_config(), &pairs, None);
+    let split = |bytes: &[u8]| -> [usize; 3] {
+        let mut b = [0usize; 3];
+        if let Ok(d) = read_delta(bytes, &TrustPolicy::AnySigner) {
+            for p in d.segments.iter().flat_map(|s| &s.parts) {
+                match &p.payload {
+                    PartPayload::Sparse {
+                        index_bytes,
+                        value_bytes,
+                        ..
+                    } => {
+                        b[0] += index_bytes.len();
+                        b[1] += value_bytes.len();
+                    }
+                    PartPayload::Dense { bytes, .. } => b[2] += bytes.len(),
+                }
+            }
+        }
+        b
+    };
     let mut naive = 0;
     let mut sparrow = Vec::new();
     let (mut p_rows, mut p_cols, mut p_vals) = (Vec::new(), Vec::new(), Vec::new());
@@ -281,6 +308,11 @@ fn sizes(lr: f32, old: &Model, new: &Model, row_lens: &BTreeMap<String, usize>) 
         changes,
         starling: bytes.len(),
         starling_v1: v1_bytes.len(),
+        split: split(&bytes),
+        split_v1: split(&v1_bytes),
+        mask_bits: mask_bits / 8.0,
+        mask_ctx_bits: mask_ctx_bits / 8.0,
+        step_bits: residual_bits / 8.0,
         naive,
         sparrow: sparrow.len(),
         pulse: zstd1(&pulse_all),
@@ -347,6 +379,28 @@ fn print_sizes(rows: &[SizeRow]) {
         "\nDense BF16 checkpoint: {:.1} MB.\n",
         r.elements as f64 * 2.0 / 1e6
     );
+    println!("### Where the bytes go (bytes per changed element)\n");
+    println!(
+        "| lr | positions, v1 codecs | **positions** | mask bound | mask\\|exp bound | values, v1 codecs | **values** | step bound (order 0) | dense parts | rest (headers, manifest) |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let per = |b: f64| b / r.changes.max(1) as f64;
+        println!(
+            "| {:.1e} | {:.3} | **{:.3}** | {:.3} | {:.3} | {:.3} | **{:.3}** | {:.3} | {:.3} | {:.3} |",
+            r.lr,
+            per(r.split_v1[0] as f64),
+            per(r.split[0] as f64),
+            per(r.mask_bits),
+            per(r.mask_ctx_bits),
+            per(r.split_v1[1] as f64),
+            per(r.split[1] as f64),
+            per(r.step_bits),
+            per(r.split[2] as f64),
+            per((r.starling - r.split.iter().sum::<usize>()) as f64),
+        );
+    }
+    println!();
 }
 
 struct SpeedRow {
