@@ -6,9 +6,9 @@
 //!
 //! [`IndexCodec::ExpClassGapsRc`] conditions the change mask on the base: both sides hold the
 //! base values, so each element's exponent class is known to the decoder before it reads a
-//! bit, and gaps are counted within a class (see [`exp_class_gaps`]). Its decoder scans the
-//! whole range once (about a nanosecond per element, no allocation beyond the positions) and
-//! needs the base values of exactly the part's range.
+//! bit, and gaps are counted within a class (the exact stream is in `docs/format.md`). Its
+//! decoder scans the whole range once (about a nanosecond per element, no allocation beyond
+//! the positions) and needs the base values of exactly the part's range.
 
 use super::bits::{BitReader, BitWriter};
 use super::rc::{Bit, EXP_CLASSES, IntModel, RangeDecoder, RangeEncoder, exp_class};
