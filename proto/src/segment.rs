@@ -559,6 +559,51 @@ mod tests {
     }
 
     #[test]
+    fn v1_choice_never_uses_later_codecs_and_base_needs_are_reported() {
+        let old: Vec<u16> = (0..5000)
+            .map(|i| 0x3C00 | (i * 7919 % 0x3FF) as u16)
+            .collect();
+        let new: Vec<u16> = old
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| if i % 13 == 0 { v + 1 } else { v })
+            .collect();
+        let d = diff_range(&old, &new);
+        let v1 = CodecChoice {
+            index: IndexCodec::V1.to_vec(),
+            value: ValueCodec::V1.to_vec(),
+            ..CodecChoice::default()
+        };
+        let p = EncodedPart::encode("w", 0, &old, &new, &d, &v1);
+        let PartPayload::Sparse { index, value, .. } = p.payload else {
+            panic!("sparse expected");
+        };
+        assert!(IndexCodec::V1.contains(&index) && ValueCodec::V1.contains(&value));
+        // By default the context-modelled codecs win on such a part.
+        let p = part_round_trip(&old, &new, &CodecChoice::default());
+        assert_eq!(
+            p.codec_names(),
+            ("exp-class-gaps+rc", "ulp-step+rc"),
+            "{:?}",
+            p.codec_names()
+        );
+        // A part whose positions need the base says so, even with raw values, and refuses
+        // to decode without it.
+        let p = EncodedPart::encode(
+            "w",
+            0,
+            &old,
+            &new,
+            &d,
+            &CodecChoice::only(IndexCodec::ExpClassGapsRc, ValueCodec::Raw),
+        );
+        assert!(p.needs_base());
+        assert!(p.decode(None).is_err());
+        assert!(p.decode(Some(&old[1..])).is_err());
+        assert!(p.decode(Some(&old)).is_ok());
+    }
+
+    #[test]
     fn dense_fallback_wins_when_everything_changed() {
         let old: Vec<u16> = (0..10_000).map(|i| (i * 7919) as u16).collect();
         let new: Vec<u16> = old.iter().map(|v| v ^ 0x5A5A).collect();
