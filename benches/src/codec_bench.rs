@@ -416,6 +416,8 @@ struct SpeedRow {
     sparrow_1: f64,
     decode_1: f64,
     decode_1_v1: f64,
+    /// Staging with every thread (parts of a segment decode in parallel).
+    decode_n: f64,
     commit: f64,
     scatter: f64,
     digest_ns: f64,
@@ -515,6 +517,7 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
     let w = VersionedWeights::new("bench", old.clone(), 1, pre);
     let decode_1 = one.install(|| time(reps, || stage(&w).map(|_| ())));
     let decode_1_v1 = one.install(|| time(reps, || stage_delta(&delta_v1, &w).map(|_| ())));
+    let decode_n = all.install(|| time(reps, || stage(&w).map(|_| ())));
     // Commit vs bare scatter of the same pairs, each on a fresh copy of the base.
     let mut commits = Vec::new();
     let mut scatters = Vec::new();
@@ -567,6 +570,7 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
         sparrow_1,
         decode_1,
         decode_1_v1,
+        decode_n,
         commit: median(commits),
         scatter: median(scatters),
         digest_ns: digest_only * 1e9 / changes.max(1) as f64,
@@ -600,16 +604,17 @@ fn print_speeds(rows: &[SpeedRow], threads: usize) {
     }
     println!("\n### Decode and apply\n");
     println!(
-        "| lr | changes | staging (decode+verify+undo) 1T, ns/change | same, v1 codecs | **commit apply**, ms | bare scatter, ms | commit / scatter | digest update, ns/change |"
+        "| lr | changes | staging (decode+verify+undo) 1T, ns/change | same, v1 codecs | staging {threads}T, ns/change | **commit apply**, ms | bare scatter, ms | commit / scatter | digest update, ns/change |"
     );
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {:.1e} | {} | {:.1} | {:.1} | **{:.2}** | {:.2} | {:.2} | {:.1} |",
+            "| {:.1e} | {} | {:.1} | {:.1} | {:.1} | **{:.2}** | {:.2} | {:.2} | {:.1} |",
             r.lr,
             r.changes,
             r.decode_1 * 1e9 / r.changes.max(1) as f64,
             r.decode_1_v1 * 1e9 / r.changes.max(1) as f64,
+            r.decode_n * 1e9 / r.changes.max(1) as f64,
             r.commit * 1e3,
             r.scatter * 1e3,
             r.commit / r.scatter,
