@@ -464,8 +464,12 @@ fn decode_exp_class_gaps(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u
         }
         *r = g as u32;
     }
-    // `count ≤ range_len = base.len()`: bounded by what the caller holds.
-    let mut out = Vec::with_capacity(count as usize);
+    // `count ≤ range_len = base.len()` bounds the output by what the caller holds; the
+    // up-front capacity is also bounded by the input (a change rarely costs under 1/64 of a
+    // bit), so a few forged bytes claiming 2²⁶ changes do not reserve 512 MB before decoding
+    // proves them. The vector grows if a real stream needs more.
+    let cap = (count as usize).min(bytes.len().saturating_mul(512).saturating_add(1024));
+    let mut out = Vec::with_capacity(cap);
     for (i, &v) in base.iter().enumerate() {
         let c = exp_class(v);
         let r = rem[c];
