@@ -11,7 +11,7 @@
 //! the positions) and needs the base values of exactly the part's range.
 
 use super::bits::{BitReader, BitWriter};
-use super::rc::{Bit, EXP_CLASSES, IntModel, RangeDecoder, RangeEncoder, exp_class};
+use super::rc::{Bit, EXP_CLASSES, EXP_LO, IntModel, RangeDecoder, RangeEncoder, exp_class};
 use super::{IndexCodec, zstd_compress, zstd_decompress};
 use crate::error::DecodeError;
 use crate::wire::{Reader, put_varint, varint_len};
@@ -392,34 +392,45 @@ fn exp_class_gaps(positions: &[u64], base: &[u16]) -> Vec<u8> {
     // Four interleaved class histograms: consecutive elements of one class would otherwise
     // chain their increments through one memory cell. A class's count is their sum.
     let mut seen = [[0u32; EXP_CLASSES]; 4];
-    let count = |seen: &mut [[u32; EXP_CLASSES]; 4], run: &[u16]| {
+    let count = |seen: &mut [[u32; EXP_CLASSES]; 4], run: &[u8]| {
         let mut quads = run.chunks_exact(4);
         for q in &mut quads {
-            seen[0][exp_class(q[0])] += 1;
-            seen[1][exp_class(q[1])] += 1;
-            seen[2][exp_class(q[2])] += 1;
-            seen[3][exp_class(q[3])] += 1;
+            seen[0][usize::from(q[0]) & (EXP_CLASSES - 1)] += 1;
+            seen[1][usize::from(q[1]) & (EXP_CLASSES - 1)] += 1;
+            seen[2][usize::from(q[2]) & (EXP_CLASSES - 1)] += 1;
+            seen[3][usize::from(q[3]) & (EXP_CLASSES - 1)] += 1;
         }
-        for &v in quads.remainder() {
-            seen[0][exp_class(v)] += 1;
+        for &c in quads.remainder() {
+            seen[0][usize::from(c) & (EXP_CLASSES - 1)] += 1;
         }
     };
     let total = |seen: &[[u32; EXP_CLASSES]; 4], c: usize| {
         seen[0][c] + seen[1][c] + seen[2][c] + seen[3][c]
     };
     let mut last = [0u32; EXP_CLASSES];
-    let mut from = 0usize;
-    for &p in positions {
-        let p = p as usize;
-        count(&mut seen, &base[from..p]);
-        let c = exp_class(base[p]);
-        let n = total(&seen, c);
-        gaps[c].push(n - last[c]);
-        seen[0][c] += 1;
-        last[c] = n + 1;
-        from = p + 1;
+    let mut next_change = positions.iter().map(|&p| p as usize).peekable();
+    // Classify a block at a time (a loop the compiler vectorizes), then count the classes
+    // of the runs between changes.
+    let mut classes = [0u8; CLASSIFY_BLOCK];
+    for (b, block) in base.chunks(CLASSIFY_BLOCK).enumerate() {
+        let start = b * CLASSIFY_BLOCK;
+        let classes = &mut classes[..block.len()];
+        for (k, &v) in classes.iter_mut().zip(block) {
+            *k = exp_class_arith(v);
+        }
+        let mut from = 0;
+        while let Some(p) = next_change.next_if(|&p| p < start + block.len()) {
+            let k = p - start;
+            count(&mut seen, &classes[from..k]);
+            let c = usize::from(classes[k]) & (EXP_CLASSES - 1);
+            let n = total(&seen, c);
+            gaps[c].push(n - last[c]);
+            seen[0][c] += 1;
+            last[c] = n + 1;
+            from = k + 1;
+        }
+        count(&mut seen, &classes[from..]);
     }
-    count(&mut seen, &base[from..]);
     for c in 0..EXP_CLASSES {
         gaps[c].push(total(&seen, c) - last[c]);
     }
@@ -439,6 +450,16 @@ fn exp_class_gaps(positions: &[u64], base: &[u16]) -> Vec<u8> {
         next[c] += 1;
     }
     e.finish()
+}
+
+/// Elements classified at a time by the mask codec's encoder and decoder.
+const CLASSIFY_BLOCK: usize = 1024;
+
+/// [`exp_class`] by arithmetic instead of a table, so that a loop of it vectorizes.
+#[inline]
+fn exp_class_arith(bits: u16) -> u8 {
+    let e = (bits >> 7) & 0xFF;
+    (e.clamp(EXP_LO, EXP_LO + EXP_CLASSES as u16 - 1) - EXP_LO) as u8
 }
 
 fn decode_exp_class_gaps(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u64>, DecodeError> {
@@ -470,18 +491,25 @@ fn decode_exp_class_gaps(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u
     // proves them. The vector grows if a real stream needs more.
     let cap = (count as usize).min(bytes.len().saturating_mul(512).saturating_add(1024));
     let mut out = Vec::with_capacity(cap);
-    for (i, &v) in base.iter().enumerate() {
-        let c = exp_class(v);
-        let r = rem[c];
-        if r != 0 {
-            rem[c] = r - 1;
-            continue;
+    // Classify a block at a time (a loop the compiler vectorizes), then count down.
+    let mut classes = [0u8; CLASSIFY_BLOCK];
+    for (b, block) in base.chunks(CLASSIFY_BLOCK).enumerate() {
+        for (k, &v) in classes.iter_mut().zip(block) {
+            *k = exp_class_arith(v);
         }
-        if out.len() as u64 == count {
-            return Err(DecodeError::malformed(WHAT, "more changes than declared"));
+        for (j, &c) in classes[..block.len()].iter().enumerate() {
+            let c = usize::from(c) & (EXP_CLASSES - 1);
+            let r = rem[c];
+            if r != 0 {
+                rem[c] = r - 1;
+                continue;
+            }
+            if out.len() as u64 == count {
+                return Err(DecodeError::malformed(WHAT, "more changes than declared"));
+            }
+            out.push((b * CLASSIFY_BLOCK + j) as u64);
+            rem[c] = gap(&mut d, c)?;
         }
-        out.push(i as u64);
-        rem[c] = gap(&mut d, c)?;
     }
     if out.len() as u64 != count {
         return Err(DecodeError::malformed(
@@ -639,6 +667,13 @@ mod tests {
 
     /// Pinned: any change to these bytes is a format change (see docs/format.md).
     const GOLDEN_EXP_CLASS_GAPS: [u8; 6] = [0x80, 0x1f, 0x9e, 0x84, 0xd7, 0xd9];
+
+    #[test]
+    fn arithmetic_class_equals_the_table() {
+        for b in 0..=u16::MAX {
+            assert_eq!(usize::from(exp_class_arith(b)), exp_class(b), "{b:#06x}");
+        }
+    }
 
     #[test]
     fn exp_class_gaps_edge_cases() {
