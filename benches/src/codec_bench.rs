@@ -21,11 +21,13 @@ use rayon::prelude::*;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_in_memory};
 use starling_proto::apply::{VersionedWeights, full_digest, scatter};
 use starling_proto::codec::value::ulp_step_zigzag;
+use starling_proto::codec::{IndexCodec, ValueCodec};
 use starling_proto::container::read_delta;
 use starling_proto::diff::{count_differences, diff_range};
 use starling_proto::digest::DigestKey;
 use starling_proto::encode::{DeltaHeader, EncoderConfig, encode_in_memory, flat_pairs};
 use starling_proto::manifest::TrustPolicy;
+use starling_proto::segment::PartPayload;
 use starling_proto::wire::put_varint;
 
 #[derive(Parser, Debug)]
@@ -34,8 +36,13 @@ struct Args {
     /// Model preset of the workload generator (tiny, small, 100m, 0.5b, 1.5b).
     #[arg(long, default_value = "100m")]
     model: String,
-    /// Learning rates to generate pairs at.
-    #[arg(long, value_delimiter = ',', default_value = "1e-6,3e-6,1e-5")]
+    /// Learning rates to generate pairs at (the defaults give ~0.3%, 1%, 2% and 5% of
+    /// elements changed on the 100m preset).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "4e-7,1.5e-6,3.5e-6,1.1e-5"
+    )]
     lrs: Vec<f32>,
     /// Timed repetitions per measurement (the median is reported).
     #[arg(long, default_value_t = 3)]
@@ -130,6 +137,15 @@ struct SizeRow {
     elements: u64,
     changes: u64,
     starling: usize,
+    /// The same encoder limited to the first release's codecs.
+    starling_v1: usize,
+    /// Payload bytes of positions, values and dense parts.
+    split: [usize; 3],
+    split_v1: [usize; 3],
+    /// The bounds' parts, in bytes.
+    mask_bits: f64,
+    mask_ctx_bits: f64,
+    step_bits: f64,
     naive: usize,
     sparrow: usize,
     pulse: usize,
@@ -162,13 +178,38 @@ fn zstd1(b: &[u8]) -> usize {
 }
 
 /// `row_lens`: last dimension of each tensor, for the 2-D COO baseline.
+/// The encoder restricted to the codecs of the first release (no base-conditioned
+/// contexts), for the side-by-side columns.
+fn v1_config() -> EncoderConfig {
+    let mut c = EncoderConfig::default();
+    c.choice.index = IndexCodec::V1.to_vec();
+    c.choice.value = ValueCodec::V1.to_vec();
+    c
+}
+
 fn sizes(lr: f32, old: &Model, new: &Model, row_lens: &BTreeMap<String, usize>) -> SizeRow {
-    let (bytes, _) = encode_in_memory(
-        header(old),
-        EncoderConfig::default(),
-        &flat_pairs(old, new),
-        None,
-    );
+    let pairs = flat_pairs(old, new);
+    let (bytes, _) = encode_in_memory(header(old), EncoderConfig::default(), &pairs, None);
+    let (v1_bytes, _) = encode_in_memory(header(old), v1_config(), &pairs, None);
+    let split = |bytes: &[u8]| -> [usize; 3] {
+        let mut b = [0usize; 3];
+        if let Ok(d) = read_delta(bytes, &TrustPolicy::AnySigner) {
+            for p in d.segments.iter().flat_map(|s| &s.parts) {
+                match &p.payload {
+                    PartPayload::Sparse {
+                        index_bytes,
+                        value_bytes,
+                        ..
+                    } => {
+                        b[0] += index_bytes.len();
+                        b[1] += value_bytes.len();
+                    }
+                    PartPayload::Dense { bytes, .. } => b[2] += bytes.len(),
+                }
+            }
+        }
+        b
+    };
     let mut naive = 0;
     let mut sparrow = Vec::new();
     let (mut p_rows, mut p_cols, mut p_vals) = (Vec::new(), Vec::new(), Vec::new());
@@ -266,6 +307,12 @@ fn sizes(lr: f32, old: &Model, new: &Model, row_lens: &BTreeMap<String, usize>) 
         elements,
         changes,
         starling: bytes.len(),
+        starling_v1: v1_bytes.len(),
+        split: split(&bytes),
+        split_v1: split(&v1_bytes),
+        mask_bits: mask_bits / 8.0,
+        mask_ctx_bits: mask_ctx_bits / 8.0,
+        step_bits: residual_bits / 8.0,
         naive,
         sparrow: sparrow.len(),
         pulse: zstd1(&pulse_all),
@@ -287,9 +334,9 @@ fn h2(p: f64) -> f64 {
 fn print_sizes(rows: &[SizeRow]) {
     println!("### Encoded size (bytes per changed element; whole-model totals in MB)\n");
     println!(
-        "| lr | density | changes | naive i32+bf16 | SparrowRL | PULSE-style | i32 pos + bf16, zstd-1 | slime (XOR, zstd-1) | **Starling** | bound (mask+step) | bound (mask\\|exp + step) | vs SparrowRL | vs slime | vs best baseline | vs bound |"
+        "| lr | density | changes | naive i32+bf16 | SparrowRL | PULSE-style | i32 pos + bf16, zstd-1 | slime (XOR, zstd-1) | Starling v1 codecs | **Starling** | bound (mask+step) | bound (mask\\|exp + step) | vs SparrowRL | vs slime | vs best baseline | vs v1 codecs | vs bound (mask+step) | vs bound (mask\\|exp + step) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         let per = |b: f64| b / r.changes.max(1) as f64;
         let best = r
@@ -299,7 +346,7 @@ fn print_sizes(rows: &[SizeRow]) {
             .min(r.pos_vals)
             .min(r.slime) as f64;
         println!(
-            "| {:.0e} | {:.2}% | {} | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | **{:.2} ({:.1})** | {:.2} | {:.2} | {:.2}× smaller | {:.2}× smaller | {:.2}× smaller | {:.2}× the bound |",
+            "| {:.1e} | {:.2}% | {} | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | **{:.2} ({:.1})** | {:.2} | {:.2} | {:.2}× smaller | {:.2}× smaller | {:.2}× smaller | {:.2}× smaller | {:.2}× | {:.2}× |",
             r.lr,
             100.0 * r.changes as f64 / r.elements as f64,
             r.changes,
@@ -313,6 +360,8 @@ fn print_sizes(rows: &[SizeRow]) {
             r.pos_vals as f64 / 1e6,
             per(r.slime as f64),
             r.slime as f64 / 1e6,
+            per(r.starling_v1 as f64),
+            r.starling_v1 as f64 / 1e6,
             per(r.starling as f64),
             r.starling as f64 / 1e6,
             per(r.bound),
@@ -320,7 +369,9 @@ fn print_sizes(rows: &[SizeRow]) {
             r.sparrow as f64 / r.starling as f64,
             r.slime as f64 / r.starling as f64,
             best / r.starling as f64,
+            r.starling_v1 as f64 / r.starling as f64,
             r.starling as f64 / r.bound,
+            r.starling as f64 / r.bound_ctx,
         );
     }
     let r = &rows[0];
@@ -328,6 +379,28 @@ fn print_sizes(rows: &[SizeRow]) {
         "\nDense BF16 checkpoint: {:.1} MB.\n",
         r.elements as f64 * 2.0 / 1e6
     );
+    println!("### Where the bytes go (bytes per changed element)\n");
+    println!(
+        "| lr | positions, v1 codecs | **positions** | mask bound | mask\\|exp bound | values, v1 codecs | **values** | step bound (order 0) | dense parts | rest (headers, manifest) |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    for r in rows {
+        let per = |b: f64| b / r.changes.max(1) as f64;
+        println!(
+            "| {:.1e} | {:.3} | **{:.3}** | {:.3} | {:.3} | {:.3} | **{:.3}** | {:.3} | {:.3} | {:.3} |",
+            r.lr,
+            per(r.split_v1[0] as f64),
+            per(r.split[0] as f64),
+            per(r.mask_bits),
+            per(r.mask_ctx_bits),
+            per(r.split_v1[1] as f64),
+            per(r.split[1] as f64),
+            per(r.step_bits),
+            per(r.split[2] as f64),
+            per((r.starling - r.split.iter().sum::<usize>()) as f64),
+        );
+    }
+    println!();
 }
 
 struct SpeedRow {
@@ -336,10 +409,15 @@ struct SpeedRow {
     changes: u64,
     compare_1: f64,
     encode_1: f64,
+    /// The encoder limited to the first release's codecs.
+    encode_1_v1: f64,
     compare_n: f64,
     encode_n: f64,
     sparrow_1: f64,
     decode_1: f64,
+    decode_1_v1: f64,
+    /// Staging with every thread (parts of a segment decode in parallel).
+    decode_n: f64,
     commit: f64,
     scatter: f64,
     digest_ns: f64,
@@ -387,6 +465,11 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
             .0
             .len()
     };
+    let encode_v1 = || {
+        encode_in_memory(hdr.clone(), v1_config(), &ts, None)
+            .0
+            .len()
+    };
     let sparrow = || -> usize {
         ts.par_iter()
             .map(|t| {
@@ -409,6 +492,7 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
     let memcpy = time(reps, || memcpy_dst.copy_from_slice(&memcpy_src));
     let compare_1 = one.install(|| time(reps, compare));
     let encode_1 = one.install(|| time(reps, encode));
+    let encode_1_v1 = one.install(|| time(reps, encode_v1));
     let sparrow_1 = one.install(|| time(reps, sparrow));
     let compare_n = all.install(|| time(reps, compare));
     let encode_n = all.install(|| time(reps, encode));
@@ -416,18 +500,24 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
     // Decode = staging (verify, decode to absolute bits, gather undo log, digest change).
     let (bytes, _) = encode_in_memory(hdr.clone(), EncoderConfig::default(), &ts, None);
     let delta = read_delta(&bytes, &TrustPolicy::AnySigner)?;
+    let (bytes_v1, _) = encode_in_memory(hdr.clone(), v1_config(), &ts, None);
+    let delta_v1 = read_delta(&bytes_v1, &TrustPolicy::AnySigner)?;
     let pre = hdr.pre_digest.unwrap_or_default();
-    let stage = |w: &VersionedWeights<Model>| -> Result<_> {
-        let mut st = w.stager();
-        for s in &delta.segments {
-            let e = &delta.manifest.manifest.segments[s.seq as usize];
-            st.stage_segment(s, e.hash, e.frame_len, w.weights())?;
-        }
-        st.stage_manifest(delta.manifest.clone())?;
-        Ok(st.seal(&TrustPolicy::AnySigner)?)
-    };
+    let stage_delta =
+        |delta: &starling_proto::container::Delta, w: &VersionedWeights<Model>| -> Result<_> {
+            let mut st = w.stager();
+            for s in &delta.segments {
+                let e = &delta.manifest.manifest.segments[s.seq as usize];
+                st.stage_segment(s, e.hash, e.frame_len, w.weights())?;
+            }
+            st.stage_manifest(delta.manifest.clone())?;
+            Ok(st.seal(&TrustPolicy::AnySigner)?)
+        };
+    let stage = |w: &VersionedWeights<Model>| stage_delta(&delta, w);
     let w = VersionedWeights::new("bench", old.clone(), 1, pre);
     let decode_1 = one.install(|| time(reps, || stage(&w).map(|_| ())));
+    let decode_1_v1 = one.install(|| time(reps, || stage_delta(&delta_v1, &w).map(|_| ())));
+    let decode_n = all.install(|| time(reps, || stage(&w).map(|_| ())));
     // Commit vs bare scatter of the same pairs, each on a fresh copy of the base.
     let mut commits = Vec::new();
     let mut scatters = Vec::new();
@@ -474,10 +564,13 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
         changes,
         compare_1,
         encode_1,
+        encode_1_v1,
         compare_n,
         encode_n,
         sparrow_1,
         decode_1,
+        decode_1_v1,
+        decode_n,
         commit: median(commits),
         scatter: median(scatters),
         digest_ns: digest_only * 1e9 / changes.max(1) as f64,
@@ -488,17 +581,19 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
 fn print_speeds(rows: &[SpeedRow], threads: usize) {
     println!("### Speed (dense GB/s scanned = both checkpoints' bytes / time)\n");
     println!(
-        "| lr | compare loop 1T | **diff+encode 1T** | ratio | SparrowRL diff+encode 1T | compare loop {threads}T | **diff+encode {threads}T** | ratio | scaling 1T→{threads}T | memcpy GB/s |"
+        "| lr | compare loop 1T | **diff+encode 1T** | ratio | diff+encode 1T, v1 codecs | ratio | SparrowRL diff+encode 1T | compare loop {threads}T | **diff+encode {threads}T** | ratio | scaling 1T→{threads}T | memcpy GB/s |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         let g = |t: f64| r.dense_bytes / t / 1e9;
         println!(
-            "| {:.0e} | {:.2} | **{:.2}** | {:.2} | {:.2} | {:.2} | **{:.2}** | {:.2} | {:.2}× | {:.2} |",
+            "| {:.1e} | {:.2} | **{:.2}** | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | **{:.2}** | {:.2} | {:.2}× | {:.2} |",
             r.lr,
             g(r.compare_1),
             g(r.encode_1),
             r.compare_1 / r.encode_1,
+            g(r.encode_1_v1),
+            r.compare_1 / r.encode_1_v1,
             g(r.sparrow_1),
             g(r.compare_n),
             g(r.encode_n),
@@ -509,15 +604,17 @@ fn print_speeds(rows: &[SpeedRow], threads: usize) {
     }
     println!("\n### Decode and apply\n");
     println!(
-        "| lr | changes | staging (decode+verify+undo) 1T, ns/change | **commit apply**, ms | bare scatter, ms | commit / scatter | digest update, ns/change |"
+        "| lr | changes | staging (decode+verify+undo) 1T, ns/change | same, v1 codecs | staging {threads}T, ns/change | **commit apply**, ms | bare scatter, ms | commit / scatter | digest update, ns/change |"
     );
-    println!("|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {:.0e} | {} | {:.1} | **{:.2}** | {:.2} | {:.2} | {:.1} |",
+            "| {:.1e} | {} | {:.1} | {:.1} | {:.1} | **{:.2}** | {:.2} | {:.2} | {:.1} |",
             r.lr,
             r.changes,
             r.decode_1 * 1e9 / r.changes.max(1) as f64,
+            r.decode_1_v1 * 1e9 / r.changes.max(1) as f64,
+            r.decode_n * 1e9 / r.changes.max(1) as f64,
             r.commit * 1e3,
             r.scatter * 1e3,
             r.commit / r.scatter,

@@ -121,8 +121,78 @@ fn small_cfg() -> EncoderConfig {
     }
 }
 
+/// Weight-like models for the base-conditioned codecs: exponents 100..=135 (every class and
+/// both clamped ends), either sign, mostly ±1/±2 ULP steps and some arbitrary new bits, at a
+/// density per tensor from none through 0.3%, 1%, 5%, 30% to all; tensors of one element up.
+fn weight_model_strategy() -> impl Strategy<Value = (Model, Model)> {
+    let tensor = (
+        prop_oneof![Just(1usize), Just(2), 3usize..5000],
+        any::<u64>(),
+        0u8..6,
+    );
+    proptest::collection::vec(tensor, 1..5).prop_map(|ts| {
+        let mut old = Model::new();
+        let mut new = Model::new();
+        for (i, (len, seed, density)) in ts.into_iter().enumerate() {
+            let mut s = seed | 1;
+            let mut next = || {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                s
+            };
+            let o: Vec<u16> = (0..len)
+                .map(|_| {
+                    let r = next();
+                    let e = 100 + (r % 36) as u16;
+                    ((r >> 8) as u16 & 0x8000) | (e << 7) | ((r >> 24) as u16 & 0x7F)
+                })
+                .collect();
+            let per_mille = [0u64, 3, 10, 50, 300, 1000][density as usize];
+            let n: Vec<u16> = o
+                .iter()
+                .map(|&v| {
+                    let r = next();
+                    if r % 1000 >= per_mille {
+                        return v;
+                    }
+                    match (r >> 20) % 16 {
+                        0..=6 => v.wrapping_add(1),
+                        7..=12 => v.wrapping_sub(1),
+                        13 => v.wrapping_add(2),
+                        14 => v ^ 0x8000,
+                        _ => (r >> 40) as u16,
+                    }
+                })
+                .collect();
+            old.insert(format!("layer.{i}.weight"), o);
+            new.insert(format!("layer.{i}.weight"), n);
+        }
+        (old, new)
+    })
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(48))]
+    #[test]
+    fn base_conditioned_codecs_round_trip_through_stage_and_commit(
+        (old, new) in weight_model_strategy(),
+        part_elems in prop_oneof![Just(1u64), 7u64..100, 100u64..6000],
+    ) {
+        use starling_proto::codec::{IndexCodec, ValueCodec};
+        for choice in [
+            CodecChoice::only(IndexCodec::ExpClassGapsRc, ValueCodec::UlpStepRc),
+            CodecChoice::only(IndexCodec::ExpClassGapsRc, ValueCodec::Raw),
+            CodecChoice::only(IndexCodec::RiceGaps, ValueCodec::UlpStepRc),
+            CodecChoice::default(),
+        ] {
+            let cfg = EncoderConfig { part_elems, segment_target_bytes: 500, choice };
+            let (bytes, _) = encode(&old, &new, cfg, None, 4);
+            let got = apply(&old, 4, &bytes, &TrustPolicy::AnySigner).expect("applies");
+            prop_assert_eq!(&got, &new);
+        }
+    }
+
     #[test]
     fn random_models_round_trip_bit_exactly((old, new) in model_strategy()) {
         let (bytes, _) = encode(&old, &new, small_cfg(), None, 7);

@@ -3,8 +3,15 @@
 //! Positions are `u64` throughout, so no tensor is capped at 2^31 or 2^32 elements. All
 //! gap codecs code `x₀ = p₀` and `xᵢ = pᵢ − pᵢ₋₁ − 1`, so any decoded sequence is strictly
 //! increasing by construction; the decoder then checks the count and the range bound.
+//!
+//! [`IndexCodec::ExpClassGapsRc`] conditions the change mask on the base: both sides hold the
+//! base values, so each element's exponent class is known to the decoder before it reads a
+//! bit, and gaps are counted within a class (the exact stream is in `docs/format.md`). Its
+//! decoder scans the whole range once (about a nanosecond per element, no allocation beyond
+//! the positions) and needs the base values of exactly the part's range.
 
 use super::bits::{BitReader, BitWriter};
+use super::rc::{Bit, EXP_CLASSES, EXP_LO, IntModel, RangeDecoder, RangeEncoder, exp_class};
 use super::{IndexCodec, zstd_compress, zstd_decompress};
 use crate::error::DecodeError;
 use crate::wire::{Reader, put_varint, varint_len};
@@ -14,9 +21,28 @@ const RICE_BLOCK: usize = 1024;
 /// Quotients at or above this many ones take the escape path (raw bit width + bits).
 const RICE_ESCAPE: u64 = 40;
 
-/// Encodes strictly increasing `positions`, all below `range_len`, with `codec`.
-pub fn encode(codec: IndexCodec, positions: &[u64], range_len: u64, zstd_level: i32) -> Vec<u8> {
+/// Encodes strictly increasing `positions`, all below `range_len`, with `codec`. `base`
+/// must be the base values of the whole range when the codec
+/// [needs the base](IndexCodec::needs_base) (it is ignored otherwise).
+///
+/// # Panics
+/// If the codec needs the base and `base` does not cover exactly `range_len` elements, or
+/// `range_len` is 2³² or more (a caller error: parts are far smaller).
+pub fn encode(
+    codec: IndexCodec,
+    positions: &[u64],
+    range_len: u64,
+    zstd_level: i32,
+    base: &[u16],
+) -> Vec<u8> {
     match codec {
+        IndexCodec::ExpClassGapsRc => {
+            assert!(
+                base.len() as u64 == range_len && range_len <= u64::from(u32::MAX),
+                "exp-class gaps need the base values of the whole range"
+            );
+            exp_class_gaps(positions, base)
+        }
         IndexCodec::Leb128Gaps => leb128_gaps(positions),
         IndexCodec::Leb128GapsZstd => zstd_compress(&leb128_gaps(positions), zstd_level),
         IndexCodec::RiceGaps => rice_gaps(positions),
@@ -24,12 +50,14 @@ pub fn encode(codec: IndexCodec, positions: &[u64], range_len: u64, zstd_level: 
     }
 }
 
-/// Decodes exactly `count` positions below `range_len`.
+/// Decodes exactly `count` positions below `range_len`. `base` must be the base values of the
+/// whole range when the codec [needs the base](IndexCodec::needs_base).
 pub fn decode(
     codec: IndexCodec,
     bytes: &[u8],
     count: u64,
     range_len: u64,
+    base: Option<&[u16]>,
 ) -> Result<Vec<u64>, DecodeError> {
     if count > range_len {
         return Err(DecodeError::malformed(
@@ -44,6 +72,21 @@ pub fn decode(
             decode_leb128_gaps(&raw, count, range_len)?
         }
         IndexCodec::RiceGaps => decode_rice_gaps(bytes, count, range_len)?,
+        IndexCodec::ExpClassGapsRc => {
+            let Some(base) = base.filter(|b| b.len() as u64 == range_len) else {
+                return Err(DecodeError::malformed(
+                    "exp-class gaps",
+                    "decoding needs the base values of the whole range",
+                ));
+            };
+            if range_len > u64::from(u32::MAX) {
+                return Err(DecodeError::malformed(
+                    "exp-class gaps",
+                    "range of 2^32 elements or more",
+                ));
+            }
+            decode_exp_class_gaps(bytes, count, base)?
+        }
         IndexCodec::BitmapZstd => {
             let want = range_len.div_ceil(8) as usize;
             let raw = zstd_decompress(bytes, want, "index bitmap")?;
@@ -251,6 +294,239 @@ fn decode_bitmap(raw: &[u8], count: u64, range_len: u64) -> Result<Vec<u64>, Dec
     Ok(out)
 }
 
+/// Quotients at or above this take the escape of [`GapModel`].
+const GAP_Q_LIMIT: u64 = 16;
+
+/// The model of one exponent class's gaps: an adaptive Golomb-Rice code. The parameter `k`
+/// follows a running mean of the class's gaps (both sides compute it from the gaps coded so
+/// far); the quotient `g >> k` is coded in unary with one adaptive context per position, the
+/// top bit of the remainder with an adaptive context per `k`, the other `k − 1` bits
+/// directly. Quotients of [`GAP_Q_LIMIT`] or more escape to an adaptive Exp-Golomb code of
+/// `g − (GAP_Q_LIMIT << k)`. About four coder steps per change instead of one per bit of
+/// the gap's bit length.
+#[derive(Debug, Clone)]
+struct GapModel {
+    /// 32 × a running mean of the gaps (an exponential average with weight 1/32).
+    mean32: u64,
+    quotient: [Bit; GAP_Q_LIMIT as usize],
+    top: [Bit; 33],
+}
+
+impl Default for GapModel {
+    fn default() -> Self {
+        Self {
+            mean32: 32 * 16,
+            quotient: [Bit::default(); GAP_Q_LIMIT as usize],
+            top: [Bit::default(); 33],
+        }
+    }
+}
+
+impl GapModel {
+    /// The Rice parameter: `⌊log2(mean · 45/64)⌋` (45/64 ≈ ln 2, the optimum for
+    /// geometric gaps), at least 0, at most 32.
+    #[inline]
+    fn k(&self) -> u32 {
+        let t = (self.mean32 * 45) >> 11;
+        if t == 0 {
+            0
+        } else {
+            (63 - t.leading_zeros()).min(32)
+        }
+    }
+
+    #[inline]
+    fn adapt(&mut self, g: u64) {
+        self.mean32 = self.mean32 - (self.mean32 >> 5) + g.min(1 << 40);
+    }
+
+    fn encode(&mut self, e: &mut RangeEncoder, escape: &mut IntModel, g: u64) {
+        let k = self.k();
+        let q = g >> k;
+        for i in 0..GAP_Q_LIMIT {
+            let more = i < q;
+            e.bit(&mut self.quotient[i as usize], more);
+            if !more {
+                break;
+            }
+        }
+        if q >= GAP_Q_LIMIT {
+            escape.encode(e, g - (GAP_Q_LIMIT << k));
+        } else if k >= 1 {
+            e.bit(&mut self.top[k as usize], (g >> (k - 1)) & 1 != 0);
+            e.direct(g, k - 1);
+        }
+        self.adapt(g);
+    }
+
+    fn decode(&mut self, d: &mut RangeDecoder<'_>, escape: &mut IntModel) -> u64 {
+        let k = self.k();
+        let mut q = 0;
+        while q < GAP_Q_LIMIT && d.bit(&mut self.quotient[q as usize]) {
+            q += 1;
+        }
+        let g = if q >= GAP_Q_LIMIT {
+            (GAP_Q_LIMIT << k) + escape.decode(d)
+        } else if k >= 1 {
+            let top = u64::from(d.bit(&mut self.top[k as usize]));
+            (q << k) | (top << (k - 1)) | d.direct(k - 1)
+        } else {
+            q
+        };
+        self.adapt(g);
+        g
+    }
+}
+
+/// [`IndexCodec::ExpClassGapsRc`]: every element of the range belongs to the class of its
+/// base value ([`exp_class`]); within each class, the changed elements are coded as gaps
+/// counted in elements *of that class*, so each class's gaps follow that class's change
+/// probability. One range-coded stream holds first the gap before the first change of each
+/// of the [`EXP_CLASSES`] classes, in class order, then, for each change in position order,
+/// the gap to the next change of the same class. A class's last gap counts its remaining
+/// elements (zero for a class absent from the range), so a decoder scanning the range
+/// never meets an undecoded gap and ends with every count at zero.
+fn exp_class_gaps(positions: &[u64], base: &[u16]) -> Vec<u8> {
+    // Per class, the gaps in class-local element counts.
+    let mut gaps: Vec<Vec<u32>> = vec![Vec::new(); EXP_CLASSES];
+    // Four interleaved class histograms: consecutive elements of one class would otherwise
+    // chain their increments through one memory cell. A class's count is their sum.
+    let mut seen = [[0u32; EXP_CLASSES]; 4];
+    let count = |seen: &mut [[u32; EXP_CLASSES]; 4], run: &[u8]| {
+        let mut quads = run.chunks_exact(4);
+        for q in &mut quads {
+            seen[0][usize::from(q[0]) & (EXP_CLASSES - 1)] += 1;
+            seen[1][usize::from(q[1]) & (EXP_CLASSES - 1)] += 1;
+            seen[2][usize::from(q[2]) & (EXP_CLASSES - 1)] += 1;
+            seen[3][usize::from(q[3]) & (EXP_CLASSES - 1)] += 1;
+        }
+        for &c in quads.remainder() {
+            seen[0][usize::from(c) & (EXP_CLASSES - 1)] += 1;
+        }
+    };
+    let total = |seen: &[[u32; EXP_CLASSES]; 4], c: usize| {
+        seen[0][c] + seen[1][c] + seen[2][c] + seen[3][c]
+    };
+    let mut last = [0u32; EXP_CLASSES];
+    let mut next_change = positions.iter().map(|&p| p as usize).peekable();
+    // Classify a block at a time (a loop the compiler vectorizes), then count the classes
+    // of the runs between changes.
+    let mut classes = [0u8; CLASSIFY_BLOCK];
+    for (b, block) in base.chunks(CLASSIFY_BLOCK).enumerate() {
+        let start = b * CLASSIFY_BLOCK;
+        let classes = &mut classes[..block.len()];
+        for (k, &v) in classes.iter_mut().zip(block) {
+            *k = exp_class_arith(v);
+        }
+        let mut from = 0;
+        while let Some(p) = next_change.next_if(|&p| p < start + block.len()) {
+            let k = p - start;
+            count(&mut seen, &classes[from..k]);
+            let c = usize::from(classes[k]) & (EXP_CLASSES - 1);
+            let n = total(&seen, c);
+            gaps[c].push(n - last[c]);
+            seen[0][c] += 1;
+            last[c] = n + 1;
+            from = k + 1;
+        }
+        count(&mut seen, &classes[from..]);
+    }
+    for c in 0..EXP_CLASSES {
+        gaps[c].push(total(&seen, c) - last[c]);
+    }
+    let mut models = vec![GapModel::default(); EXP_CLASSES];
+    let mut escape = IntModel::default();
+    let mut next = [1usize; EXP_CLASSES];
+    let mut e = RangeEncoder::with_capacity(positions.len() + 16);
+    // First gaps: one Exp-Golomb model for all classes, which learns fast that absent
+    // classes code 0 (a class's own model would pay its start-up cost once per class).
+    let mut firsts = IntModel::default();
+    for class_gaps in &gaps {
+        firsts.encode(&mut e, u64::from(class_gaps[0]));
+    }
+    for &p in positions {
+        let c = exp_class(base[p as usize]);
+        models[c].encode(&mut e, &mut escape, u64::from(gaps[c][next[c]]));
+        next[c] += 1;
+    }
+    e.finish()
+}
+
+/// Elements classified at a time by the mask codec's encoder and decoder.
+const CLASSIFY_BLOCK: usize = 1024;
+
+/// [`exp_class`] by arithmetic instead of a table, so that a loop of it vectorizes.
+#[inline]
+fn exp_class_arith(bits: u16) -> u8 {
+    let e = (bits >> 7) & 0xFF;
+    (e.clamp(EXP_LO, EXP_LO + EXP_CLASSES as u16 - 1) - EXP_LO) as u8
+}
+
+fn decode_exp_class_gaps(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u64>, DecodeError> {
+    const WHAT: &str = "exp-class gaps";
+    let range_len = base.len() as u64;
+    let mut d = RangeDecoder::new(bytes);
+    let mut models = vec![GapModel::default(); EXP_CLASSES];
+    let mut escape = IntModel::default();
+    let mut gap = |d: &mut RangeDecoder<'_>, c: usize| -> Result<u32, DecodeError> {
+        let g = models[c].decode(d, &mut escape);
+        if g > range_len || d.overran() {
+            return Err(DecodeError::malformed(WHAT, "gap beyond the range"));
+        }
+        Ok(g as u32)
+    };
+    // `rem[c]`: elements of class `c` still to skip before its next change.
+    let mut rem = [0u32; EXP_CLASSES];
+    let mut firsts = IntModel::default();
+    for r in &mut rem {
+        let g = firsts.decode(&mut d);
+        if g > range_len || d.overran() {
+            return Err(DecodeError::malformed(WHAT, "gap beyond the range"));
+        }
+        *r = g as u32;
+    }
+    // `count ≤ range_len = base.len()` bounds the output by what the caller holds; the
+    // up-front capacity is also bounded by the input (a change rarely costs under 1/64 of a
+    // bit), so a few forged bytes claiming 2²⁶ changes do not reserve 512 MB before decoding
+    // proves them. The vector grows if a real stream needs more.
+    let cap = (count as usize).min(bytes.len().saturating_mul(512).saturating_add(1024));
+    let mut out = Vec::with_capacity(cap);
+    // Classify a block at a time (a loop the compiler vectorizes), then count down.
+    let mut classes = [0u8; CLASSIFY_BLOCK];
+    for (b, block) in base.chunks(CLASSIFY_BLOCK).enumerate() {
+        for (k, &v) in classes.iter_mut().zip(block) {
+            *k = exp_class_arith(v);
+        }
+        for (j, &c) in classes[..block.len()].iter().enumerate() {
+            let c = usize::from(c) & (EXP_CLASSES - 1);
+            let r = rem[c];
+            if r != 0 {
+                rem[c] = r - 1;
+                continue;
+            }
+            if out.len() as u64 == count {
+                return Err(DecodeError::malformed(WHAT, "more changes than declared"));
+            }
+            out.push((b * CLASSIFY_BLOCK + j) as u64);
+            rem[c] = gap(&mut d, c)?;
+        }
+    }
+    if out.len() as u64 != count {
+        return Err(DecodeError::malformed(
+            WHAT,
+            format!("{} changes decoded, {count} declared", out.len()),
+        ));
+    }
+    if rem.iter().any(|&r| r != 0) {
+        return Err(DecodeError::malformed(
+            WHAT,
+            "a class's last gap overruns the range",
+        ));
+    }
+    d.finish(WHAT)?;
+    Ok(out)
+}
+
 /// Exact size in bytes [`IndexCodec::Leb128Gaps`] takes, without encoding.
 pub fn leb128_gaps_len(positions: &[u64]) -> usize {
     gaps(positions).map(varint_len).sum()
@@ -261,9 +537,22 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// Base values with exponents spread over every class (none for huge ranges, which
+    /// only the gap codecs are tested on).
+    fn test_base(range_len: u64) -> Vec<u16> {
+        if range_len > 1 << 24 {
+            return Vec::new();
+        }
+        (0..range_len)
+            .map(|i| (i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 48) as u16)
+            .collect()
+    }
+
     fn round_trip(codec: IndexCodec, positions: &[u64], range_len: u64) {
-        let enc = encode(codec, positions, range_len, 1);
-        let dec = decode(codec, &enc, positions.len() as u64, range_len).expect("decodes");
+        let base = test_base(range_len);
+        let enc = encode(codec, positions, range_len, 1, &base);
+        let dec =
+            decode(codec, &enc, positions.len() as u64, range_len, Some(&base)).expect("decodes");
         assert_eq!(dec, positions, "{}", codec.name());
     }
 
@@ -275,7 +564,7 @@ mod tests {
     fn golden_leb128_gaps() {
         // p = 3, 4, 200: gaps 3, 0, 195 (195 = 0xC3 -> c3 01).
         assert_eq!(
-            encode(IndexCodec::Leb128Gaps, &[3, 4, 200], 1000, 1),
+            encode(IndexCodec::Leb128Gaps, &[3, 4, 200], 1000, 1, &[]),
             [3, 0, 0xc3, 0x01]
         );
     }
@@ -284,10 +573,10 @@ mod tests {
     fn golden_rice_gaps() {
         // Two gaps of 0 in a block: k = 0, each gap is a single 0 bit.
         // Bits (LSB first): k=0 in 6 bits, then 0, 0 -> one byte, 0x00.
-        assert_eq!(encode(IndexCodec::RiceGaps, &[0, 1], 10, 1), [0x00]);
+        assert_eq!(encode(IndexCodec::RiceGaps, &[0, 1], 10, 1, &[]), [0x00]);
         // One gap of 5 with k = 2: '1' then '0' (q = 1), then 01 (low bits of 5).
         // 6 bits of k (010000 LSB-first) + 1 + 0 + 1 + 0 => bits 0..10.
-        let enc = encode(IndexCodec::RiceGaps, &[5], 10, 1);
+        let enc = encode(IndexCodec::RiceGaps, &[5], 10, 1, &[]);
         let mut r = BitReader::new(&enc);
         let k = r.read(6).expect("k") as u32;
         let q = r.read_unary(64).expect("q");
@@ -335,22 +624,156 @@ mod tests {
     #[test]
     fn decoders_refuse_out_of_range_and_wrong_counts() {
         for codec in IndexCodec::ALL {
-            let enc = encode(codec, &[1, 5, 9], 10, 1);
+            let base = test_base(10);
+            let enc = encode(codec, &[1, 5, 9], 10, 1, &base);
             // Fewer elements in the range than the positions need.
             if codec != IndexCodec::BitmapZstd {
-                assert!(decode(codec, &enc, 3, 9).is_err(), "{}", codec.name());
+                let b = codec.needs_base().then_some(&base[..9]);
+                assert!(decode(codec, &enc, 3, 9, b).is_err(), "{}", codec.name());
             }
             // A count that does not match the payload.
-            assert!(decode(codec, &enc, 4, 10).is_err(), "{}", codec.name());
+            assert!(
+                decode(codec, &enc, 4, 10, Some(&base)).is_err(),
+                "{}",
+                codec.name()
+            );
             // A smaller count either fails or (when the rest hides in a partial byte of a
             // bit-packed payload) yields exactly the prefix; it never invents positions.
-            if let Ok(p) = decode(codec, &enc, 2, 10) {
+            if let Ok(p) = decode(codec, &enc, 2, 10, Some(&base)) {
                 assert_eq!(p, [1, 5], "{}", codec.name());
             }
         }
     }
 
+    /// Weight-like base values: exponents 110..=127, either sign, any mantissa.
+    fn weight_like_base(seed: u64, len: usize) -> Vec<u16> {
+        (0..len as u64)
+            .map(|i| {
+                let h = (i ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                let e = 110 + (h % 18) as u16;
+                ((h >> 8) as u16 & 0x8000) | (e << 7) | ((h >> 16) as u16 & 0x7F)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn golden_exp_class_gaps() {
+        // Four elements of class 27 (1.0) and one of class 0 (0.0); changes at 1 and 3.
+        let base = [0x3F80, 0x3F80, 0x0000, 0x3F80, 0x3F80];
+        let enc = encode(IndexCodec::ExpClassGapsRc, &[1, 3], 5, 1, &base);
+        assert_eq!(enc, GOLDEN_EXP_CLASS_GAPS);
+        round_trip_with(IndexCodec::ExpClassGapsRc, &[1, 3], &base);
+    }
+
+    /// Pinned: any change to these bytes is a format change (see docs/format.md).
+    const GOLDEN_EXP_CLASS_GAPS: [u8; 6] = [0x80, 0x1f, 0x9e, 0x84, 0xd7, 0xd9];
+
+    #[test]
+    fn arithmetic_class_equals_the_table() {
+        for b in 0..=u16::MAX {
+            assert_eq!(usize::from(exp_class_arith(b)), exp_class(b), "{b:#06x}");
+        }
+    }
+
+    #[test]
+    fn exp_class_gaps_edge_cases() {
+        let c = IndexCodec::ExpClassGapsRc;
+        let base = weight_like_base(1, 4096);
+        // None changed, all changed, one element, first and last only.
+        round_trip_with(c, &[], &base);
+        round_trip_with(c, &(0..4096).collect::<Vec<u64>>(), &base);
+        round_trip_with(c, &[0], &base[..1]);
+        round_trip_with(c, &[], &base[..1]);
+        round_trip_with(c, &[0, 4095], &base);
+        // Every element in one class.
+        round_trip_with(c, &[3, 4, 1000], &vec![0x3F80; 2000]);
+        // The wrong base length is an error, never a panic.
+        let enc = encode(c, &[0, 4095], 4096, 1, &base);
+        assert!(decode(c, &enc, 2, 4096, Some(&base[..4095])).is_err());
+        assert!(decode(c, &enc, 2, 4096, None).is_err());
+    }
+
+    #[test]
+    fn exp_class_gaps_beat_rice_when_changes_follow_the_exponent() {
+        // Small weights change often, large ones rarely: what a real RL step looks like.
+        let base = weight_like_base(7, 200_000);
+        let positions: Vec<u64> = base
+            .iter()
+            .enumerate()
+            .filter(|&(i, &b)| {
+                let e = (b >> 7) & 0xFF;
+                let h = (i as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93) >> 40;
+                h.is_multiple_of(1 << (e - 108))
+            })
+            .map(|(i, _)| i as u64)
+            .collect();
+        let ctx = encode(IndexCodec::ExpClassGapsRc, &positions, 200_000, 1, &base).len();
+        let rice = encode(IndexCodec::RiceGaps, &positions, 200_000, 1, &base).len();
+        assert!(ctx * 10 < rice * 9, "{ctx} vs rice {rice}");
+        round_trip_with(IndexCodec::ExpClassGapsRc, &positions, &base);
+    }
+
+    #[test]
+    fn exp_class_gaps_refuse_truncated_and_flipped_payloads() {
+        let base = weight_like_base(3, 3000);
+        let positions: Vec<u64> = (0..3000u64)
+            .filter(|i| i.is_multiple_of(37) || i.is_multiple_of(41))
+            .collect();
+        let enc = encode(IndexCodec::ExpClassGapsRc, &positions, 3000, 1, &base);
+        let n = positions.len() as u64;
+        for cut in 0..enc.len() {
+            assert!(
+                decode(
+                    IndexCodec::ExpClassGapsRc,
+                    &enc[..cut],
+                    n,
+                    3000,
+                    Some(&base)
+                )
+                .is_err(),
+                "cut at {cut}"
+            );
+        }
+        for i in 0..enc.len() * 8 {
+            let mut b = enc.clone();
+            b[i / 8] ^= 1 << (i % 8);
+            if let Ok(p) = decode(IndexCodec::ExpClassGapsRc, &b, n, 3000, Some(&base)) {
+                assert_eq!(p.len() as u64, n);
+                assert!(p.windows(2).all(|w| w[0] < w[1]) && p.iter().all(|&x| x < 3000));
+            }
+        }
+    }
+
+    fn round_trip_with(codec: IndexCodec, positions: &[u64], base: &[u16]) {
+        let range_len = base.len() as u64;
+        let enc = encode(codec, positions, range_len, 1, base);
+        let dec =
+            decode(codec, &enc, positions.len() as u64, range_len, Some(base)).expect("decodes");
+        assert_eq!(dec, positions, "{}", codec.name());
+    }
+
     proptest! {
+        #[test]
+        fn exp_class_gaps_round_trip_any_mask_and_base(
+            bits in proptest::collection::vec((any::<u16>(), 0u8..=255), 0..3000),
+            density in 0u8..=255,
+            weights in any::<bool>(),
+        ) {
+            // A mask of any density (0 = none, 255 = all) over any or weight-like bases.
+            let base: Vec<u16> = if weights {
+                weight_like_base(bits.len() as u64, bits.len())
+            } else {
+                bits.iter().map(|b| b.0).collect()
+            };
+            let positions: Vec<u64> = bits
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| density == 255 || b.1 < density)
+                .map(|(i, _)| i as u64)
+                .collect();
+            round_trip_with(IndexCodec::ExpClassGapsRc, &positions, &base);
+        }
+
         #[test]
         fn every_index_codec_round_trips(positions in sorted_positions(20_000)) {
             for codec in IndexCodec::ALL {
@@ -370,18 +793,91 @@ mod tests {
 
         #[test]
         fn leb128_length_is_exact(positions in sorted_positions(1 << 40)) {
-            prop_assert_eq!(leb128_gaps_len(&positions), encode(IndexCodec::Leb128Gaps, &positions, 1 << 40, 1).len());
+            prop_assert_eq!(leb128_gaps_len(&positions), encode(IndexCodec::Leb128Gaps, &positions, 1 << 40, 1, &[]).len());
         }
 
         #[test]
         fn decoders_never_panic_on_garbage(bytes in proptest::collection::vec(any::<u8>(), 0..64), count in 0u64..100, range in 0u64..1000) {
+            let base = test_base(range);
             for codec in IndexCodec::ALL {
-                if let Ok(p) = decode(codec, &bytes, count, range) {
+                if let Ok(p) = decode(codec, &bytes, count, range, Some(&base)) {
                     prop_assert_eq!(p.len() as u64, count);
                     prop_assert!(p.windows(2).all(|w| w[0] < w[1]));
                     prop_assert!(p.iter().all(|&x| x < range));
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+
+    /// `cargo test --release -p starling-proto timing -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn exp_class_gaps_speed() {
+        let n = 1 << 22;
+        let mut s = 88172645463325252u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let base: Vec<u16> = (0..n)
+            .map(|_| {
+                let g: f32 = (0..4)
+                    .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+                    .sum();
+                crate::bf16::f32_to_bf16(g * 0.03)
+            })
+            .collect();
+        for off in [112u16, 114] {
+            let positions: Vec<u64> = base
+                .iter()
+                .enumerate()
+                .filter(|&(_, &b)| {
+                    let e = (b >> 7) & 0xFF;
+                    next().is_multiple_of(1 << (e.clamp(117, 123) - off) as u64)
+                })
+                .map(|(i, _)| i as u64)
+                .collect();
+            fn best<T>(mut f: impl FnMut() -> T) -> (T, std::time::Duration) {
+                let mut r = None;
+                let mut b = std::time::Duration::MAX;
+                for _ in 0..7 {
+                    let t = std::time::Instant::now();
+                    let x = f();
+                    b = b.min(t.elapsed());
+                    r = Some(x);
+                }
+                (r.expect("ran"), b)
+            }
+            let (enc, te) =
+                best(|| encode(IndexCodec::ExpClassGapsRc, &positions, n as u64, 1, &base));
+            let (dec, td) = best(|| {
+                decode(
+                    IndexCodec::ExpClassGapsRc,
+                    &enc,
+                    positions.len() as u64,
+                    n as u64,
+                    Some(&base),
+                )
+                .expect("ok")
+            });
+            let (rice, tr) = best(|| encode(IndexCodec::RiceGaps, &positions, n as u64, 1, &base));
+            assert_eq!(dec, positions);
+            println!(
+                "density {:.2}%: ctx {} B, rice {} B; encode {:.2} ns/elem, decode {:.2} ns/elem, rice encode {:.2} ns/elem",
+                100.0 * positions.len() as f64 / n as f64,
+                enc.len(),
+                rice.len(),
+                te.as_nanos() as f64 / n as f64,
+                td.as_nanos() as f64 / n as f64,
+                tr.as_nanos() as f64 / n as f64,
+            );
         }
     }
 }

@@ -4,10 +4,18 @@
 //! **sparse** (positions by an [`IndexCodec`], new values by a [`ValueCodec`]) or **dense**
 //! (a [`DenseCodec`] over the whole range). The encoder tries the candidates and keeps the
 //! smallest, per part, by measured size (see [`crate::encode`]).
+//!
+//! Codecs that [need the base](IndexCodec::needs_base) condition on the base values of the
+//! part's range, which every receiver holds when it stages a segment:
+//! [`IndexCodec::ExpClassGapsRc`] and [`ValueCodec::UlpStepRc`] model the change mask and the
+//! ULP step with contexts from each base value's BF16 exponent (the adaptive range coder
+//! and the classes are in [`rc`]). Ids are only ever added: the `V1` lists name the codecs
+//! of the first release, which every reader knows.
 
 pub mod bits;
 pub mod dense;
 pub mod index;
+pub mod rc;
 pub mod value;
 
 use crate::error::DecodeError;
@@ -25,6 +33,10 @@ pub enum IndexCodec {
     RiceGaps = 3,
     /// One bit per element of the range, then zstd: for dense ranges.
     BitmapZstd = 4,
+    /// Gaps counted within the class of each element's base BF16 exponent, coded with an
+    /// adaptive binary range coder (contexts per class): the change mask conditioned on
+    /// the base exponent. Needs the base values of the range to decode.
+    ExpClassGapsRc = 5,
 }
 
 /// How the new BF16 values of a sparse part are coded.
@@ -38,6 +50,10 @@ pub enum ValueCodec {
     UlpResidualZstd = 2,
     /// Raw little-endian BF16 bits, no entropy coder (the SparrowRL scheme).
     Raw = 3,
+    /// The ULP step of [`ValueCodec::UlpResidualZstd`] coded with an adaptive binary range
+    /// coder, with contexts from the base value's exponent class and sign; an escape codes
+    /// large steps raw. Needs the base values to decode.
+    UlpStepRc = 4,
 }
 
 /// How a dense part is coded.
@@ -52,7 +68,15 @@ pub enum DenseCodec {
 }
 
 impl IndexCodec {
-    pub const ALL: [IndexCodec; 4] = [
+    pub const ALL: [IndexCodec; 5] = [
+        Self::Leb128Gaps,
+        Self::Leb128GapsZstd,
+        Self::RiceGaps,
+        Self::BitmapZstd,
+        Self::ExpClassGapsRc,
+    ];
+    /// The codecs of the first release (all a version-1 reader of 2026-11 knows).
+    pub const V1: [IndexCodec; 4] = [
         Self::Leb128Gaps,
         Self::Leb128GapsZstd,
         Self::RiceGaps,
@@ -75,12 +99,25 @@ impl IndexCodec {
             Self::Leb128GapsZstd => "leb128-gaps+zstd",
             Self::RiceGaps => "rice-gaps",
             Self::BitmapZstd => "bitmap+zstd",
+            Self::ExpClassGapsRc => "exp-class-gaps+rc",
         }
+    }
+
+    /// Whether decoding needs the base values of the range.
+    pub fn needs_base(self) -> bool {
+        matches!(self, Self::ExpClassGapsRc)
     }
 }
 
 impl ValueCodec {
-    pub const ALL: [ValueCodec; 3] = [Self::RawZstd, Self::UlpResidualZstd, Self::Raw];
+    pub const ALL: [ValueCodec; 4] = [
+        Self::RawZstd,
+        Self::UlpResidualZstd,
+        Self::Raw,
+        Self::UlpStepRc,
+    ];
+    /// The codecs of the first release.
+    pub const V1: [ValueCodec; 3] = [Self::RawZstd, Self::UlpResidualZstd, Self::Raw];
 
     pub fn from_id(id: u8) -> Result<Self, DecodeError> {
         Self::ALL
@@ -97,12 +134,13 @@ impl ValueCodec {
             Self::RawZstd => "raw+zstd",
             Self::UlpResidualZstd => "ulp-residual+zstd",
             Self::Raw => "raw",
+            Self::UlpStepRc => "ulp-step+rc",
         }
     }
 
     /// Whether decoding needs the base values of the range.
     pub fn needs_base(self) -> bool {
-        matches!(self, Self::UlpResidualZstd)
+        matches!(self, Self::UlpResidualZstd | Self::UlpStepRc)
     }
 }
 

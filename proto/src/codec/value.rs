@@ -5,7 +5,14 @@
 //! neighbours, so sign crossings near zero stay small): zigzag of the wrapping 16-bit
 //! difference, as one byte token per change with an escape for large steps, then zstd.
 //! Decoding adds the step back to the base bits and so yields absolute new bits.
+//!
+//! [`ValueCodec::UlpStepRc`] codes the same zigzag step with the adaptive range coder of
+//! [`super::rc`], with one set of contexts per (exponent class, sign) of the base value:
+//! how far a weight moves in ULPs depends on its magnitude, and whether it moves up or down
+//! on its sign (weight decay pulls towards zero). Steps other than ±1 ULP go through an
+//! adaptive Exp-Golomb escape shared by all contexts.
 
+use super::rc::{Bit, EXP_CLASSES, IntModel, RangeDecoder, RangeEncoder, exp_class};
 use super::{ValueCodec, zstd_compress, zstd_decompress};
 use crate::error::DecodeError;
 use crate::wire::{Reader, put_varint};
@@ -46,6 +53,64 @@ fn apply_ulp_step_zigzag(old: u16, z: u16) -> u16 {
     from_ordered(ordered(old).wrapping_add(d as u16))
 }
 
+/// The contexts of [`ValueCodec::UlpStepRc`] for one (exponent class, sign) of the base.
+#[derive(Debug, Clone, Copy, Default)]
+struct StepContext {
+    /// Is the step ±1 ULP (`z ∈ {1, 2}`)?
+    unit: Bit,
+    /// Given ±1 ULP: is it +1 (`z = 2`)?
+    up: Bit,
+}
+
+/// The models of [`ValueCodec::UlpStepRc`].
+#[derive(Debug)]
+struct StepModel {
+    ctx: Vec<StepContext>,
+    /// Other steps: `0` for `z = 0` (no change), `z − 2` for `z ≥ 3`.
+    other: IntModel,
+}
+
+impl StepModel {
+    fn new() -> Self {
+        Self {
+            ctx: vec![StepContext::default(); 2 * EXP_CLASSES],
+            other: IntModel::default(),
+        }
+    }
+
+    #[inline]
+    fn context(base: u16) -> usize {
+        exp_class(base) * 2 + usize::from(base >> 15)
+    }
+
+    fn encode(&mut self, e: &mut RangeEncoder, base: u16, z: u16) {
+        let ctx = &mut self.ctx[Self::context(base)];
+        let unit = z == 1 || z == 2;
+        e.bit(&mut ctx.unit, unit);
+        if unit {
+            e.bit(&mut ctx.up, z == 2);
+        } else {
+            self.other
+                .encode(e, if z == 0 { 0 } else { u64::from(z) - 2 });
+        }
+    }
+
+    fn decode(&mut self, d: &mut RangeDecoder<'_>, base: u16) -> Result<u16, DecodeError> {
+        let ctx = &mut self.ctx[Self::context(base)];
+        if d.bit(&mut ctx.unit) {
+            return Ok(if d.bit(&mut ctx.up) { 2 } else { 1 });
+        }
+        match self.other.decode(d) {
+            0 => Ok(0),
+            x if x <= u64::from(u16::MAX) - 2 => Ok(x as u16 + 2),
+            _ => Err(DecodeError::malformed(
+                "ulp step values",
+                "step beyond 16 bits",
+            )),
+        }
+    }
+}
+
 /// Encodes `new` (the values at the changed positions; `old` holds the base values there).
 pub fn encode(codec: ValueCodec, new: &[u16], old: &[u16], zstd_level: i32) -> Vec<u8> {
     debug_assert_eq!(new.len(), old.len());
@@ -69,6 +134,14 @@ pub fn encode(codec: ValueCodec, new: &[u16], old: &[u16], zstd_level: i32) -> V
             raw.extend_from_slice(&tokens);
             raw.extend_from_slice(&escapes);
             zstd_compress(&raw, zstd_level)
+        }
+        ValueCodec::UlpStepRc => {
+            let mut m = StepModel::new();
+            let mut e = RangeEncoder::with_capacity(new.len() / 4 + 16);
+            for (&n, &o) in new.iter().zip(old) {
+                m.encode(&mut e, o, ulp_step_zigzag(o, n));
+            }
+            e.finish()
         }
     }
 }
@@ -141,6 +214,27 @@ pub fn decode(
             }
             Ok(out)
         }
+        ValueCodec::UlpStepRc => {
+            const WHAT: &str = "ulp step values";
+            let Some(old) = old.filter(|o| o.len() == count) else {
+                return Err(DecodeError::malformed(
+                    WHAT,
+                    format!("decoding needs the {count} base values at the positions"),
+                ));
+            };
+            let mut m = StepModel::new();
+            let mut d = RangeDecoder::new(bytes);
+            let mut out = Vec::with_capacity(count);
+            for &o in old {
+                let z = m.decode(&mut d, o)?;
+                if d.overran() {
+                    return Err(DecodeError::Truncated { what: WHAT });
+                }
+                out.push(apply_ulp_step_zigzag(o, z));
+            }
+            d.finish(WHAT)?;
+            Ok(out)
+        }
     }
 }
 
@@ -209,6 +303,22 @@ mod tests {
         assert_eq!(raw, [0, 2, 1, 2]);
     }
 
+    #[test]
+    fn golden_ulp_step_rc() {
+        // +1, −1, +1 ULP and one 0x100-ULP jump.
+        let old = [0x3F80, 0x3F80, 0xBC00, 0x3F80];
+        let new = [0x3F81, 0x3F7F, 0xBBFF, 0x4080];
+        let enc = encode(ValueCodec::UlpStepRc, &new, &old, 1);
+        assert_eq!(enc, GOLDEN_ULP_STEP_RC);
+        assert_eq!(
+            decode(ValueCodec::UlpStepRc, &enc, 4, Some(&old)),
+            Ok(new.to_vec())
+        );
+    }
+
+    /// Pinned: any change to these bytes is a format change (see docs/format.md).
+    const GOLDEN_ULP_STEP_RC: [u8; 7] = [0xd9, 0x7f, 0xbf, 0xfe, 0xdf, 0xe0, 0x00];
+
     proptest! {
         #[test]
         fn every_value_codec_round_trips_any_bits(pairs in proptest::collection::vec((any::<u16>(), any::<u16>()), 0..500)) {
@@ -219,6 +329,28 @@ mod tests {
                 let dec = decode(codec, &enc, new.len(), Some(&old)).expect("decodes");
                 prop_assert_eq!(&dec, &new, "{}", codec.name());
             }
+        }
+
+        #[test]
+        fn ulp_step_rc_round_trips_small_steps_and_refuses_truncation(
+            pairs in proptest::collection::vec((any::<u16>(), -3i16..=3), 1..400)
+        ) {
+            let old: Vec<u16> = pairs.iter().map(|p| p.0).collect();
+            let new: Vec<u16> = pairs
+                .iter()
+                .map(|&(o, d)| from_ordered(ordered(o).wrapping_add(d as u16)))
+                .collect();
+            let enc = encode(ValueCodec::UlpStepRc, &new, &old, 1);
+            let dec = decode(ValueCodec::UlpStepRc, &enc, new.len(), Some(&old)).expect("decodes");
+            prop_assert_eq!(&dec, &new);
+            for cut in 0..enc.len() {
+                // A truncated stream is refused or decodes to other values; never a panic.
+                if let Ok(v) = decode(ValueCodec::UlpStepRc, &enc[..cut], new.len(), Some(&old)) {
+                    prop_assert_eq!(v.len(), new.len());
+                }
+            }
+            prop_assert!(decode(ValueCodec::UlpStepRc, &enc, new.len(), Some(&old[1..])).is_err());
+            prop_assert!(decode(ValueCodec::UlpStepRc, &enc, new.len(), None).is_err());
         }
 
         #[test]
