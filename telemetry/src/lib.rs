@@ -7,6 +7,7 @@
 //!   relays and actors record into (bytes and segments per peer, refetches, versions, transfer,
 //!   apply and control round-trip times, jobs and results), encoded as OpenMetrics or the
 //!   Prometheus text format.
+//! - [`http_client`]: a blocking HTTP/1.1 client for the local JSON APIs processes call.
 //! - [`http`]: [`http::serve`], which answers `GET /metrics` and `GET /healthz` and whatever
 //!   routes the binary adds (`/v1/status`; the hub adds its API, events and dashboard), with
 //!   JSON errors for unknown routes and methods.
@@ -15,6 +16,7 @@
 //! bounded ([`metrics::MAX_PEERS`]), so a scrape stays small however many peers come and go.
 
 pub mod http;
+pub mod http_client;
 pub mod logging;
 pub mod metrics;
 

@@ -1,14 +1,11 @@
 //! A small blocking client of the hub's trainer HTTP API (`docs/api.md`): publish a version,
 //! submit a batch, long-poll its accepted results, read its status, cancel it.
 //!
-//! It speaks plain HTTP/1.1 over one TCP connection per request (`Connection: close`): the
-//! trainer makes a handful of requests per optimizer step, so connection reuse would save
-//! nothing measurable, and a dependency-free client keeps the trainer's build small. The hub's
+//! It speaks plain HTTP/1.1 through `starling_telemetry::http_client` (one connection per
+//! request: the trainer makes a handful per optimizer step). The hub's
 //! error bodies (`{"error": {"code", "message"}}`) become [`HubError::Refused`] with the code and
 //! sentence intact.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -160,90 +157,22 @@ impl HubClient {
         path: &str,
         body: Option<&Value>,
     ) -> Result<(u16, String), HubError> {
-        let io = |source| HubError::Unreachable {
-            addr: self.addr.clone(),
-            source,
-        };
-        let mut s = TcpStream::connect(&self.addr).map_err(io)?;
-        s.set_read_timeout(Some(self.timeout)).map_err(io)?;
-        let payload = body.map(Value::to_string).unwrap_or_default();
-        let head = format!(
-            "{method} {path} HTTP/1.1\r\nhost: {}\r\nauthorization: Bearer {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
-            self.addr,
-            self.token,
-            payload.len()
-        );
-        s.write_all(head.as_bytes()).map_err(io)?;
-        s.write_all(payload.as_bytes()).map_err(io)?;
-        let mut raw = Vec::new();
-        s.read_to_end(&mut raw).map_err(io)?;
-        parse_response(&raw)
-    }
-}
-
-/// Status and body of a complete `Connection: close` response (`Content-Length` or read to EOF;
-/// chunked bodies are decoded).
-fn parse_response(raw: &[u8]) -> Result<(u16, String), HubError> {
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| HubError::Malformed("no header terminator".into()))?;
-    let head = String::from_utf8_lossy(&raw[..split]);
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse::<u16>().ok())
-        .ok_or_else(|| HubError::Malformed(format!("status line of {head:?}")))?;
-    let chunked = lines.any(|l| {
-        let l = l.to_ascii_lowercase();
-        l.starts_with("transfer-encoding:") && l.contains("chunked")
-    });
-    let body = &raw[split + 4..];
-    let body = if chunked {
-        dechunk(body)?
-    } else {
-        body.to_vec()
-    };
-    Ok((status, String::from_utf8_lossy(&body).into_owned()))
-}
-
-fn dechunk(mut b: &[u8]) -> Result<Vec<u8>, HubError> {
-    let mut out = Vec::new();
-    loop {
-        let eol = b
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .ok_or_else(|| HubError::Malformed("chunk size line".into()))?;
-        let size_text = String::from_utf8_lossy(&b[..eol]);
-        let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
-            .map_err(|_| HubError::Malformed(format!("chunk size {size_text:?}")))?;
-        b = &b[eol + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        if b.len() < size + 2 {
-            return Err(HubError::Malformed("truncated chunk".into()));
-        }
-        out.extend_from_slice(&b[..size]);
-        b = &b[size + 2..];
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_plain_and_chunked_responses() {
-        let (s, b) =
-            parse_response(b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\n{}").expect("plain");
-        assert_eq!((s, b.as_str()), (201, "{}"));
-        let (s, b) = parse_response(
-            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n3\r\n\":1\r\n1\r\n}\r\n0\r\n\r\n",
+        let payload = body.map(Value::to_string);
+        let auth = format!("Bearer {}", self.token);
+        let r = starling_telemetry::http_client::request(
+            &self.addr,
+            method,
+            path,
+            &[("authorization", &auth)],
+            payload.as_deref(),
+            self.timeout,
         )
-        .expect("chunked");
-        assert_eq!((s, b.as_str()), (200, "{\"a\":1}"));
-        assert!(parse_response(b"garbage").is_err());
+        .map_err(|e| match e {
+            starling_telemetry::http_client::HttpClientError::Unreachable { addr, source } => {
+                HubError::Unreachable { addr, source }
+            }
+            other => HubError::Malformed(starling_telemetry::error_chain(&other)),
+        })?;
+        Ok((r.status, r.body))
     }
 }
