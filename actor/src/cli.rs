@@ -33,7 +33,8 @@ struct Args {
     /// Serve `/metrics` and `/v1/status` here.
     #[arg(long, env = "STARLING_ACTOR_HTTP")]
     http: Option<SocketAddr>,
-    /// Generate rollouts: `builtin` (the CPU engine) or `none` (hold weights only).
+    /// Generate rollouts: `builtin` (the CPU engine), `vllm` (a vLLM server with Starling's
+    /// worker extension, docs/vllm.md) or `none` (hold weights only).
     #[arg(long, default_value = "none", env = "STARLING_ACTOR_ENGINE")]
     engine: String,
     /// The model's HF config.json (default: config.json beside --init).
@@ -54,6 +55,20 @@ struct Args {
     /// that benchmarks measure delta distribution against; not for production.
     #[arg(long, env = "STARLING_ACTOR_WEIGHTS_DIR")]
     weights_dir: Option<PathBuf>,
+    /// With `--engine vllm`: the vLLM server's address (HOST:PORT).
+    #[arg(long, default_value = "127.0.0.1:8000", env = "STARLING_ACTOR_VLLM_URL")]
+    vllm_url: String,
+    /// With `--engine vllm`: the command that starts vLLM (`sh -c`; `{model}` becomes the
+    /// directory the actor writes its version to). Without it the actor attaches to a server
+    /// already running at --vllm-url.
+    #[arg(long, env = "STARLING_ACTOR_VLLM_CMD")]
+    vllm_cmd: Option<String>,
+    /// With `--engine vllm`: how vLLM writes a version in place: auto, scatter or loader.
+    #[arg(long, default_value = "auto", env = "STARLING_ACTOR_VLLM_APPLY")]
+    vllm_apply: String,
+    /// With `--engine vllm --vllm-cmd`: the longest vLLM may take to start (seconds).
+    #[arg(long, default_value_t = 900)]
+    vllm_start_timeout_s: u64,
     /// A label for this actor's hardware, reported to the hub.
     #[arg(long, default_value = "cpu", env = "STARLING_ACTOR_HARDWARE")]
     hardware: String,
@@ -94,9 +109,19 @@ where
         name: "hub".into(),
         addr: a.hub,
     });
+    let vllm = (a.engine == "vllm").then(|| crate::vllm::VllmSettings {
+        addr: a
+            .vllm_url
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_owned(),
+        cmd: a.vllm_cmd.clone(),
+        apply_mode: a.vllm_apply.clone(),
+        start_timeout: std::time::Duration::from_secs(a.vllm_start_timeout_s),
+    });
     let engine = match a.engine.as_str() {
         "none" => None,
-        "builtin" => Some(crate::EngineSettings {
+        "builtin" | "vllm" => Some(crate::EngineSettings {
             model_config: a.model_config.clone().unwrap_or_else(|| {
                 a.init
                     .parent()
@@ -107,9 +132,10 @@ where
             claim: a.claim,
             slowdown: a.engine_slowdown,
             hardware: a.hardware.clone(),
+            vllm,
         }),
         other => {
-            eprintln!("error: --engine {other:?} is not known: use builtin or none");
+            eprintln!("error: --engine {other:?} is not known: use builtin, vllm or none");
             return std::process::ExitCode::from(2);
         }
     };

@@ -21,7 +21,7 @@ use anyhow::{Context, Result, bail};
 use starling_engine::{
     FinishReason as EngineFinish, GenRequest, GenerateOptions, Model, ModelConfig, Sampling,
 };
-use starling_proto::apply::full_digest;
+use starling_proto::apply::{UndoLog, full_digest};
 use starling_proto::rollout::{FinishReason, JobResult, JobSpec, Sample, VersionSpan};
 
 /// What an engine can do.
@@ -45,17 +45,33 @@ pub trait Engine: Send + Sync + 'static {
     /// What it can do.
     fn capabilities(&self) -> Capabilities;
     /// Loads committed `version` (digest `digest`) from the actor's weights, replacing the
-    /// loaded one for every later `generate` call. On error the previous version stays.
+    /// loaded one for every later `generate` call. `change` is what the commit wrote, when
+    /// the version follows the one loaded before by one commit (none at start-up, after an
+    /// anchor or a reload): an engine that keeps its own copy of the weights applies just
+    /// that. On error the previous version stays, or the engine is fenced (its fingerprint
+    /// no longer matches, so the worker takes no work) until a later load succeeds.
     fn load(
         &self,
         weights: &BTreeMap<String, Vec<u16>>,
         version: u64,
         digest: [u8; 16],
+        change: Option<&UndoLog>,
     ) -> Result<()>;
+    /// Whether the engine lost what it held (its server died) and must be loaded again from
+    /// the actor's weights before it can take work; the actor checks every second.
+    fn needs_reload(&self) -> bool {
+        false
+    }
     /// Generates every job with the version loaded when the call starts.
     fn generate(&self, jobs: &[JobSpec]) -> Result<Vec<JobResult>>;
     /// The version loaded now, proven from the weights it holds (none before a load).
     fn fingerprint(&self) -> Option<Fingerprint>;
+}
+
+impl std::fmt::Debug for dyn Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Engine({})", self.capabilities().engine)
+    }
 }
 
 #[derive(Debug)]
@@ -138,6 +154,7 @@ impl Engine for BuiltinEngine {
         weights: &BTreeMap<String, Vec<u16>>,
         version: u64,
         digest: [u8; 16],
+        _change: Option<&UndoLog>,
     ) -> Result<()> {
         let shapes: BTreeMap<String, Vec<usize>> =
             self.config.tensor_shapes().into_iter().collect();

@@ -24,6 +24,7 @@ pub mod engine;
 pub mod shared_dir;
 mod status;
 pub mod store;
+pub mod vllm;
 pub mod worker;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -37,7 +38,7 @@ use starling_checkpoint::deltafile::Model;
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_proto::anchor::AnchorSeal;
 use starling_proto::apply::Stager;
-use starling_proto::apply::{VersionedWeights, full_digest};
+use starling_proto::apply::{UndoLog, VersionedWeights, full_digest};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::msg::{MAX_SEQS, RefuseReason};
 use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
@@ -102,6 +103,8 @@ pub struct EngineSettings {
     pub slowdown: f64,
     /// A label for the hardware (reported to the hub).
     pub hardware: String,
+    /// Generate with a vLLM server (`vllm`) instead of the built-in engine.
+    pub vllm: Option<vllm::VllmSettings>,
 }
 
 /// How many times in a row the actor may fail to reach any source before it gives up.
@@ -110,17 +113,27 @@ const MAX_FAILOVERS: u32 = 50;
 /// How many times one version may be fetched again before the actor gives up.
 const MAX_REFETCHES: u32 = 5;
 
-/// One version on its way in. The next version (active + 1) is staged frame by frame as it
-/// arrives; later ones are buffered until their base is active.
+/// One version on its way in: buffering until its base is active, then staging. Sealing and
+/// committing follow at once in [`Pipeline::activate_ready`], so they are no lasting state:
+/// a version is pending (one of these), active, or gone.
 #[derive(Debug)]
 struct Pending {
     reception: Reception,
-    stager: Option<Stager>,
-    buffered: Vec<StreamFrame>,
+    stage: Stage,
     /// Every frame's wire bytes (for the store's journal).
     raw: Vec<Vec<u8>>,
     /// Wire bytes held for this version (staged or buffered), against [`Pipeline::version_cap`].
     held: u64,
+}
+
+/// Where a pending version stands.
+#[derive(Debug)]
+enum Stage {
+    /// Its base is not active yet: frames are kept as they came (decoding needs the base).
+    Buffering(Vec<StreamFrame>),
+    /// Its base is active (it is active + 1): each frame is staged on arrival, against the
+    /// untouched active weights.
+    Staging(Stager),
 }
 
 /// Versions beyond the active one that the actor holds frames of: a server streams one
@@ -184,10 +197,33 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
     let trust = TrustPolicy::Keys(vec![key]);
     let metrics = Metrics::new(Component::Actor);
     let (status, status_rx) = watch::channel(PipelineStatus::default());
-    let engine_name = if cfg.engine.is_some() {
-        "builtin"
-    } else {
-        "none"
+    let engine_name = match &cfg.engine {
+        None => "none",
+        Some(e) if e.vllm.is_some() => "vllm",
+        Some(_) => "builtin",
+    };
+    let engine: Option<Arc<dyn Engine>> = match &cfg.engine {
+        None => None,
+        Some(e) if e.vllm.is_some() => {
+            let settings = e.vllm.clone().context("vllm settings")?;
+            Some(Arc::new(vllm::VllmEngine::new(
+                settings,
+                &e.model_config,
+                &cfg.model_id,
+                &cfg.store,
+                e.max_batch,
+            )?))
+        }
+        Some(e) => {
+            let config = ModelConfig::from_file(&e.model_config)
+                .with_context(|| format!("read {}", e.model_config.display()))?;
+            Some(Arc::new(BuiltinEngine::new(
+                config,
+                &cfg.model_id,
+                e.max_batch,
+                e.slowdown,
+            )?))
+        }
     };
     let shown = Arc::new(ActorStatus::new(
         &creds.name,
@@ -195,6 +231,7 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         engine_name,
         status_rx.clone(),
         metrics.clone(),
+        engine.clone(),
     ));
     let mut http_server = None;
     if let Some(http) = cfg.http {
@@ -212,19 +249,6 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
         println!("http on {at}");
     }
     let _http_server = http_server;
-    let engine: Option<Arc<dyn Engine>> = match &cfg.engine {
-        None => None,
-        Some(e) => {
-            let config = ModelConfig::from_file(&e.model_config)
-                .with_context(|| format!("read {}", e.model_config.display()))?;
-            Some(Arc::new(BuiltinEngine::new(
-                config,
-                &cfg.model_id,
-                e.max_batch,
-                e.slowdown,
-            )?))
-        }
-    };
     if let Some(dir) = &cfg.weights_dir {
         shown.source(&dir.display().to_string(), "directory", true);
         let _worker = start_worker(&cfg, &creds, &engine, status_rx, &metrics)?;
@@ -262,7 +286,7 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
     };
     p.version_cap = version_cap(p.state.weights());
     metrics.set_active(p.state.version());
-    p.load_engine()?;
+    p.load_engine(None)?;
     println!("active {} {}", p.state.version(), p.state.digest());
     // The rollout worker lives as long as `run`.
     let _worker = start_worker(&cfg, &creds, &engine, status_rx, &metrics)?;
@@ -358,9 +382,14 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
             PREFERRED_PROBE,
         );
         let mut returning = false;
+        let mut health = tokio::time::interval(ENGINE_HEALTH);
         loop {
             let ev = tokio::select! {
                 ev = up.events.recv() => ev,
+                _ = health.tick(), if p.engine.is_some() => {
+                    p.reload_engine_if_lost();
+                    continue;
+                }
                 _ = probe.tick(), if index > 0 && !quarantined.contains_key(&0) => {
                     if p.pending.is_empty() && preferred_is_back(&cfg.sources[0], &creds, &hello, &cfg.link, p.state.version()).await {
                         returning = true;
@@ -408,6 +437,9 @@ fn version_cap(weights: &Model) -> u64 {
     let bf16: u64 = weights.values().map(|t| t.len() as u64 * 2).sum();
     bf16 + bf16 / 8 + (1 << 20)
 }
+
+/// How often the actor asks its engine whether it lost its weights (a dead vLLM server).
+const ENGINE_HEALTH: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How long a source that broke a bound (sent more than a version can hold, announced a
 /// version far ahead) is not used: the actor takes the next source meanwhile.
@@ -494,17 +526,33 @@ impl Drop for AbortOnDrop {
 impl Pipeline<'_> {
     /// Loads the active version into the engine (at the job boundary: a generation call in
     /// flight keeps the version it started with) and tells the worker.
-    fn load_engine(&mut self) -> Result<()> {
+    fn load_engine(&mut self, change: Option<&UndoLog>) -> Result<()> {
         let (version, digest) = (self.state.version(), self.state.digest().to_bytes());
         if let Some(engine) = &self.engine {
             let weights = self.state.weights();
-            tokio::task::block_in_place(|| engine.load(weights, version, digest))?;
+            tokio::task::block_in_place(|| engine.load(weights, version, digest, change))?;
         }
         self.status.send_modify(|s| {
             s.active = Some((version, digest));
             s.staged = s.staged.filter(|&v| v > version);
         });
         Ok(())
+    }
+
+    /// Loads the active version into an engine that lost it (its server died and was
+    /// restarted); until that succeeds the engine's fingerprint does not match and the worker
+    /// takes no work. A failure is retried at the next check.
+    fn reload_engine_if_lost(&mut self) {
+        if !self.engine.as_ref().is_some_and(|e| e.needs_reload()) {
+            return;
+        }
+        tracing::warn!(
+            version = self.state.version(),
+            "the engine lost its weights; loading the active version into it again"
+        );
+        if let Err(e) = self.load_engine(None) {
+            tracing::error!("reloading the engine failed (retrying): {e:#}");
+        }
     }
 
     /// Handles one event.
@@ -635,7 +683,7 @@ impl Pipeline<'_> {
         self.pending.clear();
         self.commits.clear();
         self.metrics.set_active(seal.version);
-        self.load_engine()?;
+        self.load_engine(None)?;
         println!("restored anchor {}", seal.version);
         println!("active {} {}", self.state.version(), self.state.digest());
         Ok(())
@@ -658,13 +706,16 @@ impl Pipeline<'_> {
             .get(&version)
             .is_none_or(|p| p.reception.delta_id != delta_id);
         if fresh {
-            let stager = (version == self.state.version() + 1).then(|| self.state.stager());
+            let stage = if version == self.state.version() + 1 {
+                Stage::Staging(self.state.stager())
+            } else {
+                Stage::Buffering(Vec::new())
+            };
             self.pending.insert(
                 version,
                 Pending {
                     reception: Reception::new(version, base, delta_id),
-                    stager,
-                    buffered: Vec::new(),
+                    stage,
                     raw: Vec::new(),
                     held: 0,
                 },
@@ -728,13 +779,13 @@ impl Pipeline<'_> {
             self.status.send_modify(|s| s.staged = Some(version));
         }
         p.raw.push(frame.bytes.clone());
-        let staged = match &mut p.stager {
+        let staged = match &mut p.stage {
             // Decoding and verifying a segment is CPU work: off the runtime's workers.
-            Some(stager) => {
+            Stage::Staging(stager) => {
                 tokio::task::block_in_place(|| stager.stage_frame(frame.as_frame(), weights))
             }
-            None => {
-                p.buffered.push(frame);
+            Stage::Buffering(frames) => {
+                frames.push(frame);
                 Ok(())
             }
         };
@@ -801,7 +852,7 @@ impl Pipeline<'_> {
             let transfer = p.reception.started.elapsed();
             let raw = std::mem::take(&mut p.raw);
             match tokio::task::block_in_place(|| self.seal_and_commit(p)) {
-                Ok(apply) => {
+                Ok((apply, written)) => {
                     any = true;
                     self.commits.remove(&next);
                     self.metrics.staged();
@@ -810,7 +861,7 @@ impl Pipeline<'_> {
                     self.metrics.set_active(next);
                     let frames: Vec<&[u8]> = raw.iter().map(Vec::as_slice).collect();
                     tokio::task::block_in_place(|| self.store.record(next, &frames, &self.state))?;
-                    self.load_engine()?;
+                    self.load_engine(Some(&written))?;
                     println!("active {} {}", self.state.version(), self.state.digest());
                     let _ = send(
                         control,
@@ -820,7 +871,16 @@ impl Pipeline<'_> {
                         },
                     )
                     .await;
-                    tokio::task::block_in_place(|| self.start_staging(next + 1));
+                    let after = next + 1;
+                    if let Err(e) = tokio::task::block_in_place(|| self.start_staging(after)) {
+                        tracing::warn!(
+                            version = after,
+                            "staging failed ({}); fetching it again",
+                            starling_telemetry::error_chain(&e)
+                        );
+                        self.pending.remove(&after);
+                        self.refetch(control, after, Vec::new()).await?;
+                    }
                 }
                 Err(e) => {
                     tracing::error!(version = next, "version refused: {e:#}");
@@ -831,46 +891,40 @@ impl Pipeline<'_> {
         }
     }
 
-    /// Seals a fully received version and commits it; returns the commit time. The weights
-    /// are untouched unless every check passed.
-    fn seal_and_commit(&mut self, p: Pending) -> Result<std::time::Duration> {
-        let mut stager = match p.stager {
-            Some(s) => s,
-            None => self.state.stager(),
+    /// Seals a fully received version and commits it; returns the commit time and what the
+    /// commit wrote. The weights are untouched unless every check passed.
+    fn seal_and_commit(&mut self, p: Pending) -> Result<(std::time::Duration, UndoLog)> {
+        let stager = match p.stage {
+            Stage::Staging(s) => s,
+            // Its base became active while it was still arriving: staged now, as a whole.
+            Stage::Buffering(frames) => self.staged(&frames)?,
         };
-        for f in &p.buffered {
-            stager.stage_frame(f.as_frame(), self.state.weights())?;
-        }
         let sealed = stager.seal(self.trust)?;
         let t = std::time::Instant::now();
-        self.state.commit(sealed)?;
-        Ok(t.elapsed())
+        let written = self.state.commit(sealed)?;
+        Ok((t.elapsed(), written))
     }
 
-    /// The version after the one just activated becomes the one staged on arrival.
-    fn start_staging(&mut self, version: u64) {
-        let weights = self.state.weights();
-        let Some(p) = self.pending.get_mut(&version) else {
-            return;
+    /// The version after the one just activated becomes the one staged on arrival: what was
+    /// buffered of it is staged now. An error leaves it buffering; the caller drops it and
+    /// fetches it again.
+    fn start_staging(&mut self, version: u64) -> Result<(), starling_proto::apply::StageError> {
+        let Some(Stage::Buffering(frames)) = self.pending.get(&version).map(|p| &p.stage) else {
+            return Ok(());
         };
+        let stager = self.staged(frames)?;
+        if let Some(p) = self.pending.get_mut(&version) {
+            p.stage = Stage::Staging(stager);
+        }
+        Ok(())
+    }
+
+    /// A stager against the active weights with `frames` staged.
+    fn staged(&self, frames: &[StreamFrame]) -> Result<Stager, starling_proto::apply::StageError> {
         let mut stager = self.state.stager();
-        let mut failed = None;
-        for f in p.buffered.drain(..) {
-            if let Err(e) = stager.stage_frame(f.as_frame(), weights) {
-                failed = Some(e);
-                break;
-            }
+        for f in frames {
+            stager.stage_frame(f.as_frame(), self.state.weights())?;
         }
-        match failed {
-            None => p.stager = Some(stager),
-            Some(e) => {
-                tracing::warn!(
-                    version,
-                    "staging failed ({}); it will be fetched again",
-                    starling_telemetry::error_chain(&e)
-                );
-                self.pending.remove(&version);
-            }
-        }
+        Ok(stager)
     }
 }

@@ -77,7 +77,7 @@ impl SharedDir<'_> {
     fn activate(&self, weights: &Model, version: u64, digest: StateDigest) -> Result<()> {
         let bytes = digest.to_bytes();
         if let Some(engine) = &self.engine {
-            tokio::task::block_in_place(|| engine.load(weights, version, bytes))?;
+            tokio::task::block_in_place(|| engine.load(weights, version, bytes, None))?;
         }
         self.status.send_modify(|s| {
             s.active = Some((version, bytes));

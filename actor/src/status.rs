@@ -13,6 +13,7 @@ use serde_json::{Value, json};
 use starling_telemetry::Metrics;
 use tokio::sync::watch;
 
+use crate::engine::Engine;
 use crate::worker::PipelineStatus;
 
 /// What the actor reports about itself.
@@ -23,6 +24,8 @@ pub(crate) struct ActorStatus {
     pub(crate) engine: String,
     pub(crate) pipeline: watch::Receiver<PipelineStatus>,
     pub(crate) metrics: Metrics,
+    /// The engine, asked what it holds (its fingerprint) at each read.
+    engine_impl: Option<Arc<dyn Engine>>,
     source: Mutex<Option<Source>>,
 }
 
@@ -40,6 +43,7 @@ impl ActorStatus {
         engine: &str,
         pipeline: watch::Receiver<PipelineStatus>,
         metrics: Metrics,
+        engine_impl: Option<Arc<dyn Engine>>,
     ) -> Self {
         ActorStatus {
             name: name.to_owned(),
@@ -47,6 +51,7 @@ impl ActorStatus {
             engine: engine.to_owned(),
             pipeline,
             metrics,
+            engine_impl,
             source: Mutex::new(None),
         }
     }
@@ -63,6 +68,7 @@ impl ActorStatus {
 
     fn json(&self) -> Value {
         let p = *self.pipeline.borrow();
+        let fingerprint = self.engine_impl.as_ref().and_then(|e| e.fingerprint());
         let source = self
             .source
             .lock()
@@ -81,6 +87,9 @@ impl ActorStatus {
             "staged_version": p.staged,
             "source": source.map(|s| json!({"name": s.name, "kind": s.kind, "connected": s.connected})),
             "engine": self.engine,
+            // What the engine proves it holds; null while it is fenced (it then takes no work).
+            "engine_version": fingerprint.map(|f| f.version),
+            "engine_digest": fingerprint.map(|f| starling_proto::manifest::hex(&f.digest)),
             "worker_connected": self.metrics.worker_connected(),
         })
     }

@@ -445,6 +445,20 @@ impl UndoLog {
     pub fn changes(&self) -> usize {
         self.parts.iter().map(|p| p.positions.len()).sum()
     }
+
+    /// The version and digest the commit started from.
+    pub fn base(&self) -> (u64, StateDigest) {
+        (self.version, self.digest)
+    }
+
+    /// What the commit wrote, part by part: the tensor, flat positions in it (ascending
+    /// within a part; a tensor's parts cover disjoint ranges) and the new bits there. What an
+    /// engine that holds its own copy of the weights needs to follow the commit sparsely.
+    pub fn written(&self) -> impl Iterator<Item = (&str, &[u64], &[u16])> {
+        self.parts
+            .iter()
+            .map(|p| (p.tensor.as_str(), p.positions.as_slice(), p.new.as_slice()))
+    }
 }
 
 impl<W: Weights> VersionedWeights<W> {

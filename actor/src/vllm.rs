@@ -1,0 +1,712 @@
+//! The `vllm` engine: the actor drives a vLLM server beside it that runs Starling's worker
+//! extension (`integrations/vllm`), following the interface agreed in `docs/vllm.md`.
+//!
+//! - **Weights in place.** Each committed version reaches vLLM as a patch file in the actor's
+//!   store (`STORE/vllm/patch-N.safetensors`: per changed tensor its flat positions and new
+//!   BF16 bits, the manifest's pre and post digests) applied by `starling_apply` between
+//!   `POST /pause?mode=wait` and `POST /resume`. vLLM's answer carries the state digest it
+//!   computed from its own parameters after the write; the version becomes the engine's only
+//!   if that equals the digest the actor committed. Anything else (a refusal, a partial write,
+//!   an HTTP error) fences the engine — its fingerprint is withdrawn, so the worker takes no
+//!   work — and falls back to a full reload (`starling_load_full` of the committed weights,
+//!   written once as `STORE/vllm/model/model.safetensors`), then to restarting the server.
+//! - **Generation.** `POST /v1/completions` with the prompt's token ids, `n` samples, the
+//!   job's sampling parameters and seed, one log-probability per token and token ids back
+//!   (`return_tokens_as_token_ids`). Loads take the swap lock for writing and `generate` for
+//!   reading, so a call never spans two versions: every sample's tokens carry one version.
+//! - **The server.** With `--vllm-cmd` the actor starts vLLM itself (`{model}` in the command
+//!   is replaced by the directory holding the actor's committed version), waits for
+//!   `/health`, attaches (`starling_attach`: vLLM digests all its parameters) and checks the
+//!   digest; a server that exits is noticed (`needs_reload`) and started again from the
+//!   actor's weights before the worker takes work again. With `--vllm-url` alone it attaches
+//!   to a running server and, if that holds another version, loads the actor's in full.
+//!
+//! Every failure becomes a sentence that says what to fix: no server at the address, a server
+//! without `VLLM_SERVER_DEV_MODE=1` (its dev routes answer 404), a server without the
+//! extension, a model whose parameters do not map, a patch for another model or base.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use serde_json::{Value, json};
+use starling_checkpoint::writer::SafetensorsWriter;
+use starling_engine::ModelConfig;
+use starling_proto::apply::UndoLog;
+use starling_proto::manifest::hex;
+use starling_proto::rollout::{FinishReason, JobResult, JobSpec, Sample, VersionSpan};
+use starling_telemetry::http_client::{self, Response};
+
+use crate::engine::{Capabilities, Engine, Fingerprint, group_seed};
+
+/// How the actor reaches (and possibly runs) its vLLM server.
+#[derive(Debug, Clone)]
+pub struct VllmSettings {
+    /// `host:port` of vLLM's OpenAI-compatible server.
+    pub addr: String,
+    /// The command that starts vLLM (run with `sh -c`; `{model}` is replaced by the model
+    /// directory the actor writes). None: attach to a server someone else runs.
+    pub cmd: Option<String>,
+    /// `starling_apply`'s mode: `auto`, `scatter` or `loader` (`docs/vllm.md`).
+    pub apply_mode: String,
+    /// The longest a started server may take to answer `/health`.
+    pub start_timeout: Duration,
+}
+
+/// Requests that touch weights or digest the whole model may take this long.
+const RPC_TIMEOUT: Duration = Duration::from_secs(600);
+/// Generation requests (one job's samples).
+const GENERATE_TIMEOUT: Duration = Duration::from_secs(600);
+
+/// What the engine holds now.
+#[derive(Debug, Default)]
+struct Held {
+    /// The server the actor started (with `--vllm-cmd`).
+    child: Option<Child>,
+    /// The model name the server serves (its `--served-model-name`, by default `--model`).
+    served: Option<String>,
+}
+
+/// The `vllm` engine.
+#[derive(Debug)]
+pub struct VllmEngine {
+    settings: VllmSettings,
+    model_id: String,
+    config: ModelConfig,
+    /// `STORE/vllm`: patch files and the materialized model directory.
+    dir: PathBuf,
+    max_batch: u32,
+    held: Mutex<Held>,
+    /// The version vLLM's parameters hold, proven by its digest; none while fenced. Apart
+    /// from `held`, which a load keeps for minutes while a server starts: status reads and
+    /// the worker's heartbeats never wait for that.
+    proven: Mutex<Option<Fingerprint>>,
+    /// Taken for reading by `generate`, for writing by `load`.
+    swap: RwLock<()>,
+}
+
+impl VllmEngine {
+    /// An engine for the model of `model_config` (HF `config.json`, copied beside the weights
+    /// the server loads), keeping its files under `store/vllm`. Nothing is started yet: the
+    /// first [`Engine::load`] starts or attaches to the server.
+    pub fn new(
+        settings: VllmSettings,
+        model_config: &Path,
+        model_id: &str,
+        store: &Path,
+        max_batch: u32,
+    ) -> Result<Self> {
+        let config = ModelConfig::from_file(model_config)
+            .with_context(|| format!("read {}", model_config.display()))?;
+        let dir = store.join("vllm");
+        std::fs::create_dir_all(dir.join("model"))
+            .with_context(|| format!("create {}", dir.display()))?;
+        std::fs::copy(model_config, dir.join("model/config.json"))
+            .with_context(|| format!("copy {} beside the model", model_config.display()))?;
+        if !["auto", "scatter", "loader"].contains(&settings.apply_mode.as_str()) {
+            bail!(
+                "--vllm-apply must be auto, scatter or loader, not {:?}",
+                settings.apply_mode
+            );
+        }
+        Ok(Self {
+            settings,
+            model_id: model_id.to_owned(),
+            config,
+            dir,
+            max_batch: max_batch.max(1),
+            held: Mutex::new(Held::default()),
+            proven: Mutex::new(None),
+            swap: RwLock::new(()),
+        })
+    }
+
+    fn held(&self) -> std::sync::MutexGuard<'_, Held> {
+        self.held
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn proven(&self) -> Option<Fingerprint> {
+        *self
+            .proven
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn set_proven(&self, fp: Option<Fingerprint>) {
+        *self
+            .proven
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = fp;
+    }
+
+    fn model_dir(&self) -> PathBuf {
+        self.dir.join("model")
+    }
+
+    fn call(&self, method: &str, path: &str, body: Option<&Value>, timeout: Duration) -> Result<Response> {
+        let body = body.map(Value::to_string);
+        http_client::request(&self.settings.addr, method, path, &[], body.as_deref(), timeout)
+            .with_context(|| format!("no vLLM server answers at {}", self.settings.addr))
+    }
+
+    /// `POST /collective_rpc`: every worker's answer, each required `ok`.
+    fn rpc(&self, method: &str, args: &[&str]) -> Result<Vec<Value>> {
+        let r = self.call(
+            "POST",
+            "/collective_rpc",
+            Some(&json!({"method": method, "args": args})),
+            RPC_TIMEOUT,
+        )?;
+        if r.status == 404 {
+            bail!(
+                "vLLM at {} has no /collective_rpc route: start it with VLLM_SERVER_DEV_MODE=1",
+                self.settings.addr
+            );
+        }
+        if !r.ok() {
+            if r.body.contains("has no attribute 'starling_") {
+                bail!(
+                    "vLLM at {} runs without Starling's worker extension: start it with \
+                     --worker-extension-cls starling_vllm.extension.StarlingWorkerExtension \
+                     (integrations/vllm on its PYTHONPATH)",
+                    self.settings.addr
+                );
+            }
+            bail!(
+                "vLLM answered {} to {method}: {}",
+                r.status,
+                r.body.chars().take(400).collect::<String>()
+            );
+        }
+        let v: Value = serde_json::from_str(&r.body).context("vLLM's answer is not JSON")?;
+        let results = v["results"]
+            .as_array()
+            .filter(|a| !a.is_empty())
+            .with_context(|| format!("vLLM's answer to {method} has no results"))?
+            .clone();
+        for w in &results {
+            if w["ok"].as_bool() != Some(true) {
+                bail!(
+                    "{method} failed in vLLM{}: {}",
+                    if w["fenced"].as_bool() == Some(true) {
+                        " (weights may be partly written)"
+                    } else {
+                        " (nothing was changed)"
+                    },
+                    w["error"].as_str().unwrap_or("no reason given")
+                );
+            }
+        }
+        Ok(results)
+    }
+
+    /// The digest every worker reports (one worker at tensor parallelism 1).
+    fn digest_of(results: &[Value]) -> Result<[u8; 16]> {
+        let hex_digest = results[0]["digest"]
+            .as_str()
+            .context("vLLM's answer has no digest")?;
+        parse_digest(hex_digest)
+    }
+
+    /// Whether the server answers `/health`, and has the dev routes the actor needs.
+    fn healthy(&self) -> bool {
+        self.call("GET", "/health", None, Duration::from_secs(5))
+            .is_ok_and(|r| r.ok())
+    }
+
+    fn probe_dev_routes(&self) -> Result<()> {
+        let r = self.call("GET", "/is_paused", None, Duration::from_secs(30))?;
+        if r.status == 404 {
+            bail!(
+                "vLLM at {} has no /is_paused route: start it with VLLM_SERVER_DEV_MODE=1 (the \
+                 actor pauses generation around each weight update)",
+                self.settings.addr
+            );
+        }
+        Ok(())
+    }
+
+    /// Writes the committed weights where the server loads them from: one safetensors file
+    /// with the version in its metadata, beside `config.json`. O(model): at start-up, after a
+    /// server death, and for a full reload.
+    fn materialize(&self, weights: &BTreeMap<String, Vec<u16>>, version: u64) -> Result<PathBuf> {
+        let layout: Vec<(String, Vec<u64>)> = self
+            .config
+            .tensor_shapes()
+            .into_iter()
+            .map(|(n, s)| (n, s.into_iter().map(|d| d as u64).collect()))
+            .collect();
+        let path = self.model_dir().join("model.safetensors");
+        let mut out = SafetensorsWriter::create(&path, &layout, Some(version))
+            .with_context(|| format!("create {}", path.display()))?;
+        for (name, _) in &layout {
+            let bits = weights
+                .get(name)
+                .with_context(|| format!("the actor's weights have no tensor {name}"))?;
+            out.write(bits)
+                .with_context(|| format!("write {}", path.display()))?;
+        }
+        out.finish()
+            .with_context(|| format!("write {}", path.display()))?;
+        Ok(path)
+    }
+
+    /// Starts the server with `--vllm-cmd` on the materialized model and waits for `/health`.
+    fn start(&self, held: &mut Held) -> Result<()> {
+        let Some(cmd) = &self.settings.cmd else {
+            bail!(
+                "no vLLM server answers at {} and the actor has no --vllm-cmd to start one",
+                self.settings.addr
+            );
+        };
+        let line = cmd.replace("{model}", &self.model_dir().display().to_string());
+        let log = std::fs::File::create(self.dir.join("vllm.log")).context("create vllm.log")?;
+        let err = log.try_clone().context("vllm.log")?;
+        tracing::info!(command = %line, "starting vLLM");
+        let mut child = Command::new("sh")
+            .arg("-c")
+            .arg(format!("exec {line}"))
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .with_context(|| format!("start vLLM: {line}"))?;
+        let deadline = Instant::now() + self.settings.start_timeout;
+        loop {
+            if let Some(status) = child.try_wait().context("wait for vLLM")? {
+                bail!(
+                    "vLLM exited during start-up ({status}); its output is in {}",
+                    self.dir.join("vllm.log").display()
+                );
+            }
+            if self.healthy() {
+                break;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                bail!(
+                    "vLLM did not answer /health at {} within {:?}; its output is in {}",
+                    self.settings.addr,
+                    self.settings.start_timeout,
+                    self.dir.join("vllm.log").display()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        held.child = Some(child);
+        Ok(())
+    }
+
+    fn stop_child(held: &mut Held) {
+        if let Some(mut c) = held.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// The model name the server answers to (`GET /v1/models`).
+    fn served_name(&self) -> Result<String> {
+        let r = self.call("GET", "/v1/models", None, Duration::from_secs(30))?;
+        let v: Value = serde_json::from_str(&r.body).context("/v1/models is not JSON")?;
+        v["data"][0]["id"]
+            .as_str()
+            .map(str::to_owned)
+            .context("vLLM serves no model")
+    }
+
+    /// Brings a server that holds nothing of ours (just started, or attached to) to the
+    /// committed version: attach if it was started from it, else load it in full.
+    fn bring_up(
+        &self,
+        held: &mut Held,
+        weights: &BTreeMap<String, Vec<u16>>,
+        version: u64,
+        digest: [u8; 16],
+    ) -> Result<()> {
+        self.set_proven(None);
+        let materialized = if !self.healthy() {
+            let path = self.materialize(weights, version)?;
+            Self::stop_child(held);
+            self.start(held)?;
+            Some(path)
+        } else {
+            None
+        };
+        self.probe_dev_routes()?;
+        held.served = Some(self.served_name()?);
+        let version_s = version.to_string();
+        let attached = self.rpc("starling_attach", &[&self.model_id, &version_s])?;
+        if Self::digest_of(&attached)? != digest {
+            // It was started from another version (attached to a running server): load ours.
+            let path = match materialized {
+                Some(p) => p,
+                None => self.materialize(weights, version)?,
+            };
+            self.load_full(&path, version, digest)?;
+        }
+        self.set_proven(Some(Fingerprint { version, digest }));
+        Ok(())
+    }
+
+    /// `starling_load_full` of a materialized checkpoint, checked against `digest`.
+    fn load_full(&self, path: &Path, version: u64, digest: [u8; 16]) -> Result<()> {
+        let (p, v) = (path.display().to_string(), version.to_string());
+        let r = self.rpc("starling_load_full", &[&p, &self.model_id, &v])?;
+        let got = Self::digest_of(&r)?;
+        if got != digest {
+            bail!(
+                "vLLM holds digest {} after loading version {version} in full, not {}",
+                hex(&got),
+                hex(&digest)
+            );
+        }
+        Ok(())
+    }
+
+    /// Writes the patch that turns `base` into `version` (`docs/vllm.md`), atomically.
+    fn write_patch(
+        &self,
+        change: &UndoLog,
+        version: u64,
+        digest: [u8; 16],
+    ) -> Result<PathBuf> {
+        let (base, pre) = change.base();
+        let shapes: BTreeMap<String, Vec<usize>> = self.config.tensor_shapes().into_iter().collect();
+        // A tensor's parts cover disjoint ranges: sorted by their first position, their
+        // positions are ascending over the whole tensor.
+        let mut by_tensor: BTreeMap<&str, Vec<(&[u64], &[u16])>> = BTreeMap::new();
+        for (tensor, positions, new) in change.written() {
+            if !positions.is_empty() {
+                by_tensor.entry(tensor).or_default().push((positions, new));
+            }
+        }
+        let mut tensors: Vec<(String, Vec<u8>, Vec<u8>, usize)> = Vec::new();
+        let mut shape_json = serde_json::Map::new();
+        for (tensor, mut parts) in by_tensor {
+            parts.sort_by_key(|(p, _)| p[0]);
+            let n: usize = parts.iter().map(|(p, _)| p.len()).sum();
+            let mut idx = Vec::with_capacity(n * 8);
+            let mut val = Vec::with_capacity(n * 2);
+            for (p, v) in parts {
+                for &i in p {
+                    idx.extend_from_slice(&(i as i64).to_le_bytes());
+                }
+                for &b in v {
+                    val.extend_from_slice(&b.to_le_bytes());
+                }
+            }
+            let shape = shapes
+                .get(tensor)
+                .with_context(|| format!("{tensor} is not in the model's config"))?;
+            shape_json.insert(tensor.to_owned(), json!(shape));
+            tensors.push((tensor.to_owned(), idx, val, n));
+        }
+        let mut metadata = std::collections::HashMap::new();
+        metadata.insert("format".to_owned(), "starling-patch-v1".to_owned());
+        metadata.insert("model_id".to_owned(), self.model_id.clone());
+        metadata.insert("base_version".to_owned(), base.to_string());
+        metadata.insert("starling_version".to_owned(), version.to_string());
+        metadata.insert("pre_digest".to_owned(), hex(&pre.to_bytes()));
+        metadata.insert("post_digest".to_owned(), hex(&digest));
+        metadata.insert("shapes".to_owned(), Value::Object(shape_json).to_string());
+        let mut views = Vec::new();
+        for (name, idx, val, n) in &tensors {
+            views.push((
+                format!("{name}.indices"),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::I64, vec![*n], idx)
+                    .context("patch indices")?,
+            ));
+            views.push((
+                format!("{name}.values"),
+                safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![*n], val)
+                    .context("patch values")?,
+            ));
+        }
+        let path = self.dir.join(format!("patch-{version}.safetensors"));
+        let tmp = path.with_extension("safetensors.tmp");
+        safetensors::tensor::serialize_to_file(views, Some(metadata), &tmp)
+            .with_context(|| format!("write {}", tmp.display()))?;
+        std::fs::rename(&tmp, &path).with_context(|| format!("write {}", path.display()))?;
+        // The previous patch is kept for diagnosis until this one replaces it.
+        if let Some(old) = version.checked_sub(2) {
+            let _ = std::fs::remove_file(self.dir.join(format!("patch-{old}.safetensors")));
+        }
+        Ok(path)
+    }
+
+    /// The sparse update: pause, apply the patch, resume; the digest vLLM computed from its
+    /// parameters must equal the committed one.
+    fn apply_patch(&self, path: &Path, digest: [u8; 16]) -> Result<()> {
+        let r = self.call("POST", "/pause?mode=wait", None, RPC_TIMEOUT)?;
+        if !r.ok() {
+            bail!("vLLM refused to pause ({}): {}", r.status, r.body.trim());
+        }
+        let p = path.display().to_string();
+        let applied = self.rpc("starling_apply", &[&p, &self.settings.apply_mode]);
+        let resumed = self.call("POST", "/resume", None, RPC_TIMEOUT);
+        let got = Self::digest_of(&applied?)?;
+        if got != digest {
+            bail!(
+                "vLLM's parameters hash to {} after the patch, not the committed {}",
+                hex(&got),
+                hex(&digest)
+            );
+        }
+        let resumed = resumed?;
+        if !resumed.ok() {
+            bail!("vLLM did not resume ({}): {}", resumed.status, resumed.body.trim());
+        }
+        Ok(())
+    }
+
+    /// One job's samples through `/v1/completions`. Greedy (temperature 0) samples are one
+    /// request's answer `n` times: vLLM refuses `n > 1` with greedy sampling, and greedy
+    /// decoding of one prompt on one version has one answer.
+    fn complete(&self, served: &str, job: &JobSpec, fp: Fingerprint) -> Result<Vec<Sample>> {
+        let s = &job.sampling;
+        let greedy = s.temperature == 0.0;
+        let n = if greedy { 1 } else { job.n };
+        let mut body = json!({
+            "model": served,
+            "prompt": job.prompt,
+            "n": n,
+            "max_tokens": s.max_new_tokens,
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "seed": group_seed(s.seed, job.group) & 0x7fff_ffff_ffff_ffff,
+            "logprobs": 1,
+            "return_tokens_as_token_ids": true,
+            // Stop only on the job's stop tokens, as the built-in engine does.
+            "ignore_eos": true,
+            "stop_token_ids": s.stop_token_ids,
+        });
+        if s.top_k > 0 {
+            body["top_k"] = json!(s.top_k);
+        }
+        let started = Instant::now();
+        let r = self.call("POST", "/v1/completions", Some(&body), GENERATE_TIMEOUT)?;
+        if !r.ok() {
+            bail!(
+                "vLLM answered {} to a completion: {}",
+                r.status,
+                r.body.chars().take(400).collect::<String>()
+            );
+        }
+        let elapsed = started.elapsed();
+        let v: Value = serde_json::from_str(&r.body).context("completion is not JSON")?;
+        let mut choices: Vec<&Value> = v["choices"]
+            .as_array()
+            .context("completion without choices")?
+            .iter()
+            .collect();
+        choices.sort_by_key(|c| c["index"].as_u64().unwrap_or(0));
+        if choices.len() != n as usize {
+            bail!("vLLM answered {} samples, not {n}", choices.len());
+        }
+        if greedy {
+            choices = vec![choices[0]; job.n as usize];
+        }
+        choices
+            .into_iter()
+            .map(|c| {
+                let lp = &c["logprobs"];
+                let tokens = lp["tokens"]
+                    .as_array()
+                    .context("a sample without tokens")?
+                    .iter()
+                    .map(|t| {
+                        t.as_str()
+                            .and_then(|t| t.strip_prefix("token_id:"))
+                            .and_then(|id| id.parse::<u32>().ok())
+                            .context("a token that is not token_id:N")
+                    })
+                    .collect::<Result<Vec<u32>>>()?;
+                let logprobs = lp["token_logprobs"]
+                    .as_array()
+                    .context("a sample without log-probabilities")?
+                    .iter()
+                    .map(|x| x.as_f64().map(|x| x as f32).context("a log-probability"))
+                    .collect::<Result<Vec<f32>>>()?;
+                if logprobs.len() != tokens.len() {
+                    bail!("{} tokens but {} log-probabilities", tokens.len(), logprobs.len());
+                }
+                let len = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
+                Ok(Sample {
+                    spans: if len > 0 {
+                        vec![VersionSpan {
+                            version: fp.version,
+                            start: 0,
+                            end: len,
+                        }]
+                    } else {
+                        Vec::new()
+                    },
+                    finish: match c["finish_reason"].as_str() {
+                        Some("length") => FinishReason::Length,
+                        Some("stop") => FinishReason::Stop,
+                        _ => FinishReason::Aborted,
+                    },
+                    // vLLM's completion answer has no per-sample timings: the call's share.
+                    ttft_us: 0,
+                    decode_us: u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX),
+                    tokens,
+                    logprobs,
+                })
+            })
+            .collect()
+    }
+}
+
+/// A state digest from its 32 hex digits.
+fn parse_digest(s: &str) -> Result<[u8; 16]> {
+    let b = s.as_bytes();
+    if b.len() != 32 {
+        bail!("a digest is 32 hex digits, not {s:?}");
+    }
+    let mut out = [0u8; 16];
+    for (i, o) in out.iter_mut().enumerate() {
+        let pair = std::str::from_utf8(&b[2 * i..2 * i + 2]).context("digest")?;
+        *o = u8::from_str_radix(pair, 16).with_context(|| format!("digest {s:?}"))?;
+    }
+    Ok(out)
+}
+
+impl Engine for VllmEngine {
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            engine: "vllm".into(),
+            max_batch: self.max_batch,
+        }
+    }
+
+    fn load(
+        &self,
+        weights: &BTreeMap<String, Vec<u16>>,
+        version: u64,
+        digest: [u8; 16],
+        change: Option<&UndoLog>,
+    ) -> Result<()> {
+        let _swap = self
+            .swap
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut held = self.held();
+        let sparse = match (self.proven(), change) {
+            (Some(fp), Some(c)) if c.base().0 == fp.version && c.base().1.to_bytes() == fp.digest => {
+                Some(c)
+            }
+            _ => None,
+        };
+        let Some(change) = sparse else {
+            return self.bring_up(&mut held, weights, version, digest);
+        };
+        // Fenced from here until vLLM proves it holds `version`.
+        self.set_proven(None);
+        let t = Instant::now();
+        let sparse = self
+            .write_patch(change, version, digest)
+            .and_then(|path| self.apply_patch(&path, digest));
+        match sparse {
+            Ok(()) => {
+                tracing::info!(version, changes = change.changes(), ms = t.elapsed().as_millis() as u64, "version live in vLLM");
+                self.set_proven(Some(Fingerprint { version, digest }));
+                Ok(())
+            }
+            Err(e) => {
+                tracing::error!(version, "sparse update of vLLM failed, reloading in full: {e:#}");
+                let full = self
+                    .materialize(weights, version)
+                    .and_then(|path| self.load_full(&path, version, digest));
+                match full {
+                    Ok(()) => {
+                        self.set_proven(Some(Fingerprint { version, digest }));
+                        Ok(())
+                    }
+                    Err(e) if held.child.is_some() => {
+                        tracing::error!(version, "full reload failed, restarting vLLM: {e:#}");
+                        Self::stop_child(&mut held);
+                        self.bring_up(&mut held, weights, version, digest)
+                    }
+                    Err(e) => Err(e.context(format!("version {version} could not be made live in vLLM"))),
+                }
+            }
+        }
+    }
+
+    fn generate(&self, jobs: &[JobSpec]) -> Result<Vec<JobResult>> {
+        let _swap = self
+            .swap
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (fp, served) = (self.proven(), self.held().served.clone());
+        let (Some(fp), Some(served)) = (fp, served) else {
+            bail!("vLLM holds no verified version (fenced)");
+        };
+        let started = Instant::now();
+        let mut results = Vec::with_capacity(jobs.len());
+        for j in jobs {
+            let samples = self.complete(&served, j, fp)?;
+            results.push(JobResult {
+                job: j.job,
+                attempt: j.attempt,
+                version: fp.version,
+                digest: fp.digest,
+                elapsed_us: 0,
+                samples,
+            });
+        }
+        // The call's time, shared in proportion to each job's samples (the ledger's τ).
+        let total: u64 = jobs.iter().map(|j| u64::from(j.n)).sum::<u64>().max(1);
+        let elapsed = started.elapsed();
+        for (r, j) in results.iter_mut().zip(jobs) {
+            r.elapsed_us = u64::try_from(elapsed.mul_f64(f64::from(j.n) / total as f64).as_micros())
+                .unwrap_or(u64::MAX);
+        }
+        Ok(results)
+    }
+
+    fn fingerprint(&self) -> Option<Fingerprint> {
+        self.proven()
+    }
+
+    fn needs_reload(&self) -> bool {
+        let mut held = self.held();
+        let died = match held.child.as_mut() {
+            Some(c) => !matches!(c.try_wait(), Ok(None)),
+            // Attached to a server someone else runs: lost when it stops answering.
+            None => self.proven().is_some() && !self.healthy(),
+        };
+        if died {
+            tracing::error!(addr = %self.settings.addr, "vLLM is gone; fenced until it is back with the active version");
+            held.child = None;
+            self.set_proven(None);
+            return true;
+        }
+        self.proven().is_none() && held.served.is_some()
+    }
+}
+
+impl Drop for VllmEngine {
+    fn drop(&mut self) {
+        Self::stop_child(&mut self.held());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn digests_parse_from_their_hex_and_nothing_else() {
+        let d = [0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef, 0, 1, 2, 3, 4, 5, 6, 0xff];
+        assert_eq!(parse_digest(&hex(&d)).expect("hex"), d);
+        assert!(parse_digest("0123").is_err());
+        assert!(parse_digest(&"zz".repeat(16)).is_err());
+    }
+}
