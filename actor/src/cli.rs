@@ -56,7 +56,11 @@ struct Args {
     #[arg(long, env = "STARLING_ACTOR_WEIGHTS_DIR")]
     weights_dir: Option<PathBuf>,
     /// With `--engine vllm`: the vLLM server's address (HOST:PORT).
-    #[arg(long, default_value = "127.0.0.1:8000", env = "STARLING_ACTOR_VLLM_URL")]
+    #[arg(
+        long,
+        default_value = "127.0.0.1:8000",
+        env = "STARLING_ACTOR_VLLM_URL"
+    )]
     vllm_url: String,
     /// With `--engine vllm`: the command that starts vLLM (`sh -c`; `{model}` becomes the
     /// directory the actor writes its version to). Without it the actor attaches to a server

@@ -133,7 +133,7 @@ enum Stage {
     Buffering(Vec<StreamFrame>),
     /// Its base is active (it is active + 1): each frame is staged on arrival, against the
     /// untouched active weights.
-    Staging(Stager),
+    Staging(Box<Stager>),
 }
 
 /// Versions beyond the active one that the actor holds frames of: a server streams one
@@ -707,7 +707,7 @@ impl Pipeline<'_> {
             .is_none_or(|p| p.reception.delta_id != delta_id);
         if fresh {
             let stage = if version == self.state.version() + 1 {
-                Stage::Staging(self.state.stager())
+                Stage::Staging(Box::new(self.state.stager()))
             } else {
                 Stage::Buffering(Vec::new())
             };
@@ -895,7 +895,7 @@ impl Pipeline<'_> {
     /// commit wrote. The weights are untouched unless every check passed.
     fn seal_and_commit(&mut self, p: Pending) -> Result<(std::time::Duration, UndoLog)> {
         let stager = match p.stage {
-            Stage::Staging(s) => s,
+            Stage::Staging(s) => *s,
             // Its base became active while it was still arriving: staged now, as a whole.
             Stage::Buffering(frames) => self.staged(&frames)?,
         };
@@ -914,7 +914,7 @@ impl Pipeline<'_> {
         };
         let stager = self.staged(frames)?;
         if let Some(p) = self.pending.get_mut(&version) {
-            p.stage = Stage::Staging(stager);
+            p.stage = Stage::Staging(Box::new(stager));
         }
         Ok(())
     }

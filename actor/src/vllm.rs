@@ -26,6 +26,7 @@
 //! extension, a model whose parameters do not map, a patch for another model or base.
 
 use std::collections::BTreeMap;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::{Mutex, RwLock};
@@ -55,6 +56,9 @@ pub struct VllmSettings {
     /// The longest a started server may take to answer `/health`.
     pub start_timeout: Duration,
 }
+
+/// One part of what a commit wrote: flat positions in a tensor and the new bits there.
+type WrittenPart<'a> = (&'a [u64], &'a [u16]);
 
 /// Requests that touch weights or digest the whole model may take this long.
 const RPC_TIMEOUT: Duration = Duration::from_secs(600);
@@ -148,10 +152,23 @@ impl VllmEngine {
         self.dir.join("model")
     }
 
-    fn call(&self, method: &str, path: &str, body: Option<&Value>, timeout: Duration) -> Result<Response> {
+    fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&Value>,
+        timeout: Duration,
+    ) -> Result<Response> {
         let body = body.map(Value::to_string);
-        http_client::request(&self.settings.addr, method, path, &[], body.as_deref(), timeout)
-            .with_context(|| format!("no vLLM server answers at {}", self.settings.addr))
+        http_client::request(
+            &self.settings.addr,
+            method,
+            path,
+            &[],
+            body.as_deref(),
+            timeout,
+        )
+        .with_context(|| format!("no vLLM server answers at {}", self.settings.addr))
     }
 
     /// `POST /collective_rpc`: every worker's answer, each required `ok`.
@@ -271,6 +288,9 @@ impl VllmEngine {
         let mut child = Command::new("sh")
             .arg("-c")
             .arg(format!("exec {line}"))
+            // Its own process group: vLLM runs its engine in child processes, and stopping
+            // the server means stopping all of them.
+            .process_group(0)
             .stdin(Stdio::null())
             .stdout(log)
             .stderr(err)
@@ -288,8 +308,7 @@ impl VllmEngine {
                 break;
             }
             if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
+                kill_group(&mut child);
                 bail!(
                     "vLLM did not answer /health at {} within {:?}; its output is in {}",
                     self.settings.addr,
@@ -305,8 +324,7 @@ impl VllmEngine {
 
     fn stop_child(held: &mut Held) {
         if let Some(mut c) = held.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+            kill_group(&mut c);
         }
     }
 
@@ -370,17 +388,13 @@ impl VllmEngine {
     }
 
     /// Writes the patch that turns `base` into `version` (`docs/vllm.md`), atomically.
-    fn write_patch(
-        &self,
-        change: &UndoLog,
-        version: u64,
-        digest: [u8; 16],
-    ) -> Result<PathBuf> {
+    fn write_patch(&self, change: &UndoLog, version: u64, digest: [u8; 16]) -> Result<PathBuf> {
         let (base, pre) = change.base();
-        let shapes: BTreeMap<String, Vec<usize>> = self.config.tensor_shapes().into_iter().collect();
+        let shapes: BTreeMap<String, Vec<usize>> =
+            self.config.tensor_shapes().into_iter().collect();
         // A tensor's parts cover disjoint ranges: sorted by their first position, their
         // positions are ascending over the whole tensor.
-        let mut by_tensor: BTreeMap<&str, Vec<(&[u64], &[u16])>> = BTreeMap::new();
+        let mut by_tensor: BTreeMap<&str, Vec<WrittenPart<'_>>> = BTreeMap::new();
         for (tensor, positions, new) in change.written() {
             if !positions.is_empty() {
                 by_tensor.entry(tensor).or_default().push((positions, new));
@@ -460,7 +474,11 @@ impl VllmEngine {
         }
         let resumed = resumed?;
         if !resumed.ok() {
-            bail!("vLLM did not resume ({}): {}", resumed.status, resumed.body.trim());
+            bail!(
+                "vLLM did not resume ({}): {}",
+                resumed.status,
+                resumed.body.trim()
+            );
         }
         Ok(())
     }
@@ -534,7 +552,11 @@ impl VllmEngine {
                     .map(|x| x.as_f64().map(|x| x as f32).context("a log-probability"))
                     .collect::<Result<Vec<f32>>>()?;
                 if logprobs.len() != tokens.len() {
-                    bail!("{} tokens but {} log-probabilities", tokens.len(), logprobs.len());
+                    bail!(
+                        "{} tokens but {} log-probabilities",
+                        tokens.len(),
+                        logprobs.len()
+                    );
                 }
                 let len = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
                 Ok(Sample {
@@ -561,6 +583,21 @@ impl VllmEngine {
             })
             .collect()
     }
+}
+
+/// Stops a server started by [`VllmEngine::start`] and every process of its group (SIGKILL:
+/// its state is worthless once the actor stops trusting it), and reaps it.
+fn kill_group(child: &mut Child) {
+    let group = format!("-{}", child.id());
+    let killed = Command::new("kill")
+        .args(["-KILL", "--", &group])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    if !killed.is_ok_and(|s| s.success()) {
+        let _ = child.kill();
+    }
+    let _ = child.wait();
 }
 
 /// A state digest from its 32 hex digits.
@@ -598,7 +635,9 @@ impl Engine for VllmEngine {
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut held = self.held();
         let sparse = match (self.proven(), change) {
-            (Some(fp), Some(c)) if c.base().0 == fp.version && c.base().1.to_bytes() == fp.digest => {
+            (Some(fp), Some(c))
+                if c.base().0 == fp.version && c.base().1.to_bytes() == fp.digest =>
+            {
                 Some(c)
             }
             _ => None,
@@ -614,12 +653,20 @@ impl Engine for VllmEngine {
             .and_then(|path| self.apply_patch(&path, digest));
         match sparse {
             Ok(()) => {
-                tracing::info!(version, changes = change.changes(), ms = t.elapsed().as_millis() as u64, "version live in vLLM");
+                tracing::info!(
+                    version,
+                    changes = change.changes(),
+                    ms = t.elapsed().as_millis() as u64,
+                    "version live in vLLM"
+                );
                 self.set_proven(Some(Fingerprint { version, digest }));
                 Ok(())
             }
             Err(e) => {
-                tracing::error!(version, "sparse update of vLLM failed, reloading in full: {e:#}");
+                tracing::error!(
+                    version,
+                    "sparse update of vLLM failed, reloading in full: {e:#}"
+                );
                 let full = self
                     .materialize(weights, version)
                     .and_then(|path| self.load_full(&path, version, digest));
@@ -633,7 +680,9 @@ impl Engine for VllmEngine {
                         Self::stop_child(&mut held);
                         self.bring_up(&mut held, weights, version, digest)
                     }
-                    Err(e) => Err(e.context(format!("version {version} could not be made live in vLLM"))),
+                    Err(e) => {
+                        Err(e.context(format!("version {version} could not be made live in vLLM")))
+                    }
                 }
             }
         }
@@ -665,8 +714,9 @@ impl Engine for VllmEngine {
         let total: u64 = jobs.iter().map(|j| u64::from(j.n)).sum::<u64>().max(1);
         let elapsed = started.elapsed();
         for (r, j) in results.iter_mut().zip(jobs) {
-            r.elapsed_us = u64::try_from(elapsed.mul_f64(f64::from(j.n) / total as f64).as_micros())
-                .unwrap_or(u64::MAX);
+            r.elapsed_us =
+                u64::try_from(elapsed.mul_f64(f64::from(j.n) / total as f64).as_micros())
+                    .unwrap_or(u64::MAX);
         }
         Ok(results)
     }
@@ -684,7 +734,8 @@ impl Engine for VllmEngine {
         };
         if died {
             tracing::error!(addr = %self.settings.addr, "vLLM is gone; fenced until it is back with the active version");
-            held.child = None;
+            // What is left of its process group (engine processes) goes with it.
+            Self::stop_child(&mut held);
             self.set_proven(None);
             return true;
         }
@@ -704,7 +755,9 @@ mod tests {
 
     #[test]
     fn digests_parse_from_their_hex_and_nothing_else() {
-        let d = [0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef, 0, 1, 2, 3, 4, 5, 6, 0xff];
+        let d = [
+            0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef, 0, 1, 2, 3, 4, 5, 6, 0xff,
+        ];
         assert_eq!(parse_digest(&hex(&d)).expect("hex"), d);
         assert!(parse_digest("0123").is_err());
         assert!(parse_digest(&"zz".repeat(16)).is_err());

@@ -128,10 +128,12 @@ class Cluster:
         return r.json()["results"][0]
 
     def vllm_pid(self) -> int:
-        out = subprocess.run(["pgrep", "-f", "--", f"--port {self.vllm_port}"], capture_output=True, text=True)
+        """The vLLM API server: the actor's child (the actor's own command line names the
+        port too, in --vllm-cmd)."""
+        out = subprocess.run(["pgrep", "-P", str(self.actor.pid)], capture_output=True, text=True)
         pids = [int(p) for p in out.stdout.split()]
-        assert pids, "no vLLM process found"
-        return min(pids)
+        assert len(pids) == 1, f"the actor's children: {pids}"
+        return pids[0]
 
     def stop(self):
         for p in (self.actor, self.hub):
