@@ -23,8 +23,9 @@
 //!   `/sys/class/net/fsk-wN/statistics`) ≤ `--wan-ratio` × the version's delta frame bytes for
 //!   every version during which that region's relay was up the whole time (ratios for every
 //!   version are reported, split by what overlapped the version);
-//! - for every process instance that lived at least a quarter of the soak, the peak VmRSS of the
-//!   last quarter of its life exceeds that of its second quarter by less than `--rss-growth-mib`
+//! - for every process instance that lived at least a quarter of the soak, the VmRSS of the
+//!   last quarter of its life (the median of its samples) exceeds that of its second quarter by
+//!   less than `--rss-growth-mib`
 //!   (the first quarter is warm-up: retained versions and allocator arenas fill).
 //!
 //! It tears down every process and namespace it started, on success and on failure (stale
@@ -96,7 +97,7 @@ struct Args {
     /// Bound on WAN bytes ÷ delta bytes for versions with the region's relay up throughout.
     #[arg(long, default_value_t = 1.1)]
     wan_ratio: f64,
-    /// Bound on RSS growth (last-quarter peak − second-quarter peak) per long-lived process.
+    /// Bound on RSS growth (last-quarter median − second-quarter median) per long-lived process.
     #[arg(long, default_value_t = 16)]
     rss_growth_mib: u64,
     /// Versions the hub and relays keep for laggards (`--retain`): small, so these bounded
@@ -881,7 +882,13 @@ impl Soak {
         let ckpt = self.steps[usize::try_from(k)?].clone();
         for attempt in 1..=5 {
             let o = Command::new(self.hub_bin())
-                .args(["publish", "--model-id", &self.args.model, "--hub", &self.hub_addr])
+                .args([
+                    "publish",
+                    "--model-id",
+                    &self.args.model,
+                    "--hub",
+                    &self.hub_addr,
+                ])
                 .arg("--cluster")
                 .arg(self.dir.join("cluster"))
                 .arg(&ckpt)
@@ -1332,7 +1339,7 @@ impl Soak {
         // quarter is warm-up: the retained versions fill (hub and relays, `--retain`) and the
         // allocator's per-thread arenas appear; growth after that is what a leak looks like.
         println!(
-            "\nVmRSS per process instance (sampled every 0.5 s): second-quarter peak → last-quarter peak"
+            "\nVmRSS per process instance (sampled every 0.5 s): second-quarter median → last-quarter median"
         );
         let total = self.now_s();
         let rss = self.rss.lock().map(|m| m.clone()).unwrap_or_default();
@@ -1355,15 +1362,21 @@ impl Soak {
             };
             let life = last.0 - first.0;
             let q = life / 4.0;
+            // The median of a window: a leak raises the floor; a publish's or a verification's
+            // transient buffers (tens of MB for a moment) only raise the peaks.
             let peak = |lo: f64, hi: f64| {
-                samples
+                let mut w: Vec<u64> = samples
                     .iter()
                     .filter(|(t, _)| *t >= lo && *t <= hi)
                     .map(|(_, kb)| *kb)
-                    .max()
-                    .unwrap_or(0)
+                    .collect();
+                w.sort_unstable();
+                w.get(w.len() / 2).copied().unwrap_or(0)
             };
-            let (p1, p4) = (peak(first.0 + q, first.0 + 2.0 * q), peak(last.0 - q, last.0));
+            let (p1, p4) = (
+                peak(first.0 + q, first.0 + 2.0 * q),
+                peak(last.0 - q, last.0),
+            );
             let long = life >= total / 4.0;
             let growth = p4 as i64 - p1 as i64;
             println!(
