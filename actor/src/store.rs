@@ -215,12 +215,7 @@ impl Store {
 }
 
 fn journal_version(p: &Path) -> Option<u64> {
-    p.file_name()?
-        .to_str()?
-        .strip_prefix('v')?
-        .strip_suffix(".sdc")?
-        .parse()
-        .ok()
+    starling_checkpoint::deltafile::delta_file_version(p)
 }
 
 /// Stages, seals and commits one journal entry on `state` (every check of a live delta).

@@ -604,9 +604,69 @@ pub fn read_manifest(delta: &Path) -> Result<(SignedManifest, Vec<OwnedFrame>), 
     Ok((m, segs))
 }
 
+/// The version a delta file is named for (`vNNNNNNNN.sdc`, as the hub's store, relays' caches
+/// and actors' journals name them), if `path` is one.
+pub fn delta_file_version(path: &Path) -> Option<u64> {
+    path.file_name()?
+        .to_str()?
+        .strip_prefix('v')?
+        .strip_suffix(".sdc")?
+        .parse()
+        .ok()
+}
+
+/// The versions of the delta files in `dir` (none if it cannot be read).
+pub fn delta_files(dir: &Path) -> Vec<(u64, PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| delta_file_version(&e.path()).map(|v| (v, e.path())))
+        .collect()
+}
+
+/// Deletes the delta files in `dir` up to `version` (best effort: what cannot be deleted
+/// stays, and is ignored by readers that start after `version`).
+pub fn remove_deltas_through(dir: &Path, version: u64) {
+    for (v, path) in delta_files(dir) {
+        if v <= version {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn delta_files_are_found_by_name_and_removed_through_a_version() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        for name in [
+            "v00000003.sdc",
+            "v00000004.sdc",
+            "v00000009.sdc",
+            "vx.sdc",
+            "v00000005.tmp",
+        ] {
+            std::fs::write(dir.path().join(name), b"x").expect("write");
+        }
+        let mut found: Vec<u64> = delta_files(dir.path())
+            .into_iter()
+            .map(|(v, _)| v)
+            .collect();
+        found.sort_unstable();
+        assert_eq!(found, [3, 4, 9]);
+        remove_deltas_through(dir.path(), 4);
+        let left: Vec<u64> = delta_files(dir.path())
+            .into_iter()
+            .map(|(v, _)| v)
+            .collect();
+        assert_eq!(left, [9]);
+        assert!(dir.path().join("vx.sdc").exists() && dir.path().join("v00000005.tmp").exists());
+        assert_eq!(delta_file_version(Path::new("/a/v00000012.sdc")), Some(12));
+    }
     use crate::writer::SafetensorsWriter;
 
     /// Writes a checkpoint of three tensors (one bigger than the diff's read chunk, so both

@@ -479,7 +479,7 @@ impl Follower<'_> {
         // A verification still running is of an older version; its result is not wanted.
         self.verifying = None;
         if let Some(dir) = &self.cfg.cache {
-            prune_cache_through(dir, seal.version);
+            starling_checkpoint::deltafile::remove_deltas_through(dir, seal.version);
         }
         self.metrics.set_active(seal.version);
         println!("restored anchor {}", seal.version);
@@ -739,37 +739,10 @@ fn cache_path(dir: &Path, version: u64) -> PathBuf {
 
 /// The oldest version in the disk cache.
 fn oldest_cached(dir: &Path) -> Option<u64> {
-    std::fs::read_dir(dir)
-        .ok()?
-        .flatten()
-        .filter_map(|e| {
-            let name = e.file_name();
-            name.to_str()?
-                .strip_prefix('v')?
-                .strip_suffix(".sdc")?
-                .parse::<u64>()
-                .ok()
-        })
+    starling_checkpoint::deltafile::delta_files(dir)
+        .into_iter()
+        .map(|(v, _)| v)
         .min()
-}
-
-/// Removes the cached deltas up to `version` (an anchor of it replaced them).
-fn prune_cache_through(dir: &Path, version: u64) {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return;
-    };
-    for e in entries.flatten() {
-        let name = e.file_name();
-        let v = name.to_str().and_then(|n| {
-            n.strip_prefix('v')?
-                .strip_suffix(".sdc")?
-                .parse::<u64>()
-                .ok()
-        });
-        if v.is_some_and(|v| v <= version) {
-            let _ = std::fs::remove_file(e.path());
-        }
-    }
 }
 
 /// Writes a complete version as a `.sdc` file (segments in order, manifest, trailer).

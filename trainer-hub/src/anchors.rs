@@ -133,21 +133,7 @@ impl Anchors {
         let Some(&oldest) = index.keys().next() else {
             return;
         };
-        let Ok(entries) = std::fs::read_dir(&self.deltas) else {
-            return;
-        };
-        for e in entries.flatten() {
-            let name = e.file_name();
-            let v = name.to_str().and_then(|n| {
-                n.strip_prefix('v')?
-                    .strip_suffix(".sdc")?
-                    .parse::<u64>()
-                    .ok()
-            });
-            if v.is_some_and(|v| v <= oldest) {
-                let _ = std::fs::remove_file(e.path());
-            }
-        }
+        starling_checkpoint::deltafile::remove_deltas_through(&self.deltas, oldest);
     }
 }
 
