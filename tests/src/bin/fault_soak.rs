@@ -24,8 +24,9 @@
 //!   every version during which that region's relay was up the whole time (ratios for every
 //!   version are reported, split by what overlapped the version);
 //! - for every process instance that lived at least a quarter of the soak, the VmRSS of the
-//!   last quarter of its life (the median of its samples) exceeds that of its second quarter by
-//!   less than `--rss-growth-mib`
+//!   second, third and last quarter of its life (the median of its samples in each) does not
+//!   grow by more than half `--rss-growth-mib` in both steps (a leak keeps growing; a one-time
+//!   step does not), nor by more than four times it in all
 //!   (the first quarter is warm-up: retained versions and allocator arenas fill).
 //!
 //! It tears down every process and namespace it started, on success and on failure (stale
@@ -1339,7 +1340,7 @@ impl Soak {
         // quarter is warm-up: the retained versions fill (hub and relays, `--retain`) and the
         // allocator's per-thread arenas appear; growth after that is what a leak looks like.
         println!(
-            "\nVmRSS per process instance (sampled every 0.5 s): second-quarter median → last-quarter median"
+            "\nVmRSS per process instance (sampled every 0.5 s): medians of the second, third and last quarter of its life"
         );
         let total = self.now_s();
         let rss = self.rss.lock().map(|m| m.clone()).unwrap_or_default();
@@ -1373,32 +1374,38 @@ impl Soak {
                 w.sort_unstable();
                 w.get(w.len() / 2).copied().unwrap_or(0)
             };
-            let (p1, p4) = (
+            let (p2, p3, p4) = (
                 peak(first.0 + q, first.0 + 2.0 * q),
+                peak(first.0 + 2.0 * q, first.0 + 3.0 * q),
                 peak(last.0 - q, last.0),
             );
             let long = life >= total / 4.0;
-            let growth = p4 as i64 - p1 as i64;
+            let kib = |a: u64, b: u64| b as i64 - a as i64;
+            let growth = kib(p2, p4);
+            // A leak grows quarter after quarter; a one-time step (a buffer pool or allocator
+            // arena made once, e.g. at a process's first anchor write) does not. Flagged: growth
+            // in both later quarters of at least half the bound each (a steady leak of
+            // `--rss-growth-mib` over the second half), or over four times the bound at all.
+            let bound = (self.args.rss_growth_mib * 1024) as i64;
+            let steady = kib(p2, p3).min(kib(p3, p4)) > bound / 2;
             println!(
-                "  {key:14} lived {life:6.0} s{}  {:7.1} MiB → {:7.1} MiB  ({:+.1} MiB, {:+.1}%)",
+                "  {key:14} lived {life:6.0} s{}  {:7.1} → {:7.1} → {:7.1} MiB  ({:+.1} MiB)",
                 if long {
                     " (long-lived)"
                 } else {
                     "              "
                 },
-                p1 as f64 / 1024.0,
+                p2 as f64 / 1024.0,
+                p3 as f64 / 1024.0,
                 p4 as f64 / 1024.0,
                 growth as f64 / 1024.0,
-                if p1 > 0 {
-                    100.0 * growth as f64 / p1 as f64
-                } else {
-                    0.0
-                }
             );
-            if long && growth > (self.args.rss_growth_mib * 1024) as i64 {
+            if long && (steady || growth > 4 * bound) {
                 failures.push(format!(
-                    "{key}: RSS grew {:.1} MiB (bound {} MiB)",
+                    "{key}: RSS grew {:.1} MiB from the second quarter to the last ({:+.1}, then {:+.1} MiB; bound {} MiB)",
                     growth as f64 / 1024.0,
+                    kib(p2, p3) as f64 / 1024.0,
+                    kib(p3, p4) as f64 / 1024.0,
                     self.args.rss_growth_mib
                 ));
             }
