@@ -18,7 +18,7 @@
 //! - Complete versions are also written to a disk cache (`.sdc` files), so a restarted relay
 //!   serves its region's laggards without refetching over the WAN.
 //! - A relay further behind than the hub retains deltas restores the hub's newest anchor into
-//!   its cache ([`anchors`]), restarts its chain there, and offers that anchor to its actors
+//!   its cache (`anchors.rs`), restarts its chain there, and offers that anchor to its actors
 //!   that are behind too: one full checkpoint over the WAN per region, not per actor.
 
 mod anchors;

@@ -130,7 +130,8 @@ mod tests {
 
     #[test]
     fn parses_plain_and_chunked_responses() {
-        let r = parse_response(b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\n{}").expect("plain");
+        let r =
+            parse_response(b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\n{}").expect("plain");
         assert_eq!((r.status, r.body.as_str()), (201, "{}"));
         let r = parse_response(
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n3\r\n\":1\r\n1\r\n}\r\n0\r\n\r\n",
@@ -138,6 +139,9 @@ mod tests {
         .expect("chunked");
         assert_eq!((r.status, r.body.as_str()), (200, "{\"a\":1}"));
         assert!(parse_response(b"garbage").is_err());
-        assert!(parse_response(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\nab").is_err());
+        assert!(
+            parse_response(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\nab")
+                .is_err()
+        );
     }
 }
