@@ -382,6 +382,9 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
             PREFERRED_PROBE,
         );
         let mut returning = false;
+        // The last probe found the preferred source back: return at the next version boundary
+        // (the next activation with nothing half-received), not only at a probe.
+        let mut preferred_back = false;
         let mut health = tokio::time::interval(ENGINE_HEALTH);
         loop {
             let ev = tokio::select! {
@@ -391,7 +394,8 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
                     continue;
                 }
                 _ = probe.tick(), if index > 0 && !quarantined.contains_key(&0) => {
-                    if p.pending.is_empty() && preferred_is_back(&cfg.sources[0], &creds, &hello, &cfg.link, p.state.version()).await {
+                    preferred_back = preferred_is_back(&cfg.sources[0], &creds, &hello, &cfg.link, p.state.version()).await;
+                    if preferred_back && p.pending.is_empty() {
                         returning = true;
                         break;
                     }
@@ -405,7 +409,13 @@ pub async fn run(cfg: ActorConfig) -> Result<()> {
             }
             match p.handle(ev, &mut up.control).await? {
                 Outcome::Nothing => {}
-                Outcome::Activated => failures = 0,
+                Outcome::Activated => {
+                    failures = 0;
+                    if preferred_back && p.pending.is_empty() {
+                        returning = true;
+                        break;
+                    }
+                }
                 Outcome::Resubscribe => break,
             }
         }
@@ -446,7 +456,7 @@ const ENGINE_HEALTH: std::time::Duration = std::time::Duration::from_secs(1);
 const QUARANTINE: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// How often an actor on a fallback source checks whether its preferred one is back.
-const PREFERRED_PROBE: std::time::Duration = std::time::Duration::from_secs(2);
+const PREFERRED_PROBE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Whether `preferred` accepts a subscription again and holds at least version `active` (a
 /// relay that restarted empty must catch up from the hub first). The probe's subscription is
