@@ -388,12 +388,9 @@ fn a_relay_reconnects_after_a_wan_outage_and_resumes_the_version_for_its_actors(
     }
 }
 
-/// An actor that joins after 10 versions, when neither its relay nor the hub retains the
-/// deltas from its initial checkpoint on: it restores the hub's newest anchor (sealed,
-/// hashed, checked) and then follows the chain from its relay.
-#[test]
-fn a_late_actor_restores_from_an_anchor_and_catches_up_on_the_chain() {
-    let peers = [("relay", "r"), ("actor", "early"), ("actor", "late")];
+/// A hub that retains 3 deltas, writes an anchor every 4 versions and keeps 2, over `versions`
+/// checkpoints of the `tiny` preset: what the anchor tests need to get behind its retention.
+fn anchoring_hub(versions: u32, seed: u64, peers: &[(&str, &str)]) -> Testbed {
     let hub_args = [
         "--retain",
         "3",
@@ -402,7 +399,16 @@ fn a_late_actor_restores_from_an_anchor_and_catches_up_on_the_chain() {
         "--keep-anchors",
         "2",
     ];
-    let mut tb = Testbed::with_model("tiny", 1e-5, 10, 41, &peers, &[], &hub_args);
+    Testbed::with_model("tiny", 1e-5, versions, seed, peers, &[], &hub_args)
+}
+
+/// An actor that joins after 10 versions, when neither its relay nor the hub retains the
+/// deltas from its initial checkpoint on: it restores the hub's newest anchor (sealed,
+/// hashed, checked) and then follows the chain from its relay.
+#[test]
+fn a_late_actor_restores_from_an_anchor_and_catches_up_on_the_chain() {
+    let peers = [("relay", "r"), ("actor", "early"), ("actor", "late")];
+    let mut tb = anchoring_hub(10, 41, &peers);
     let dl = tb.deadline;
     let (addr, _relay_out) = tb.relay_with("r", &["--retain", "3"]);
     let early = tb.actor("early", &[format!("r@{addr}")]);
@@ -436,15 +442,7 @@ fn a_late_actor_restores_from_an_anchor_and_catches_up_on_the_chain() {
 #[test]
 fn a_relay_behind_the_hubs_retention_restores_an_anchor_and_serves_it_to_its_actor() {
     let peers = [("relay", "r"), ("actor", "a")];
-    let hub_args = [
-        "--retain",
-        "3",
-        "--anchor-every",
-        "4",
-        "--keep-anchors",
-        "2",
-    ];
-    let mut tb = Testbed::with_model("tiny", 1e-5, 11, 43, &peers, &[], &hub_args);
+    let mut tb = anchoring_hub(11, 43, &peers);
     let dl = tb.deadline;
     for k in 1..=10 {
         tb.publish(k);
