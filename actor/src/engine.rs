@@ -121,6 +121,20 @@ pub fn group_seed(seed: u64, group: u32) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The version spans of a sample of `len` tokens all generated with `version` (none for an
+/// empty sample): what an engine that swaps versions only between calls reports.
+pub fn whole_span(version: u64, len: u32) -> Vec<VersionSpan> {
+    if len > 0 {
+        vec![VersionSpan {
+            version,
+            start: 0,
+            end: len,
+        }]
+    } else {
+        Vec::new()
+    }
+}
+
 /// The engine requests of a job: its `n` samples.
 pub fn requests(job: &JobSpec) -> Vec<GenRequest> {
     let s = &job.sampling;
@@ -215,15 +229,7 @@ impl Engine for BuiltinEngine {
                 .map(|o| {
                     let len = u32::try_from(o.tokens.len()).unwrap_or(u32::MAX);
                     Sample {
-                        spans: if len > 0 {
-                            vec![VersionSpan {
-                                version: fp.version,
-                                start: 0,
-                                end: len,
-                            }]
-                        } else {
-                            Vec::new()
-                        },
+                        spans: whole_span(fp.version, len),
                         finish: match o.finish {
                             EngineFinish::Stop => FinishReason::Stop,
                             EngineFinish::Length => FinishReason::Length,

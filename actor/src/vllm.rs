@@ -38,10 +38,10 @@ use starling_checkpoint::writer::SafetensorsWriter;
 use starling_engine::ModelConfig;
 use starling_proto::apply::UndoLog;
 use starling_proto::manifest::hex;
-use starling_proto::rollout::{FinishReason, JobResult, JobSpec, Sample, VersionSpan};
+use starling_proto::rollout::{FinishReason, JobResult, JobSpec, Sample};
 use starling_telemetry::http_client::{self, Response};
 
-use crate::engine::{Capabilities, Engine, Fingerprint, group_seed};
+use crate::engine::{Capabilities, Engine, Fingerprint, group_seed, whole_span};
 
 /// How the actor reaches (and possibly runs) its vLLM server.
 #[derive(Debug, Clone)]
@@ -560,15 +560,7 @@ impl VllmEngine {
                 }
                 let len = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
                 Ok(Sample {
-                    spans: if len > 0 {
-                        vec![VersionSpan {
-                            version: fp.version,
-                            start: 0,
-                            end: len,
-                        }]
-                    } else {
-                        Vec::new()
-                    },
+                    spans: whole_span(fp.version, len),
                     finish: match c["finish_reason"].as_str() {
                         Some("length") => FinishReason::Length,
                         Some("stop") => FinishReason::Stop,
