@@ -25,6 +25,8 @@
 //! one input value times eight contiguous weights added into eight independent accumulators
 //! — no horizontal reduction — which LLVM maps one to one onto vector registers.
 
+use crate::config::RopeScaling;
+
 /// Independent accumulators per reduction.
 pub const LANES: usize = 8;
 
@@ -265,9 +267,39 @@ pub struct Rope {
 
 impl Rope {
     pub fn new(head_dim: usize, theta: f64, max_positions: usize) -> Self {
+        Self::scaled(head_dim, theta, RopeScaling::None, max_positions)
+    }
+
+    /// Tables with the frequencies scaled as `scaling` says (transformers' formulas, in f64).
+    pub fn scaled(
+        head_dim: usize,
+        theta: f64,
+        scaling: RopeScaling,
+        max_positions: usize,
+    ) -> Self {
         let half = head_dim / 2;
         let inv: Vec<f64> = (0..half)
             .map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64))
+            .map(|f| match scaling {
+                RopeScaling::None => f,
+                RopeScaling::Linear { factor } => f / factor,
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor: lo,
+                    high_freq_factor: hi,
+                    original_max_position_embeddings: old,
+                } => {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen > old / lo {
+                        f / factor
+                    } else if wavelen < old / hi {
+                        f
+                    } else {
+                        let smooth = (old / wavelen - lo) / (hi - lo);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                }
+            })
             .collect();
         let mut cos = Vec::with_capacity(max_positions * half);
         let mut sin = Vec::with_capacity(max_positions * half);
