@@ -134,10 +134,8 @@ pub enum Family {
 
 impl Family {
     /// `(architecture, model_type)` of every family, for error messages.
-    pub const KNOWN: [(&'static str, &'static str); 2] = [
-        ("Qwen3ForCausalLM", "qwen3"),
-        ("LlamaForCausalLM", "llama"),
-    ];
+    pub const KNOWN: [(&'static str, &'static str); 2] =
+        [("Qwen3ForCausalLM", "qwen3"), ("LlamaForCausalLM", "llama")];
 
     pub fn architecture(self) -> &'static str {
         match self {
@@ -273,7 +271,10 @@ impl ModelConfig {
                 .and_then(serde_json::Value::as_f64)
                 .filter(|x| x.is_finite() && *x > 0.0)
                 .ok_or_else(|| {
-                    invalid(field, format!("{kind} scaling needs a positive number `{key}`"))
+                    invalid(
+                        field,
+                        format!("{kind} scaling needs a positive number `{key}`"),
+                    )
                 })
         };
         match kind {
@@ -304,9 +305,7 @@ impl ModelConfig {
             }
             other => Err(invalid(
                 field,
-                format!(
-                    "rope_type {other:?} is not implemented (default, linear and llama3 are)"
-                ),
+                format!("rope_type {other:?} is not implemented (default, linear and llama3 are)"),
             )),
         }
     }
@@ -399,8 +398,7 @@ impl ModelConfig {
         }
         let ids = self.bos_token_id.iter().map(|&i| ("bos_token_id", i));
         for (field, id) in ids.chain(self.eos_token_id.0.iter().map(|&i| ("eos_token_id", i))) {
-            if id as usize >= self.vocab_size
-            {
+            if id as usize >= self.vocab_size {
                 return Err(invalid(
                     field,
                     format!("{id} is outside the vocabulary ({})", self.vocab_size),

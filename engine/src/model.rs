@@ -194,12 +194,8 @@ impl Model {
                 k: packed(&n("self_attn.k_proj"))?,
                 v: packed(&n("self_attn.v_proj"))?,
                 o: packed(&n("self_attn.o_proj"))?,
-                q_norm: qk_norm
-                    .then(|| get(&n("self_attn.q_norm")))
-                    .transpose()?,
-                k_norm: qk_norm
-                    .then(|| get(&n("self_attn.k_norm")))
-                    .transpose()?,
+                q_norm: qk_norm.then(|| get(&n("self_attn.q_norm"))).transpose()?,
+                k_norm: qk_norm.then(|| get(&n("self_attn.k_norm"))).transpose()?,
                 post_norm: get(&n("post_attention_layernorm"))?,
                 gate: packed(&n("mlp.gate_proj"))?,
                 up: packed(&n("mlp.up_proj"))?,

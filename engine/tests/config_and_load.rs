@@ -73,9 +73,15 @@ fn a_llama_config_parses_with_its_defaults_and_lists_no_qk_norms() {
     .expect("llama config");
     assert_eq!(c.family().ok(), Some(starling_engine::Family::Llama));
     assert_eq!((c.head_dim, c.eos_token_id.0.clone()), (64, vec![2, 0]));
-    assert_eq!(c.parameter_count(), 134_515_008, "SmolLM2-135M's parameter count");
+    assert_eq!(
+        c.parameter_count(),
+        134_515_008,
+        "SmolLM2-135M's parameter count"
+    );
     assert!(
-        !c.tensor_shapes().iter().any(|(n, _)| n.contains("_norm") && n.contains("attn")),
+        !c.tensor_shapes()
+            .iter()
+            .any(|(n, _)| n.contains("_norm") && n.contains("attn")),
         "no q/k norms in a Llama"
     );
     let again = ModelConfig::from_json(&c.to_json()).expect("round trip");

@@ -81,7 +81,11 @@ fn inv_freq(cfg: &ModelConfig, i: usize) -> f64 {
                 num("original_max_position_embeddings"),
             );
             let wavelen = 2.0 * std::f64::consts::PI / base;
-            let scaled = if wavelen > old / lo { base / factor } else { base };
+            let scaled = if wavelen > old / lo {
+                base / factor
+            } else {
+                base
+            };
             let smooth = (old / wavelen - lo) / (hi - lo);
             let medium = !(wavelen < old / hi) && !(wavelen > old / lo);
             if medium {
