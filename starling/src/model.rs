@@ -186,6 +186,19 @@ fn run_requests(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// User + system CPU time of this process so far (Linux `/proc/self/stat`; 0 elsewhere).
+fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the command name (which may hold spaces) start after the last ')'.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime are fields 14 and 15 of the line: 12 and 13 after the name.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
 /// Chat prompts of a GSM8K-like arithmetic task, as an RL run would send them.
 fn bench_prompts(n: usize) -> Vec<Vec<Message>> {
     (0..n)
@@ -234,14 +247,17 @@ fn bench(a: &BenchArgs) -> anyhow::Result<()> {
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let prompt_tokens: usize = reqs.iter().map(|r| r.prompt.len()).sum();
-        let start = Instant::now();
+        let (start, cpu0) = (Instant::now(), cpu_seconds());
         let out = model.generate(&reqs, GenerateOptions { max_batch: batch })?;
         let wall = start.elapsed().as_secs_f64();
+        let cpu = cpu_seconds() - cpu0;
         let tokens: usize = out.iter().map(|o| o.tokens.len()).sum();
+        // CPU seconds too: on a shared machine the wall time measures the share it got.
         println!(
             "batch {batch:>3}: {tokens:>5} new tokens ({prompt_tokens} prompt tokens) in {wall:.2} s \
-             = {:.1} tokens/s",
-            tokens as f64 / wall
+             = {:.1} tokens/s; {cpu:.2} CPU-s = {:.1} tokens per CPU-second",
+            tokens as f64 / wall,
+            tokens as f64 / cpu.max(1e-9)
         );
     }
     Ok(())

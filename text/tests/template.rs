@@ -63,8 +63,7 @@ fn a_model_directory_renders_tokenizes_and_refuses_unknown_roles() {
         vocab.insert((*t).to_owned(), i.into());
     }
     // The 256 byte-level symbols GPT-2 uses for bytes (printable ASCII map to themselves).
-    let mut next = 2u64;
-    for b in 0u32..256 {
+    for (next, b) in (2u64..).zip(0u32..256) {
         let c = match b {
             33..=126 | 161..=172 | 174..=255 => char::from_u32(b),
             _ => None,
@@ -78,7 +77,6 @@ fn a_model_directory_renders_tokenizes_and_refuses_unknown_roles() {
             char::from_u32(256 + k).unwrap_or('?')
         });
         vocab.insert(c.to_string(), next.into());
-        next += 1;
     }
     let tok = serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null,

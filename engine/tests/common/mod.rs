@@ -87,7 +87,8 @@ fn inv_freq(cfg: &ModelConfig, i: usize) -> f64 {
                 base
             };
             let smooth = (old / wavelen - lo) / (hi - lo);
-            let medium = !(wavelen < old / hi) && !(wavelen > old / lo);
+            // Neither side of the band (no NaN here): the blend.
+            let medium = wavelen >= old / hi && wavelen <= old / lo;
             if medium {
                 (1.0 - smooth) * scaled / factor + smooth * scaled
             } else {

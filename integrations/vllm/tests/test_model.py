@@ -126,11 +126,12 @@ def test_the_directory_runs_in_transformers_and_the_engine_logits_match(model, r
         for k, v in [("engine_vs_f32", got - f32), ("engine_vs_f64", got - f64), ("f32_vs_f64", f32 - f64)]:
             worst[k] = max(worst[k], v.abs().max().item())
     results["logits_max_abs"] = {k: float(f"{v:.3g}") for k, v in worst.items()}
-    # SmolLM2's residual stream reaches ~25,000 (its massive activations), so float32 itself
-    # is ~1.3e-4 from the exact logits here: the engine must be as close to the exact values
-    # as transformers' float32 is, and within the two errors of it.
+    # Within 1e-4 (max abs) of transformers' float32, and as close to the exact (float64)
+    # logits as transformers' float32 is. SmolLM2's residual stream reaches ~25,000 (its
+    # massive activations), so float32 itself is 0.6-1.3e-4 from float64 here
+    # (docs/models.md): on longer prompts the 1e-4 between two float32 forwards is out of reach.
+    assert worst["engine_vs_f32"] <= 1e-4, worst
     assert worst["engine_vs_f64"] <= max(1e-4, 1.5 * worst["f32_vs_f64"]), worst
-    assert worst["engine_vs_f32"] <= max(1e-4, 2.5 * worst["f32_vs_f64"]), worst
 
 
 def test_chat_rendering_and_tokenization_equal_apply_chat_template(model):
