@@ -140,24 +140,11 @@ fn micro<const T: usize, const P: usize>(
     panels: [&[[u16; PANEL]]; P],
 ) -> [[[f32; PANEL]; P]; T] {
     let k = panels[0].len();
-    let x = x.map(|r| &r[..k]);
-    let panels = panels.map(|p| &p[..k]);
     let mut total = [[[0f32; PANEL]; P]; T];
     let mut start = 0;
     while start < k {
         let end = (start + KBLOCK).min(k);
-        let mut acc = [[[0f32; PANEL]; P]; T];
-        for i in start..end {
-            for t in 0..T {
-                let xi = x[t][i];
-                for p in 0..P {
-                    let w = &panels[p][i];
-                    for j in 0..PANEL {
-                        acc[t][p][j] += xi * f32::from_bits(u32::from(w[j]) << 16);
-                    }
-                }
-            }
-        }
+        let acc = micro_run(x.map(|r| &r[start..end]), panels.map(|p| &p[start..end]));
         for t in 0..T {
             for p in 0..P {
                 for j in 0..PANEL {
@@ -168,6 +155,31 @@ fn micro<const T: usize, const P: usize>(
         start = end;
     }
     total
+}
+
+/// One block of [`micro`]: each lane accumulated in one f32 from 0, `i = 0, 1, …` in order.
+/// The slices are cut to one length first, so the loop runs without bounds checks.
+#[inline(always)]
+fn micro_run<const T: usize, const P: usize>(
+    x: [&[f32]; T],
+    panels: [&[[u16; PANEL]]; P],
+) -> [[[f32; PANEL]; P]; T] {
+    let k = panels[0].len();
+    let x = x.map(|r| &r[..k]);
+    let panels = panels.map(|p| &p[..k]);
+    let mut acc = [[[0f32; PANEL]; P]; T];
+    for i in 0..k {
+        for t in 0..T {
+            let xi = x[t][i];
+            for p in 0..P {
+                let w = &panels[p][i];
+                for j in 0..PANEL {
+                    acc[t][p][j] += xi * f32::from_bits(u32::from(w[j]) << 16);
+                }
+            }
+        }
+    }
+    acc
 }
 
 /// `out[t][r] = Σ_i x[t][i] · w[r][i]` for the `n` token rows of `x` (`n × k`); `out` is

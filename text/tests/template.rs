@@ -1,6 +1,7 @@
 //! Chat templates rendered as transformers' Jinja2 renders them (expected strings written
-//! from Jinja2's semantics: `trim_blocks` drops the newline after a block tag,
-//! `lstrip_blocks` the whitespace before one), and refusals that name the problem.
+//! from Jinja2's semantics: `trim_blocks` drops the newline after a block tag but not after
+//! an expression, `lstrip_blocks` the whitespace before a block tag), and refusals that name
+//! the problem.
 
 use starling_text::{ChatTemplate, Message, ModelText, TemplateError, TextError};
 
@@ -21,15 +22,15 @@ fn whitespace_control_and_loop_variables_match_jinja2() {
         .expect("renders");
     assert_eq!(
         out,
-        "<|im_start|>system\nDefault<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n\
-         <|im_start|>assistant\nyo<|im_end|>\n<|im_start|>assistant\n"
+        "<|im_start|>system\nDefault<|im_end|>\n\n<|im_start|>user\nhi<|im_end|>\n\n\
+         <|im_start|>assistant\nyo<|im_end|>\n\n<|im_start|>assistant\n\n"
     );
     let with_system = t
         .render(&[msg("system", "S"), msg("user", "")], false)
         .expect("renders");
     assert_eq!(
         with_system,
-        "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n<|im_end|>\n"
+        "<|im_start|>system\nS<|im_end|>\n\n<|im_start|>user\n<|im_end|>\n\n"
     );
 }
 
@@ -108,7 +109,7 @@ fn a_model_directory_renders_tokenizes_and_refuses_unknown_roles() {
         "generation_config ∪ config, deduplicated"
     );
     let (text, ids) = t.encode_chat(&[msg("user", "hi")]).expect("encodes");
-    assert!(text.ends_with("<|im_start|>assistant\n"), "{text:?}");
+    assert!(text.ends_with("<|im_start|>assistant\n\n"), "{text:?}");
     assert_eq!(ids[0], 0, "the special token is one id, not its characters");
     assert_eq!(ids.iter().filter(|&&i| i == 1).count(), 2, "two <|im_end|>");
     // Decoding skips special tokens and stops at the first stop id.

@@ -180,13 +180,15 @@ def test_vllm_serves_the_imported_model_with_the_same_tokens(model, workdir, res
         # first token (the argmax of the prompt's last logits) must agree.
         assert all(a["same_tokens"] >= 1 for a in agree), agree
 
-        # Throughput on this machine: 64 chat prompts, 32 new tokens each, temperature 1.
+        # Throughput on this machine: 64 chat prompts, 32 new tokens each, temperature 1 (no
+        # per-request seed: vLLM 0.32's CPU runner fails on seeded requests in a large batch,
+        # "gen.set_offset(gen.get_offset() - 4)").
         chats = [[{"role": "user", "content": f"Tom has {12 + i} apples and buys {30 + i} more. "
                    "How many apples does he have? Answer with a number."}] for i in range(64)]
         ids = [o["prompt_ids"] for o in starling_run(d, [{"messages": c} for c in chats])]
         t0 = time.time()
         r = requests.post(s.url + "/v1/completions", json={
-            "model": served, "prompt": ids, "max_tokens": 32, "temperature": 1.0, "seed": 1,
+            "model": served, "prompt": ids, "max_tokens": 32, "temperature": 1.0,
             "ignore_eos": True}, timeout=600)
         assert r.status_code == 200, r.text
         wall = time.time() - t0
