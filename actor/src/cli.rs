@@ -20,7 +20,8 @@ struct Args {
     /// A relay of this actor's region, as NAME@ADDR (repeatable; tried in order, before the hub).
     #[arg(long = "relay", env = "STARLING_ACTOR_RELAYS", value_delimiter = ',')]
     relays: Vec<String>,
-    /// Checkpoint to start from when the store holds none yet.
+    /// Checkpoint to start from when the store holds none yet: a safetensors file, or a model
+    /// directory (e.g. one `starling model import` wrote).
     #[arg(long, env = "STARLING_ACTOR_INIT")]
     init: PathBuf,
     /// Directory for the active weights (survives restarts).
@@ -37,7 +38,10 @@ struct Args {
     /// worker extension, docs/vllm.md) or `none` (hold weights only).
     #[arg(long, default_value = "none", env = "STARLING_ACTOR_ENGINE")]
     engine: String,
-    /// The model's HF config.json (default: config.json beside --init).
+    /// The model's HF config.json (default: config.json in --init when it is a model
+    /// directory, else beside it). The vLLM engine also copies the tokenizer files found
+    /// beside it (tokenizer.json, tokenizer_config.json, generation_config.json,
+    /// chat_template.jinja), so vLLM serves the model with its own tokenizer.
     #[arg(long, env = "STARLING_ACTOR_MODEL_CONFIG")]
     model_config: Option<PathBuf>,
     /// Sequences the engine decodes together.
@@ -126,11 +130,17 @@ where
     let engine = match a.engine.as_str() {
         "none" => None,
         "builtin" | "vllm" => Some(crate::EngineSettings {
+            // --init is a model directory (config.json in it) or a checkpoint file (config.json
+            // beside it).
             model_config: a.model_config.clone().unwrap_or_else(|| {
-                a.init
-                    .parent()
-                    .map(|d| d.join("config.json"))
-                    .unwrap_or_else(|| PathBuf::from("config.json"))
+                if a.init.is_dir() {
+                    a.init.join("config.json")
+                } else {
+                    a.init
+                        .parent()
+                        .map(|d| d.join("config.json"))
+                        .unwrap_or_else(|| PathBuf::from("config.json"))
+                }
             }),
             max_batch: a.max_batch,
             claim: a.claim,

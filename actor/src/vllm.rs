@@ -60,6 +60,14 @@ pub struct VllmSettings {
 /// One part of what a commit wrote: flat positions in a tensor and the new bits there.
 type WrittenPart<'a> = (&'a [u64], &'a [u16]);
 
+/// The files of a model directory besides its weights and config that vLLM reads.
+const TOKENIZER_FILES: [&str; 4] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+];
+
 /// Requests that touch weights or digest the whole model may take this long.
 const RPC_TIMEOUT: Duration = Duration::from_secs(600);
 /// Generation requests (one job's samples).
@@ -110,6 +118,20 @@ impl VllmEngine {
             .with_context(|| format!("create {}", dir.display()))?;
         std::fs::copy(model_config, dir.join("model/config.json"))
             .with_context(|| format!("copy {} beside the model", model_config.display()))?;
+        // The tokenizer files of a real model go with it: vLLM tokenizes chat prompts and
+        // decodes with its own tokenizer (a generated model has none; vLLM then runs with
+        // --skip-tokenizer-init).
+        if let Some(src) = model_config.parent() {
+            for name in TOKENIZER_FILES {
+                let (from, to) = (src.join(name), dir.join("model").join(name));
+                if from.exists() {
+                    std::fs::copy(&from, &to)
+                        .with_context(|| format!("copy {} beside the model", from.display()))?;
+                } else {
+                    let _ = std::fs::remove_file(&to);
+                }
+            }
+        }
         if !["auto", "scatter", "loader"].contains(&settings.apply_mode.as_str()) {
             bail!(
                 "--vllm-apply must be auto, scatter or loader, not {:?}",

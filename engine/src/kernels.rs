@@ -4,8 +4,9 @@
 //! **Determinism invariant.** Every reduction here has exactly one order of operations,
 //! which depends only on its length:
 //!
-//! - a matrix product output `out[t][r] = Σ_i x[t][i] · w[r][i]` is accumulated in one f32,
-//!   starting from 0, for `i = 0, 1, …, k − 1` in that order;
+//! - a matrix product output `out[t][r] = Σ_i x[t][i] · w[r][i]` is summed in blocks of
+//!   [`KBLOCK`] terms: each block in one f32 from 0, `i` ascending, then the block sums added in
+//!   block order into one f32 from 0;
 //! - a [`dot`] product or [`sum`] of `n` terms (norms, attention scores, softmax) keeps
 //!   [`LANES`] independent accumulators over the first `n − n % LANES` terms (lane `j` adds
 //!   terms `j, j + LANES, …` in order), folds them with a fixed tree (lanes `j` and
@@ -25,8 +26,17 @@
 //! one input value times eight contiguous weights added into eight independent accumulators
 //! — no horizontal reduction — which LLVM maps one to one onto vector registers.
 
+use crate::config::RopeScaling;
+
 /// Independent accumulators per reduction.
 pub const LANES: usize = 8;
+
+/// Terms per block of a matrix product's sum: each output sums blocks of `KBLOCK` products in
+/// order, then adds the block sums in order. Same cost as one running sum, but its rounding
+/// error grows with `KBLOCK + k / KBLOCK` rather than `k` terms: on SmolLM2 (k up to 1,536)
+/// a plain running sum left the logits twice as far from the exact ones as transformers'
+/// float32.
+pub const KBLOCK: usize = 32;
 
 /// Weight rows per packed panel (the width of the matmul's accumulator vectors).
 pub const PANEL: usize = 8;
@@ -123,9 +133,34 @@ impl Packed {
 }
 
 /// `T` token rows against `P` panels: `acc[t][p][j] = Σ_i x[t][i] · panel_p[i][j]`, each
-/// lane accumulated in order `i = 0, 1, …`.
+/// lane summed blockwise (see [`KBLOCK`]).
 #[inline(always)]
 fn micro<const T: usize, const P: usize>(
+    x: [&[f32]; T],
+    panels: [&[[u16; PANEL]]; P],
+) -> [[[f32; PANEL]; P]; T] {
+    let k = panels[0].len();
+    let mut total = [[[0f32; PANEL]; P]; T];
+    let mut start = 0;
+    while start < k {
+        let end = (start + KBLOCK).min(k);
+        let acc = micro_run(x.map(|r| &r[start..end]), panels.map(|p| &p[start..end]));
+        for t in 0..T {
+            for p in 0..P {
+                for j in 0..PANEL {
+                    total[t][p][j] += acc[t][p][j];
+                }
+            }
+        }
+        start = end;
+    }
+    total
+}
+
+/// One block of [`micro`]: each lane accumulated in one f32 from 0, `i = 0, 1, …` in order.
+/// The slices are cut to one length first, so the loop runs without bounds checks.
+#[inline(always)]
+fn micro_run<const T: usize, const P: usize>(
     x: [&[f32]; T],
     panels: [&[[u16; PANEL]]; P],
 ) -> [[[f32; PANEL]; P]; T] {
@@ -193,7 +228,62 @@ pub fn matmul(x: &[f32], n: usize, w: &Packed, out: &mut [f32], threads: usize) 
 
 /// Panels `p0..p1` against all `n` token rows into `out`, whose rows hold the columns
 /// `8·p0 .. min(8·p1, m)`.
+///
+/// On x86-64 CPUs with AVX-512 or AVX2 the same code runs compiled for those instruction
+/// sets (wider vectors, more registers, so larger blocks), chosen at run time. The
+/// arithmetic is the same IEEE operations in the same order (separate multiply and add, never
+/// a fused multiply-add), so the results are bit-identical on every CPU; only speed differs.
 fn matmul_panels(x: &[f32], n: usize, w: &Packed, p0: usize, p1: usize, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+        {
+            // SAFETY: the CPU supports AVX-512F and AVX-512VL (checked just above), the only
+            // precondition of calling a function compiled for them.
+            #[allow(unsafe_code)]
+            unsafe {
+                matmul_panels_avx512(x, n, w, p0, p1, out);
+            }
+            return;
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2 (checked just above), the only precondition of
+            // calling a function compiled for it.
+            #[allow(unsafe_code)]
+            unsafe {
+                matmul_panels_avx2(x, n, w, p0, p1, out);
+            }
+            return;
+        }
+    }
+    matmul_blocks::<2, 2>(x, n, w, p0, p1, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512vl")]
+fn matmul_panels_avx512(x: &[f32], n: usize, w: &Packed, p0: usize, p1: usize, out: &mut [f32]) {
+    matmul_blocks::<4, 4>(x, n, w, p0, p1, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn matmul_panels_avx2(x: &[f32], n: usize, w: &Packed, p0: usize, p1: usize, out: &mut [f32]) {
+    matmul_blocks::<4, 2>(x, n, w, p0, p1, out);
+}
+
+/// The panel loop with blocks of `TB` tokens × `PB` panels (the register tile), leftover
+/// tokens one at a time against the same panels, leftover panels one by one. Every shape runs
+/// the same per-lane sums.
+#[inline(always)]
+fn matmul_blocks<const TB: usize, const PB: usize>(
+    x: &[f32],
+    n: usize,
+    w: &Packed,
+    p0: usize,
+    p1: usize,
+    out: &mut [f32],
+) {
     let k = w.cols;
     let c0 = p0 * PANEL;
     let width = (p1 * PANEL).min(w.rows) - c0;
@@ -204,32 +294,43 @@ fn matmul_panels(x: &[f32], n: usize, w: &Packed, p0: usize, p1: usize, out: &mu
         out[t * width + c..t * width + c + take].copy_from_slice(&lanes[..take]);
     };
     let mut p = p0;
-    // Blocks of 2 tokens × 2 panels (measured best on x86-64 baseline); a lone token takes
-    // 4 panels at once; leftovers go one by one. All shapes run the same per-lane sums.
-    while p + 2 <= p1 {
-        let panels = [w.panel(p), w.panel(p + 1)];
+    while p + PB <= p1 {
+        let panels: [&[[u16; PANEL]]; PB] = std::array::from_fn(|i| w.panel(p + i));
         let mut t = 0;
-        while t + 2 <= n {
-            let a = micro([row(t), row(t + 1)], panels);
+        while t + TB <= n {
+            let a = micro::<TB, PB>(std::array::from_fn(|i| row(t + i)), panels);
             for (dt, per_token) in a.iter().enumerate() {
                 for (dp, lanes) in per_token.iter().enumerate() {
                     store(t + dt, p + dp, lanes);
                 }
             }
-            t += 2;
+            t += TB;
         }
-        if t < n {
-            let a = micro([row(t)], panels);
-            store(t, p, &a[0][0]);
-            store(t, p + 1, &a[0][1]);
+        while t < n {
+            let a = micro::<1, PB>([row(t)], panels);
+            for (dp, lanes) in a[0].iter().enumerate() {
+                store(t, p + dp, lanes);
+            }
+            t += 1;
         }
-        p += 2;
+        p += PB;
     }
-    if p < p1 {
-        for t in 0..n {
-            let a = micro([row(t)], [w.panel(p)]);
-            store(t, p, &a[0][0]);
+    while p < p1 {
+        let panel = [w.panel(p)];
+        let mut t = 0;
+        while t + TB <= n {
+            let a = micro::<TB, 1>(std::array::from_fn(|i| row(t + i)), panel);
+            for (dt, per_token) in a.iter().enumerate() {
+                store(t + dt, p, &per_token[0]);
+            }
+            t += TB;
         }
+        while t < n {
+            let a = micro::<1, 1>([row(t)], panel);
+            store(t, p, &a[0][0]);
+            t += 1;
+        }
+        p += 1;
     }
 }
 
@@ -265,9 +366,34 @@ pub struct Rope {
 
 impl Rope {
     pub fn new(head_dim: usize, theta: f64, max_positions: usize) -> Self {
+        Self::scaled(head_dim, theta, RopeScaling::None, max_positions)
+    }
+
+    /// Tables with the frequencies scaled as `scaling` says (transformers' formulas, in f64).
+    pub fn scaled(head_dim: usize, theta: f64, scaling: RopeScaling, max_positions: usize) -> Self {
         let half = head_dim / 2;
         let inv: Vec<f64> = (0..half)
             .map(|i| 1.0 / theta.powf((2 * i) as f64 / head_dim as f64))
+            .map(|f| match scaling {
+                RopeScaling::None => f,
+                RopeScaling::Linear { factor } => f / factor,
+                RopeScaling::Llama3 {
+                    factor,
+                    low_freq_factor: lo,
+                    high_freq_factor: hi,
+                    original_max_position_embeddings: old,
+                } => {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen > old / lo {
+                        f / factor
+                    } else if wavelen < old / hi {
+                        f
+                    } else {
+                        let smooth = (old / wavelen - lo) / (hi - lo);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                }
+            })
             .collect();
         let mut cos = Vec::with_capacity(max_positions * half);
         let mut sin = Vec::with_capacity(max_positions * half);
@@ -367,16 +493,20 @@ mod tests {
             .collect()
     }
 
-    /// The definition: one sequential f32 sum per output.
+    /// The definition: per output, f32 sums of blocks of KBLOCK terms, added in order.
     fn naive(x: &[f32], w: &[f32], n: usize, m: usize, k: usize) -> Vec<f32> {
         let mut out = vec![0f32; n * m];
         for t in 0..n {
             for r in 0..m {
-                let mut acc = 0f32;
-                for i in 0..k {
-                    acc += x[t * k + i] * w[r * k + i];
+                let mut total = 0f32;
+                for block in (0..k).collect::<Vec<_>>().chunks(KBLOCK) {
+                    let mut acc = 0f32;
+                    for &i in block {
+                        acc += x[t * k + i] * w[r * k + i];
+                    }
+                    total += acc;
                 }
-                out[t * m + r] = acc;
+                out[t * m + r] = total;
             }
         }
         out
@@ -387,7 +517,7 @@ mod tests {
     }
 
     #[test]
-    fn matmul_is_the_sequential_sum_bitwise_for_any_batch_and_threads() {
+    fn matmul_is_the_blockwise_sum_bitwise_for_any_batch_and_threads() {
         for k in [1, 7, 8, 13, 64, 67] {
             for m in [1, 8, 9, 37, 40] {
                 let (bits, w) = bf16_data(m * k, 1);
@@ -401,6 +531,34 @@ mod tests {
                         assert_eq!(to_bits(&out), want, "k {k} m {m} n {n} threads {threads}");
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn every_block_shape_and_instruction_set_gives_the_blockwise_sum_bitwise() {
+        // The portable tiles and the ones the AVX2 / AVX-512 paths use, called directly (the
+        // dispatching `matmul` above runs whichever this CPU has).
+        let (k, m) = (37, 45);
+        let (bits, w) = bf16_data(m * k, 5);
+        let packed = Packed::new(&bits, m, k);
+        let np = packed.num_panels();
+        for n in [1, 3, 4, 7, 9] {
+            let x = data(n * k, 6);
+            let want = to_bits(&naive(&x, &w, n, m, k));
+            let mut runs: Vec<(&str, Vec<f32>)> = Vec::new();
+            let mut run = |name, f: &dyn Fn(&mut [f32])| {
+                let mut out = vec![0f32; n * m];
+                f(&mut out);
+                runs.push((name, out));
+            };
+            run("1x1", &|o| matmul_blocks::<1, 1>(&x, n, &packed, 0, np, o));
+            run("2x2", &|o| matmul_blocks::<2, 2>(&x, n, &packed, 0, np, o));
+            run("4x2", &|o| matmul_blocks::<4, 2>(&x, n, &packed, 0, np, o));
+            run("4x4", &|o| matmul_blocks::<4, 4>(&x, n, &packed, 0, np, o));
+            run("dispatch", &|o| matmul_panels(&x, n, &packed, 0, np, o));
+            for (name, out) in runs {
+                assert_eq!(to_bits(&out), want, "{name}, n {n}");
             }
         }
     }

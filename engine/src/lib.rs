@@ -1,7 +1,8 @@
 //! `starling-engine`: Starling's built-in inference engine.
 //!
-//! A decoder-only transformer with Qwen3's architecture and Hugging Face tensor names
-//! (`Qwen3ForCausalLM`), run on the CPU in f32 from BF16 weights. Rollout actors generate
+//! A decoder-only transformer of the Qwen3 or the Llama family with Hugging Face tensor
+//! names (`Qwen3ForCausalLM`, `LlamaForCausalLM`; [`config::Family`]), run on the CPU in f32
+//! from BF16 weights. Rollout actors generate
 //! with it; tests and trainers recompute log-probabilities with it. It is a pure library:
 //! no async runtime and no I/O beyond [`ModelConfig::from_file`].
 //!
@@ -28,7 +29,7 @@ pub mod sampling;
 pub mod tokenizer;
 pub mod weights;
 
-pub use config::{ConfigError, ModelConfig};
+pub use config::{ConfigError, Family, ModelConfig, RopeScaling, TokenIds};
 pub use generate::{FinishReason, GenOutput, GenRequest, GenerateError, GenerateOptions};
 pub use model::{InputError, KvCache, LoadError, Model};
 pub use sampling::Sampling;

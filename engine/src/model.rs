@@ -73,8 +73,9 @@ struct Layer {
     k: Packed,
     v: Packed,
     o: Packed,
-    q_norm: Vec<f32>,
-    k_norm: Vec<f32>,
+    /// Qwen3's per-head RMSNorm weights of q and k (none for Llama).
+    q_norm: Option<Vec<f32>>,
+    k_norm: Option<Vec<f32>>,
     post_norm: Vec<f32>,
     gate: Packed,
     up: Packed,
@@ -182,6 +183,7 @@ impl Model {
             };
             Ok(Packed::new(bits, rows, cols))
         };
+        let qk_norm = config.family()?.has_qk_norm();
         let mut layers = Vec::with_capacity(config.num_hidden_layers);
         for l in 0..config.num_hidden_layers {
             let p = format!("model.layers.{l}");
@@ -192,8 +194,8 @@ impl Model {
                 k: packed(&n("self_attn.k_proj"))?,
                 v: packed(&n("self_attn.v_proj"))?,
                 o: packed(&n("self_attn.o_proj"))?,
-                q_norm: get(&n("self_attn.q_norm"))?,
-                k_norm: get(&n("self_attn.k_norm"))?,
+                q_norm: qk_norm.then(|| get(&n("self_attn.q_norm"))).transpose()?,
+                k_norm: qk_norm.then(|| get(&n("self_attn.k_norm"))).transpose()?,
                 post_norm: get(&n("post_attention_layernorm"))?,
                 gate: packed(&n("mlp.gate_proj"))?,
                 up: packed(&n("mlp.up_proj"))?,
@@ -207,9 +209,10 @@ impl Model {
         } else {
             packed("lm_head.weight")?
         };
-        let rope = Rope::new(
+        let rope = Rope::scaled(
             config.head_dim,
             config.rope_theta,
+            config.rope_scaling()?,
             config.max_position_embeddings,
         );
         let threads = std::thread::available_parallelism().map_or(1, usize::from);
@@ -380,9 +383,11 @@ impl Model {
             kernels::matmul(&xn, n, &layer.q, &mut q, th);
             kernels::matmul(&xn, n, &layer.k, &mut k, th);
             kernels::matmul(&xn, n, &layer.v, &mut v, th);
-            // Per-head RMSNorm of q and k, before the rotary embedding.
-            kernels::rms_norm(&mut q, &layer.q_norm, eps);
-            kernels::rms_norm(&mut k, &layer.k_norm, eps);
+            // Qwen3: per-head RMSNorm of q and k, before the rotary embedding.
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                kernels::rms_norm(&mut q, qn, eps);
+                kernels::rms_norm(&mut k, kn, eps);
+            }
             for (i, &p) in pos.iter().enumerate() {
                 self.rope.apply(&mut q[i * qd..(i + 1) * qd], p);
                 self.rope.apply(&mut k[i * kvd..(i + 1) * kvd], p);

@@ -35,7 +35,7 @@ fn parses_hf_config_with_extra_fields_and_round_trips() {
         (128, 8, 2)
     );
     assert!(c.tie_word_embeddings);
-    assert_eq!(c.eos_token_id, Some(151_645));
+    assert_eq!(c.eos_token_id.0, vec![151_645]);
     // Qwen3-0.6B has 0.6 B parameters (tied embeddings).
     assert_eq!(c.parameter_count(), 596_049_920);
     let again = ModelConfig::from_json(&c.to_json()).expect("round trip");
@@ -60,6 +60,35 @@ fn reads_rope_theta_from_transformers_5_rope_parameters() {
 }
 
 #[test]
+fn a_llama_config_parses_with_its_defaults_and_lists_no_qk_norms() {
+    // SmolLM2-135M-Instruct's config as `starling model import` writes it, with an EOS list.
+    let c = ModelConfig::from_value(serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+        "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "hidden_act": "silu",
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 100000.0,
+        "rope_scaling": null, "tie_word_embeddings": true, "attention_bias": false,
+        "mlp_bias": false, "bos_token_id": 1, "eos_token_id": [2, 0]
+    }))
+    .expect("llama config");
+    assert_eq!(c.family().ok(), Some(starling_engine::Family::Llama));
+    assert_eq!((c.head_dim, c.eos_token_id.0.clone()), (64, vec![2, 0]));
+    assert_eq!(
+        c.parameter_count(),
+        134_515_008,
+        "SmolLM2-135M's parameter count"
+    );
+    assert!(
+        !c.tensor_shapes()
+            .iter()
+            .any(|(n, _)| n.contains("_norm") && n.contains("attn")),
+        "no q/k norms in a Llama"
+    );
+    let again = ModelConfig::from_json(&c.to_json()).expect("round trip");
+    assert_eq!(again, c);
+}
+
+#[test]
 fn validation_names_the_field() {
     let set = |k: &str, v: serde_json::Value| {
         let mut j = base();
@@ -72,17 +101,27 @@ fn validation_names_the_field() {
     );
     assert_eq!(invalid_field(set("hidden_size", 0.into())), "hidden_size");
     assert_eq!(invalid_field(set("head_dim", 15.into())), "head_dim");
-    assert_eq!(
-        invalid_field(set("model_type", "qwen2".into())),
-        "model_type"
-    );
-    assert_eq!(
-        invalid_field(set(
-            "architectures",
-            serde_json::json!(["LlamaForCausalLM"])
-        )),
-        "architectures"
-    );
+    // An architecture the engine does not run, or one whose model_type contradicts it, is
+    // refused with a sentence naming it and the ones the engine knows.
+    for (k, v) in [
+        ("model_type", serde_json::json!("qwen2")),
+        ("architectures", serde_json::json!(["LlamaForCausalLM"])),
+        ("architectures", serde_json::json!(["MistralForCausalLM"])),
+    ] {
+        match ModelConfig::from_value(set(k, v.clone())) {
+            Err(e @ ConfigError::Architecture { .. }) => {
+                let m = e.to_string();
+                assert!(
+                    m.contains("Qwen3ForCausalLM") && m.contains("LlamaForCausalLM"),
+                    "{m}"
+                );
+                if k == "architectures" {
+                    assert!(m.contains(v[0].as_str().unwrap_or("")), "{m}");
+                }
+            }
+            other => panic!("{k} = {v}: expected an architecture error, got {other:?}"),
+        }
+    }
     assert_eq!(
         invalid_field(set("hidden_act", "gelu".into())),
         "hidden_act"
@@ -103,6 +142,15 @@ fn validation_names_the_field() {
         invalid_field(set("rope_scaling", serde_json::json!({"type": "yarn"}))),
         "rope_scaling"
     );
+    assert_eq!(
+        invalid_field(set(
+            "rope_scaling",
+            serde_json::json!({"rope_type": "llama3", "factor": 8.0})
+        )),
+        "rope_scaling",
+        "llama3 without its band is refused"
+    );
+    assert_eq!(invalid_field(set("mlp_bias", true.into())), "mlp_bias");
     let mut missing = base();
     missing
         .as_object_mut()

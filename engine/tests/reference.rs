@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{reference_logits, tiny_config};
+use common::{reference_logits, tiny_config, tiny_llama_config};
 use starling_engine::{Model, ModelConfig, random_bf16, sampling};
 
 fn check(cfg: ModelConfig, seed: u64) {
@@ -66,5 +66,38 @@ fn log_softmax_of_model_logits_sums_to_one() {
             .sum::<f64>()
             .ln();
         assert!(lse.abs() < 1e-5, "T {t}: logsumexp {lse}");
+    }
+}
+
+#[test]
+fn llama_logits_match_the_reference_untied_and_tied() {
+    let cfg = tiny_llama_config();
+    assert_eq!(cfg.head_dim, 16, "head_dim defaults to hidden / heads");
+    check(cfg.clone(), 21);
+    check(
+        ModelConfig {
+            tie_word_embeddings: true,
+            num_key_value_heads: 1,
+            ..cfg
+        },
+        22,
+    );
+}
+
+#[test]
+fn llama_logits_match_the_reference_under_linear_and_llama3_rope_scaling() {
+    for scaling in [
+        serde_json::json!({"rope_type": "linear", "factor": 4.0}),
+        // Frequencies on all three sides of llama3's band for head_dim 16 and a short
+        // original context: low ones divided, high ones kept, the middle blended.
+        serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
+    ] {
+        let cfg = ModelConfig {
+            rope_scaling: Some(scaling.clone()),
+            ..tiny_llama_config()
+        };
+        cfg.validate().expect("valid");
+        check(cfg, 23);
     }
 }

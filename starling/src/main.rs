@@ -14,6 +14,7 @@ use clap::{Parser, Subcommand};
 mod compare;
 mod demo;
 mod links;
+mod model;
 mod plot;
 mod procs;
 mod watch;
@@ -35,6 +36,10 @@ enum Cmd {
     /// actors at speeds 1:2:3), and the built-in GRPO trainer; live progress, then a summary
     /// JSON and a PNG plot in the output directory.
     Demo(demo::DemoArgs),
+    /// Models: `starling model import --gguf FILE -o DIR` writes a Hugging Face directory
+    /// (BF16 safetensors, config, tokenizer, chat template) from a GGUF file (docs/models.md).
+    #[command(subcommand)]
+    Model(model::ModelCmd),
     /// The trainer hub (`starling-hub`'s arguments).
     #[command(disable_help_flag = true)]
     Hub {
@@ -64,6 +69,13 @@ fn main() -> ExitCode {
         Cmd::Hub { args } => starling_hub::cli::main_from(with_name("starling hub", args)),
         Cmd::Relay { args } => starling_relay::cli::main_from(with_name("starling relay", args)),
         Cmd::Actor { args } => starling_actor::cli::main_from(with_name("starling actor", args)),
+        Cmd::Model(cmd) => match model::run(cmd) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                ExitCode::FAILURE
+            }
+        },
         Cmd::Demo(args) => match procs::stop_children_on_signal().and_then(|()| demo::run(&args)) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {

@@ -236,7 +236,7 @@ async fn submit_batch(
 ) -> Reply<(StatusCode, Json<Value>)> {
     authorize(&hub, &headers)?;
     let Json(req) = req?;
-    let groups = expand(&req, hub.limits)
+    let groups = expand(&req, &hub.limits)
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.code, e.message))?;
     if groups.len() > hub.ledger.config().max_batch_size {
         return Err(ApiError::new(

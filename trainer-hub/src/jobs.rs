@@ -38,6 +38,8 @@ pub(crate) struct WorkerContext {
     pub(crate) ledger: Arc<Ledger>,
     pub(crate) metrics: Metrics,
     pub(crate) board: Arc<Board>,
+    /// The model's tokenizer: completions are decoded with it before they are scored.
+    pub(crate) text: Arc<starling_text::ModelText>,
 }
 
 /// Serves one actor's job connection until it closes.
@@ -162,7 +164,7 @@ async fn submit(cx: &WorkerContext, actor: &ActorId, results: Vec<JobResult>) ->
                 continue;
             }
         };
-        match judge_result(spec, r) {
+        match judge_result(spec, r, &cx.text) {
             Ok((stored, tokens)) => {
                 let rewards: Vec<f32> = stored.samples.iter().map(|s| s.reward).collect();
                 subs.push(ResultSubmission {

@@ -12,12 +12,14 @@ use starling_proto::rollout::{FinishReason, JobResult, JobSpec, SamplingParams};
 
 use crate::verify::Verifier;
 
-/// What the hub knows of the model, to validate prompts.
-#[derive(Debug, Clone, Copy)]
+/// What the hub knows of the model, to validate, tokenize and decode.
+#[derive(Debug, Clone)]
 pub(crate) struct ModelLimits {
     pub(crate) vocab: u32,
     /// Prompt + new tokens must fit.
     pub(crate) context: u32,
+    /// Its tokenizer, chat template and EOS ids (the byte tokenizer for generated models).
+    pub(crate) text: std::sync::Arc<starling_text::ModelText>,
 }
 
 /// Sampling parameters (`docs/api.md`); every key optional in requests.
@@ -32,14 +34,15 @@ pub(crate) struct Sampling {
     pub(crate) seed: u64,
 }
 
-impl Default for Sampling {
-    fn default() -> Self {
+impl Sampling {
+    /// The defaults of `docs/api.md`; `stop_token_ids` are the model's EOS ids.
+    fn defaults(eos: &[u32]) -> Self {
         Sampling {
             temperature: 1.0,
             top_p: 1.0,
             top_k: 0,
             max_new_tokens: 64,
-            stop_token_ids: vec![starling_engine::ByteTokenizer::EOS],
+            stop_token_ids: eos.to_vec(),
             seed: 0,
         }
     }
@@ -126,6 +129,7 @@ pub(crate) struct BatchRequest {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct GroupRequest {
+    messages: Option<Vec<starling_text::Message>>,
     prompt: Option<String>,
     prompt_ids: Option<Vec<u32>>,
     n: u32,
@@ -140,6 +144,13 @@ pub(crate) struct GroupRequest {
 pub(crate) struct GroupSpec {
     pub(crate) group: u32,
     pub(crate) prompt_ids: Vec<u32>,
+    /// The prompt as text: the rendered chat for `messages`, the text for `prompt` (none
+    /// for `prompt_ids`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) prompt_text: Option<String>,
+    /// The chat, when the group was given as messages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) messages: Option<Vec<starling_text::Message>>,
     pub(crate) n: u32,
     pub(crate) sampling: Sampling,
     pub(crate) verifier: String,
@@ -158,11 +169,11 @@ fn invalid(code: &'static str, message: String) -> Invalid {
 }
 
 /// Checks a batch request against the model and expands it into group specs.
-pub(crate) fn expand(req: &BatchRequest, model: ModelLimits) -> Result<Vec<GroupSpec>, Invalid> {
+pub(crate) fn expand(req: &BatchRequest, model: &ModelLimits) -> Result<Vec<GroupSpec>, Invalid> {
     if req.groups.is_empty() {
         return Err(invalid("invalid_batch", "the batch has no groups".into()));
     }
-    let base = Sampling::default().patched(&req.sampling);
+    let base = Sampling::defaults(model.text.eos_ids()).patched(&req.sampling);
     let mut out = Vec::with_capacity(req.groups.len());
     for (i, g) in req.groups.iter().enumerate() {
         let bad = |m: String| invalid("invalid_batch", format!("group {i}: {m}"));
@@ -186,10 +197,23 @@ pub(crate) fn expand(req: &BatchRequest, model: ModelLimits) -> Result<Vec<Group
                 ),
             ));
         }
-        let prompt_ids = match (&g.prompt, &g.prompt_ids) {
-            (Some(text), None) => starling_engine::ByteTokenizer.encode(text),
-            (None, Some(ids)) => ids.clone(),
-            _ => return Err(bad("give exactly one of prompt and prompt_ids".into())),
+        // Rendered and tokenized once, here: actors get token ids.
+        let text_err = |e: starling_text::TextError| bad(e.to_string());
+        let (prompt_ids, prompt_text) = match (&g.messages, &g.prompt, &g.prompt_ids) {
+            (Some(messages), None, None) => {
+                let (text, ids) = model.text.encode_chat(messages).map_err(text_err)?;
+                (ids, Some(text))
+            }
+            (None, Some(text), None) => (
+                model.text.encode(text).map_err(text_err)?,
+                Some(text.clone()),
+            ),
+            (None, None, Some(ids)) => (ids.clone(), None),
+            _ => {
+                return Err(bad(
+                    "give exactly one of messages, prompt and prompt_ids".into()
+                ));
+            }
         };
         if prompt_ids.is_empty() {
             return Err(bad("the prompt is empty".into()));
@@ -222,6 +246,8 @@ pub(crate) fn expand(req: &BatchRequest, model: ModelLimits) -> Result<Vec<Group
         out.push(GroupSpec {
             group: u32::try_from(i).unwrap_or(u32::MAX),
             prompt_ids,
+            prompt_text,
+            messages: g.messages.clone(),
             n: g.n,
             sampling,
             verifier: g.verifier.clone(),
@@ -269,6 +295,10 @@ pub(crate) struct StoredSample {
     pub(crate) tokens: Vec<u32>,
     pub(crate) logprobs: Vec<f32>,
     pub(crate) finish: String,
+    /// The completion decoded with the model's tokenizer, up to (without) the first stop
+    /// token, special tokens skipped: what the verifiers score.
+    #[serde(default)]
+    pub(crate) text: String,
     pub(crate) versions: Vec<Span>,
     pub(crate) reward: f32,
     pub(crate) ttft_ms: f64,
@@ -288,6 +318,7 @@ pub(crate) struct StoredResult {
 pub(crate) fn judge_result(
     spec: &GroupSpec,
     r: &JobResult,
+    model_text: &starling_text::ModelText,
 ) -> Result<(StoredResult, u32), Invalid> {
     let bad = |m: String| invalid("invalid_result", format!("job {}: {m}", r.job));
     if r.samples.len() != spec.n as usize {
@@ -319,10 +350,13 @@ pub(crate) fn judge_result(
         }
         tokens = tokens.saturating_add(u32::try_from(s.tokens.len()).unwrap_or(u32::MAX));
         let decode_s = s.decode_us as f64 / 1e6;
+        let text = model_text.decode(&s.tokens, &spec.sampling.stop_token_ids);
         samples.push(StoredSample {
             tokens: s.tokens.clone(),
             logprobs: s.logprobs.clone(),
             finish: s.finish.as_str().to_owned(),
+            reward: verifier.reward_text(&text, &spec.answer),
+            text,
             versions: s
                 .spans
                 .iter()
@@ -332,7 +366,6 @@ pub(crate) fn judge_result(
                     end: sp.end,
                 })
                 .collect(),
-            reward: verifier.reward(&s.tokens, &spec.sampling.stop_token_ids, &spec.answer),
             ttft_ms: s.ttft_us as f64 / 1e3,
             tokens_per_s: if decode_s > 0.0 {
                 s.tokens.len() as f64 / decode_s
@@ -355,10 +388,13 @@ pub(crate) fn judge_result(
 mod tests {
     use super::*;
 
-    const MODEL: ModelLimits = ModelLimits {
-        vocab: 300,
-        context: 64,
-    };
+    fn model() -> ModelLimits {
+        ModelLimits {
+            vocab: 300,
+            context: 64,
+            text: std::sync::Arc::new(starling_text::ModelText::byte()),
+        }
+    }
 
     fn req(json: &str) -> BatchRequest {
         serde_json::from_str(json).expect("request JSON")
@@ -369,7 +405,7 @@ mod tests {
         let r = req(r#"{"sampling": {"temperature": 0.5, "max_new_tokens": 8},
             "groups": [{"prompt": "ab", "n": 2, "verifier": "exact_match", "answer": "ba"},
                        {"prompt_ids": [5, 6], "n": 1, "verifier": "none", "sampling": {"seed": 9}}]}"#);
-        let g = expand(&r, MODEL).expect("valid");
+        let g = expand(&r, &model()).expect("valid");
         assert_eq!(g[0].prompt_ids, starling_engine::ByteTokenizer.encode("ab"));
         assert_eq!(
             (g[0].sampling.temperature, g[0].sampling.max_new_tokens),
@@ -383,7 +419,7 @@ mod tests {
 
     #[test]
     fn bad_batches_are_refused_with_their_reason() {
-        let code = |json: &str| expand(&req(json), MODEL).err().map(|e| e.code);
+        let code = |json: &str| expand(&req(json), &model()).err().map(|e| e.code);
         assert_eq!(code(r#"{"groups": []}"#), Some("invalid_batch"));
         let g = |body: &str| format!(r#"{{"groups": [{body}]}}"#);
         assert_eq!(

@@ -149,14 +149,27 @@ impl Hub {
     }
 }
 
-/// The model's vocabulary and context, from `config.json` beside the initial checkpoint, else
-/// from the embedding's shape (with no context limit).
-fn model_limits(init: &Path) -> Result<ModelLimits> {
-    let dir = if init.is_dir() {
+/// The model directory of the initial checkpoint: `--init` itself when it is a directory (a
+/// Hugging Face model directory such as `starling model import` writes), else the file's
+/// directory.
+pub fn model_dir(init: &Path) -> PathBuf {
+    if init.is_dir() {
         init.to_owned()
     } else {
         init.parent().map(Path::to_owned).unwrap_or_default()
-    };
+    }
+}
+
+/// The model's vocabulary, context and text side (tokenizer, chat template, EOS ids), from
+/// the model directory of the initial checkpoint ([`model_dir`]): `config.json` and the
+/// tokenizer files there; without `config.json`, the vocabulary from the embedding's shape
+/// (no context limit); without `tokenizer.json`, the byte tokenizer.
+fn model_limits(init: &Path) -> Result<ModelLimits> {
+    let dir = model_dir(init);
+    let text = std::sync::Arc::new(
+        starling_text::ModelText::load(&dir)
+            .with_context(|| format!("load the tokenizer of {}", dir.display()))?,
+    );
     let config = dir.join("config.json");
     if config.exists() {
         let c = starling_engine::ModelConfig::from_file(&config)
@@ -164,6 +177,7 @@ fn model_limits(init: &Path) -> Result<ModelLimits> {
         return Ok(ModelLimits {
             vocab: u32::try_from(c.vocab_size).unwrap_or(u32::MAX),
             context: u32::try_from(c.max_position_embeddings).unwrap_or(u32::MAX),
+            text,
         });
     }
     let c = Checkpoint::open(init).with_context(|| format!("open {}", init.display()))?;
@@ -174,6 +188,7 @@ fn model_limits(init: &Path) -> Result<ModelLimits> {
     Ok(ModelLimits {
         vocab: u32::try_from(vocab).unwrap_or(u32::MAX),
         context: u32::MAX,
+        text,
     })
 }
 
@@ -421,6 +436,7 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
             let span = tracing::info_span!("worker", actor = %a.name, region = %a.region);
             return crate::jobs::serve_worker(
                 crate::jobs::WorkerContext {
+                    text: hub.limits.text.clone(),
                     ledger: hub.ledger.clone(),
                     metrics: hub.metrics.clone(),
                     board: hub.board.clone(),

@@ -40,7 +40,66 @@ fn bf(bits: u16) -> f64 {
     f64::from(f32::from_bits(u32::from(bits) << 16))
 }
 
-/// A plain, obviously-correct Qwen3 forward in f64 (straight loops, no caching), for the
+/// A tiny Llama: the same shapes as [`tiny_config`], no q/k norms, `head_dim` left to its
+/// default (hidden / heads = 16).
+pub fn tiny_llama_config() -> ModelConfig {
+    ModelConfig::from_value(serde_json::json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": false,
+        "hidden_act": "silu"
+    }))
+    .expect("valid tiny llama config")
+}
+
+/// The rotary frequency of pair `i`, scaled as the config says: transformers'
+/// `_compute_linear_scaling_rope_parameters` and `_compute_llama3_parameters`, written out
+/// from their definitions.
+fn inv_freq(cfg: &ModelConfig, i: usize) -> f64 {
+    let hd = cfg.head_dim as f64;
+    let base = 1.0 / cfg.rope_theta.powf(2.0 * i as f64 / hd);
+    let Some(s) = cfg.rope_scaling.as_ref().filter(|s| !s.is_null()) else {
+        return base;
+    };
+    let num = |k: &str| s[k].as_f64().expect("scaling field");
+    match s["rope_type"].as_str() {
+        Some("linear") => base / num("factor"),
+        Some("llama3") => {
+            let (factor, lo, hi, old) = (
+                num("factor"),
+                num("low_freq_factor"),
+                num("high_freq_factor"),
+                num("original_max_position_embeddings"),
+            );
+            let wavelen = 2.0 * std::f64::consts::PI / base;
+            let scaled = if wavelen > old / lo {
+                base / factor
+            } else {
+                base
+            };
+            let smooth = (old / wavelen - lo) / (hi - lo);
+            // Neither side of the band (no NaN here): the blend.
+            let medium = wavelen >= old / hi && wavelen <= old / lo;
+            if medium {
+                (1.0 - smooth) * scaled / factor + smooth * scaled
+            } else {
+                scaled
+            }
+        }
+        other => panic!("no reference for rope_type {other:?}"),
+    }
+}
+
+/// A plain, obviously-correct Qwen3 / Llama forward in f64 (straight loops, no caching), for the
 /// logits after the last token. Written from the Hugging Face modeling code, independently
 /// of the engine's kernels.
 pub fn reference_logits(cfg: &ModelConfig, w: &Bf16Tensors, tokens: &[u32]) -> Vec<f64> {
@@ -70,9 +129,7 @@ pub fn reference_logits(cfg: &ModelConfig, w: &Bf16Tensors, tokens: &[u32]) -> V
             let half = hd / 2;
             let orig = head.to_vec();
             for i in 0..hd {
-                let fi = i % half;
-                let inv = 1.0 / cfg.rope_theta.powf(2.0 * fi as f64 / hd as f64);
-                let a = pos as f64 * inv;
+                let a = pos as f64 * inv_freq(cfg, i % half);
                 // rotate_half(x) = cat(-x2, x1)
                 let rot = if i < half {
                     -orig[i + half]
@@ -97,14 +154,27 @@ pub fn reference_logits(cfg: &ModelConfig, w: &Bf16Tensors, tokens: &[u32]) -> V
             p("self_attn.v_proj"),
             p("self_attn.o_proj"),
         );
-        let (qn, kn) = (p("self_attn.q_norm"), p("self_attn.k_norm"));
+        let qk_norm = cfg.model_type == "qwen3";
+        let (qn, kn) = if qk_norm {
+            (p("self_attn.q_norm"), p("self_attn.k_norm"))
+        } else {
+            (vec![1.0; hd], vec![1.0; hd])
+        };
+        // Llama has no q/k norm: the identity instead of RMSNorm.
+        let qk = |x: Vec<f64>, g: &[f64]| -> Vec<f64> {
+            if qk_norm {
+                x.chunks(hd).flat_map(|c| rms(c, g)).collect()
+            } else {
+                x
+            }
+        };
         let mut qs = Vec::new();
         let mut ks = Vec::new();
         let mut vs = Vec::new();
         for (pos, xt) in x.iter().enumerate() {
             let hn = rms(xt, &p("input_layernorm"));
-            let mut q: Vec<f64> = lin(&wq, &hn).chunks(hd).flat_map(|c| rms(c, &qn)).collect();
-            let mut k: Vec<f64> = lin(&wk, &hn).chunks(hd).flat_map(|c| rms(c, &kn)).collect();
+            let mut q = qk(lin(&wq, &hn), &qn);
+            let mut k = qk(lin(&wk, &hn), &kn);
             rope(&mut q, pos);
             rope(&mut k, pos);
             qs.push(q);

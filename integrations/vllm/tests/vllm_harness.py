@@ -126,9 +126,10 @@ def free_port() -> int:
 
 class Server:
     """`python -m vllm.entrypoints.openai.api_server` on a checkpoint directory, with the
-    extension, the dev routes and no tokenizer."""
+    extension, the dev routes and no tokenizer (with the model's own with `tokenizer=True`)."""
 
-    def __init__(self, model_dir: Path, log: Path, extension: bool = True) -> None:
+    def __init__(self, model_dir: Path, log: Path, extension: bool = True, tokenizer: bool = False,
+                 max_model_len: int = 256, max_num_seqs: int = 8) -> None:
         self.model_dir = str(model_dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -140,9 +141,11 @@ class Server:
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", self.model_dir, "--port", str(self.port), "--host", "127.0.0.1",
-            "--skip-tokenizer-init", "--enforce-eager", "--dtype", "bfloat16",
-            "--max-model-len", "256", "--max-num-seqs", "8", "--seed", "0",
+            "--enforce-eager", "--dtype", "bfloat16",
+            "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--seed", "0",
         ]
+        if not tokenizer:
+            cmd += ["--skip-tokenizer-init"]
         if extension:
             cmd += ["--worker-extension-cls", EXTENSION]
         self.log = log

@@ -202,7 +202,10 @@ def material(tmp_path_factory) -> Material:
     )
 
 
-def start_cluster(material: Material, root: Path) -> Cluster:
+def start_cluster(material: Material, root: Path, init: Optional[Path] = None) -> Cluster:
+    """A hub and a built-in-engine actor on ``init`` (default: the tiny generated checkpoint;
+    a model directory such as scripts/fetch-model.sh prints works too)."""
+    init = init or material.init
     root.mkdir(parents=True, exist_ok=True)
     procs: List[Proc] = []
     try:
@@ -213,7 +216,7 @@ def start_cluster(material: Material, root: Path) -> Cluster:
                 "serve",
                 "--cluster", str(material.cluster),
                 "--store", str(root / "hub-store"),
-                "--init", str(material.init),
+                "--init", str(init),
                 "--listen", "127.0.0.1:0",
                 "--http", "127.0.0.1:0",
                 "--model-id", "tiny",
@@ -229,7 +232,7 @@ def start_cluster(material: Material, root: Path) -> Cluster:
                 binary("starling-actor"),
                 "--credentials", str(material.actor_creds),
                 "--hub", quic,
-                "--init", str(material.init),
+                "--init", str(init),
                 "--store", str(root / "a1-store"),
                 "--model-id", "tiny",
                 "--engine", "builtin",

@@ -294,8 +294,9 @@ class Client:
     ) -> "Batch":
         """Submit a batch of groups and return its handle.
 
-        ``groups``: :class:`Group` objects or dicts with the API's keys (``prompt`` or
-        ``prompt_ids``, ``n``, ``verifier``, ``answer``, an optional ``sampling`` override).
+        ``groups``: :class:`Group` objects or dicts with the API's keys (``messages``,
+        ``prompt`` or ``prompt_ids``, ``n``, ``verifier``, ``answer``, an optional ``sampling``
+        override).
         ``sampling``: the batch's :class:`Sampling` (or dict); keys left out take the hub's
         defaults. ``max_staleness``: how many versions behind the newest a result's tokens may
         be (``None``: the hub's default, 1). ``version``: the policy version the batch is for

@@ -61,13 +61,18 @@ def sampling_json(s: Optional[SamplingLike]) -> Optional[Dict[str, Any]]:
 class Group:
     """One prompt sampled ``n`` times: the unit of leasing, retry and acceptance.
 
-    Give ``prompt`` (text, encoded by the model's byte tokenizer on the hub) or ``prompt_ids``,
-    not both. ``verifier`` is a built-in reward function (``exact_match``, ``numeric``,
-    ``none``) and ``answer`` its reference, kept by the hub.
+    Give exactly one of ``messages`` (a chat: ``[{"role": "user", "content": "..."}]``,
+    rendered with the model's chat template and tokenized by the hub, as
+    ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)`` would),
+    ``prompt`` (text, tokenized with the model's tokenizer, or the byte tokenizer for a
+    generated model) or ``prompt_ids``. ``verifier`` names the reward (``exact_match``,
+    ``numeric``, ``math``, ``char_match``, an operator's reward service, or ``none`` to score
+    ``Sample.text`` yourself) and ``answer`` its reference, kept by the hub.
     """
 
     prompt: Optional[str] = None
     prompt_ids: Optional[Sequence[int]] = None
+    messages: Optional[Sequence[Mapping[str, str]]] = None
     n: int = 1
     verifier: str = "none"
     answer: Optional[str] = None
@@ -75,6 +80,8 @@ class Group:
 
     def to_json(self) -> Dict[str, Any]:
         out: Dict[str, Any] = {}
+        if self.messages is not None:
+            out["messages"] = [{"role": str(m["role"]), "content": str(m["content"])} for m in self.messages]
         if self.prompt is not None:
             out["prompt"] = self.prompt
         if self.prompt_ids is not None:
@@ -151,8 +158,11 @@ class Sample:
     at the group's temperature over the full vocabulary (``docs/api.md``, "Log-probabilities");
     ``versions`` says which version produced which tokens (half-open spans). ``finish`` is
     ``stop`` (a stop token, which is the last token) or ``length`` (``max_new_tokens``).
-    ``reward`` is the group's verifier's. Timings, measured by the actor: ``ttft_ms`` (time
-    to the first token) and ``tokens_per_s`` (decode speed)."""
+    ``text`` is the completion decoded with the model's tokenizer, up to (without) the first
+    stop token, special tokens skipped: what the hub's verifiers score, and what a trainer
+    scores itself with ``verifier="none"``. ``reward`` is the group's verifier's. Timings,
+    measured by the actor: ``ttft_ms`` (time to the first token) and ``tokens_per_s``
+    (decode speed)."""
 
     tokens: List[int]
     logprobs: List[float]
@@ -161,6 +171,7 @@ class Sample:
     reward: Optional[float]
     ttft_ms: Optional[float] = None
     tokens_per_s: Optional[float] = None
+    text: str = ""
 
     @classmethod
     def from_json(cls, j: Mapping[str, Any]) -> "Sample":
@@ -172,6 +183,7 @@ class Sample:
             reward=None if j.get("reward") is None else float(j["reward"]),
             ttft_ms=j.get("ttft_ms"),
             tokens_per_s=j.get("tokens_per_s"),
+            text=str(j.get("text", "")),
         )
 
     def version_of(self, i: int) -> Optional[int]:
