@@ -234,42 +234,20 @@ pub fn matmul(x: &[f32], n: usize, w: &Packed, out: &mut [f32], threads: usize) 
 /// arithmetic is the same IEEE operations in the same order (separate multiply and add, never
 /// a fused multiply-add), so the results are bit-identical on every CPU; only speed differs.
 fn matmul_panels(x: &[f32], n: usize, w: &Packed, p0: usize, p1: usize, out: &mut [f32]) {
+    // `pulp` checks the CPU once and runs the closure inside a function compiled for its
+    // features: no `unsafe` here.
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512vl")
-        {
-            // SAFETY: the CPU supports AVX-512F and AVX-512VL (checked just above), the only
-            // precondition of calling a function compiled for them.
-            #[allow(unsafe_code)]
-            unsafe {
-                matmul_panels_avx512(x, n, w, p0, p1, out);
-            }
+        if let Some(simd) = pulp::x86::V4::try_new() {
+            simd.vectorize(|| matmul_blocks::<4, 4>(x, n, w, p0, p1, out));
             return;
         }
-        if std::arch::is_x86_feature_detected!("avx2") {
-            // SAFETY: the CPU supports AVX2 (checked just above), the only precondition of
-            // calling a function compiled for it.
-            #[allow(unsafe_code)]
-            unsafe {
-                matmul_panels_avx2(x, n, w, p0, p1, out);
-            }
+        if let Some(simd) = pulp::x86::V3::try_new() {
+            simd.vectorize(|| matmul_blocks::<4, 2>(x, n, w, p0, p1, out));
             return;
         }
     }
     matmul_blocks::<2, 2>(x, n, w, p0, p1, out);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx512vl")]
-fn matmul_panels_avx512(x: &[f32], n: usize, w: &Packed, p0: usize, p1: usize, out: &mut [f32]) {
-    matmul_blocks::<4, 4>(x, n, w, p0, p1, out);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn matmul_panels_avx2(x: &[f32], n: usize, w: &Packed, p0: usize, p1: usize, out: &mut [f32]) {
-    matmul_blocks::<4, 2>(x, n, w, p0, p1, out);
 }
 
 /// The panel loop with blocks of `TB` tokens × `PB` panels (the register tile), leftover
