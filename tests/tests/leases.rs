@@ -121,7 +121,10 @@ fn generations_from_4_tokens_to_32x_the_median_keep_their_leases() {
         assert_eq!(r["attempt"], 1, "group {g} was leased more than once: {r}");
         for s in r["samples"].as_array().expect("samples") {
             let tokens = s["tokens"].as_array().expect("tokens").len();
-            assert_eq!(tokens, lens[g], "group {g}'s samples run to max_new_tokens");
+            assert_eq!(
+                tokens, lens[g] as usize,
+                "group {g}'s samples run to max_new_tokens"
+            );
         }
     }
     assert_eq!(
