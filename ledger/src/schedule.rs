@@ -217,7 +217,7 @@ pub fn plan(
 /// one millisecond counts as one millisecond.
 pub fn settle(tau: f64, measured: bool, beta: f64, tokens: u64, elapsed_ms: u64) -> f64 {
     let sample = tokens as f64 / (elapsed_ms.max(1) as f64 / 1000.0);
-    if !measured || !(tau.is_finite() && tau >= 0.0) {
+    if !(measured && tau.is_finite() && tau >= 0.0) {
         return sample;
     }
     beta * tau + (1.0 - beta) * sample
