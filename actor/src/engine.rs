@@ -7,13 +7,19 @@
 //! swaps versions between calls, never inside one — so generation never sees half-applied
 //! weights and every sample is tagged with the version that produced all of its tokens.
 //!
+//! While it generates, an engine counts the tokens of each job in a [`JobProgress`], which the
+//! worker reports to the hub about every second: a lease lives as long as its generation
+//! moves, however long that is.
+//!
 //! [`BuiltinEngine`] runs `starling_engine`'s Qwen3 decoder on the CPU from the actor's BF16
 //! weights. It rebuilds its model from the committed weights at each load (O(model), fine
 //! for the small models it exists for; the vLLM engine applies sparse changes in place). A
-//! `slowdown` factor stretches each generation call, so benchmarks can run actors at chosen
-//! relative speeds on one machine.
+//! `slowdown` factor stretches each decoding step (so the progress it reports keeps pace with
+//! the stretched time), so benchmarks can run actors at chosen relative speeds on one
+//! machine.
 
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -40,6 +46,38 @@ pub struct Fingerprint {
     pub digest: [u8; 16],
 }
 
+/// Tokens generated so far for each job of one `generate` call (all its samples together), in
+/// job order. The engine adds to it as it generates; the worker reads it for its `Progress`
+/// reports from another thread.
+#[derive(Debug, Default)]
+pub struct JobProgress {
+    tokens: Vec<AtomicU64>,
+}
+
+impl JobProgress {
+    /// Counters for `jobs` jobs, at zero.
+    pub fn new(jobs: usize) -> JobProgress {
+        JobProgress {
+            tokens: (0..jobs).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Counts `n` more tokens for job `index` (ignored beyond the call's jobs).
+    pub fn add(&self, index: usize, n: u64) {
+        if let Some(t) = self.tokens.get(index) {
+            t.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// The counts now, in job order.
+    pub fn snapshot(&self) -> Vec<u64> {
+        self.tokens
+            .iter()
+            .map(|t| t.load(Ordering::Relaxed))
+            .collect()
+    }
+}
+
 /// An inference engine the actor drives.
 pub trait Engine: Send + Sync + 'static {
     /// What it can do.
@@ -62,8 +100,9 @@ pub trait Engine: Send + Sync + 'static {
     fn needs_reload(&self) -> bool {
         false
     }
-    /// Generates every job with the version loaded when the call starts.
-    fn generate(&self, jobs: &[JobSpec]) -> Result<Vec<JobResult>>;
+    /// Generates every job with the version loaded when the call starts, counting each job's
+    /// tokens in `progress` as they are generated (as finely as the engine can tell).
+    fn generate(&self, jobs: &[JobSpec], progress: &JobProgress) -> Result<Vec<JobResult>>;
     /// The version loaded now, proven from the weights it holds (none before a load).
     fn fingerprint(&self) -> Option<Fingerprint>;
 }
@@ -199,24 +238,37 @@ impl Engine for BuiltinEngine {
         Ok(())
     }
 
-    fn generate(&self, jobs: &[JobSpec]) -> Result<Vec<JobResult>> {
+    fn generate(&self, jobs: &[JobSpec], progress: &JobProgress) -> Result<Vec<JobResult>> {
         // The version for the whole call: taken once, at the job boundary.
         let Some(loaded) = self.current() else {
             bail!("no version loaded");
         };
         let started = Instant::now();
         let mut reqs = Vec::new();
-        for j in jobs {
-            reqs.extend(requests(j));
+        let mut job_of = Vec::new();
+        for (i, j) in jobs.iter().enumerate() {
+            let r = requests(j);
+            job_of.extend(std::iter::repeat_n(i, r.len()));
+            reqs.extend(r);
         }
         let opts = GenerateOptions {
             max_batch: self.max_batch as usize,
         };
-        let outs = loaded.model.generate(&reqs, opts).context("generate")?;
-        let compute = started.elapsed();
-        if self.slowdown > 1.0 {
-            std::thread::sleep(compute.mul_f64(self.slowdown - 1.0));
-        }
+        // After each decoding step: count its tokens, and stretch it by the slowdown.
+        let mut step_start = Instant::now();
+        let mut on_step = |sampled: &[usize]| {
+            for &r in sampled {
+                progress.add(job_of.get(r).copied().unwrap_or(usize::MAX), 1);
+            }
+            if self.slowdown > 1.0 {
+                std::thread::sleep(step_start.elapsed().mul_f64(self.slowdown - 1.0));
+            }
+            step_start = Instant::now();
+        };
+        let outs = loaded
+            .model
+            .generate_observed(&reqs, opts, &mut on_step)
+            .context("generate")?;
         let elapsed = started.elapsed();
         let fp = loaded.fingerprint;
         let mut outs = outs.into_iter();
@@ -234,8 +286,10 @@ impl Engine for BuiltinEngine {
                             EngineFinish::Stop => FinishReason::Stop,
                             EngineFinish::Length => FinishReason::Length,
                         },
+                        // The prompt's step is measured before its stretch; the decoding time
+                        // spans the stretched steps.
                         ttft_us: micros(o.prefill_time.mul_f64(self.slowdown)),
-                        decode_us: micros(o.decode_time.mul_f64(self.slowdown)),
+                        decode_us: micros(o.decode_time),
                         tokens: o.tokens,
                         logprobs: o.logprobs,
                     }

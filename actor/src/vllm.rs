@@ -41,7 +41,7 @@ use starling_proto::manifest::hex;
 use starling_proto::rollout::{FinishReason, JobResult, JobSpec, Sample};
 use starling_telemetry::http_client::{self, Response};
 
-use crate::engine::{Capabilities, Engine, Fingerprint, group_seed, whole_span};
+use crate::engine::{Capabilities, Engine, Fingerprint, JobProgress, group_seed, whole_span};
 
 /// How the actor reaches (and possibly runs) its vLLM server.
 #[derive(Debug, Clone)]
@@ -702,7 +702,7 @@ impl Engine for VllmEngine {
         }
     }
 
-    fn generate(&self, jobs: &[JobSpec]) -> Result<Vec<JobResult>> {
+    fn generate(&self, jobs: &[JobSpec], progress: &JobProgress) -> Result<Vec<JobResult>> {
         let _swap = self
             .swap
             .read()
@@ -713,8 +713,10 @@ impl Engine for VllmEngine {
         };
         let started = Instant::now();
         let mut results = Vec::with_capacity(jobs.len());
-        for j in jobs {
+        for (i, j) in jobs.iter().enumerate() {
             let samples = self.complete(&served, j, fp)?;
+            // A completion answers all at once: its job's tokens count when it returns.
+            progress.add(i, samples.iter().map(|s| s.tokens.len() as u64).sum());
             results.push(JobResult {
                 job: j.job,
                 attempt: j.attempt,

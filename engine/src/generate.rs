@@ -88,6 +88,18 @@ impl Model {
         requests: &[GenRequest],
         opts: GenerateOptions,
     ) -> Result<Vec<GenOutput>, GenerateError> {
+        self.generate_observed(requests, opts, &mut |_| {})
+    }
+
+    /// [`Model::generate`], calling `on_step` after each decoding step with the indices of
+    /// the requests that got a token in it (for progress reports; it never changes the
+    /// outputs).
+    pub fn generate_observed(
+        &self,
+        requests: &[GenRequest],
+        opts: GenerateOptions,
+        on_step: &mut dyn FnMut(&[usize]),
+    ) -> Result<Vec<GenOutput>, GenerateError> {
         for (index, r) in requests.iter().enumerate() {
             r.sampling
                 .validate()
@@ -150,6 +162,7 @@ impl Model {
             };
             let now = Instant::now();
             let mut finished = Vec::new();
+            let mut sampled = Vec::with_capacity(active.len());
             for (ci, a) in active.iter_mut().enumerate() {
                 if a.fresh {
                     a.fresh = false;
@@ -161,6 +174,7 @@ impl Model {
                 let position = (r.prompt.len() + a.tokens.len()) as u64;
                 let tok = sampling::sample(l, &r.sampling, r.sample_index, position, &mut scratch);
                 a.tokens.push(tok);
+                sampled.push(a.index);
                 a.logprobs
                     .push(sampling::token_logprob(l, r.sampling.temperature, tok));
                 if r.sampling.stop_token_ids.contains(&tok) {
@@ -169,6 +183,7 @@ impl Model {
                     finished.push((ci, FinishReason::Length));
                 }
             }
+            on_step(&sampled);
             for &(ci, finish) in finished.iter().rev() {
                 let a = active.remove(ci);
                 outputs[a.index] = Some(GenOutput {

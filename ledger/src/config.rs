@@ -1,34 +1,36 @@
-//! Tunables of the ledger: the scheduler's α and β, lease sizing, attempts, and the bounds on
-//! every request. [`LedgerConfig::validate`] refuses configurations that would make the
-//! scheduler or the lease rules meaningless (α or β outside `[0, 1]`, floor above ceiling, …).
+//! Tunables of the ledger: the scheduler's α and β, lease sizing, attempts, the claim timeout,
+//! and the bounds on every request. [`LedgerConfig::validate`] refuses configurations that
+//! would make the scheduler or the lease rules meaningless (α or β outside `[0, 1]`, floor
+//! above ceiling, …).
 
 use std::time::Duration;
 
 use thiserror::Error;
 
-/// How leases are sized: `clamp(multiple × median completion time, floor, ceiling)`.
+/// How leases are sized (see `lease`): a claimed job's lease covers the token budget of every
+/// job its actor holds at the actor's measured throughput, times `margin`, within
+/// `[floor, ceiling]`; `initial` before the actor is measured. Progress extends a lease to
+/// `now + max(floor, margin × time since the previous progress)`.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LeaseConfig {
-    /// Multiple of the observed median completion time (SparrowRL uses 2–3).
-    pub multiple: f64,
-    /// Shortest lease ever granted.
+    /// Safety factor over the expected generation time (and over the progress interval).
+    pub margin: f64,
+    /// Shortest lease ever granted, and the shortest extension by progress: a job whose
+    /// generation stopped moving expires this long after its last progress.
     pub floor: Duration,
-    /// Longest lease ever granted.
+    /// Longest lease ever granted at claim.
     pub ceiling: Duration,
-    /// Lease granted before any completion has been observed.
+    /// Lease granted to an actor not yet measured (or for a job of unknown budget).
     pub initial: Duration,
-    /// How many recent completion times the median is taken over.
-    pub window: usize,
 }
 
 impl Default for LeaseConfig {
     fn default() -> Self {
         LeaseConfig {
-            multiple: 2.5,
+            margin: 2.0,
             floor: Duration::from_secs(10),
-            ceiling: Duration::from_secs(600),
+            ceiling: Duration::from_secs(3_600),
             initial: Duration::from_secs(120),
-            window: 1024,
         }
     }
 }
@@ -49,6 +51,14 @@ pub struct LedgerConfig {
     /// An actor without a heartbeat for this long is not scheduled, and the unclaimed jobs
     /// assigned to it return to the shared pool at the next expiry sweep.
     pub actor_timeout: Duration,
+    /// A share of a batch from which its actor has claimed nothing for this long (counted
+    /// from the batch's scheduling, then from its last claim from the share) returns to the
+    /// shared pool at the next sweep, and the actor is not scheduled again until it claims.
+    pub claim_timeout: Duration,
+    /// The longest gap between an actor's accepted submit and its next successful claim that
+    /// still counts as its own round trip in its throughput (longer: it was idle, and the
+    /// next measurement starts at the claim).
+    pub max_claim_gap: Duration,
     /// Largest number of prompts in one batch.
     pub max_batch_size: usize,
     /// Largest number of jobs in one claim, renew or submit call.
@@ -76,6 +86,8 @@ impl Default for LedgerConfig {
             lease: LeaseConfig::default(),
             max_attempts: 5,
             actor_timeout: Duration::from_secs(60),
+            claim_timeout: Duration::from_secs(10),
+            max_claim_gap: Duration::from_secs(2),
             max_batch_size: 1 << 20,
             max_per_call: 4096,
             max_prompt_bytes: 1 << 20,
@@ -100,12 +112,15 @@ pub enum ConfigError {
     /// The initial τ must be finite and positive.
     #[error("initial tau {0} must be finite and positive")]
     InitialTau(f64),
-    /// The lease multiple must be finite and positive.
-    #[error("lease multiple {0} must be finite and positive")]
-    LeaseMultiple(f64),
+    /// The lease margin must be finite and at least 1.
+    #[error("lease margin {0} must be a finite number of at least 1")]
+    LeaseMargin(f64),
     /// The lease floor, initial value and ceiling must be ordered and non-zero.
     #[error("lease bounds must satisfy 0 < floor <= initial <= ceiling")]
     LeaseBounds,
+    /// The claim timeout must be positive.
+    #[error("the claim timeout must be positive")]
+    ClaimTimeout,
     /// Every size bound must be at least 1.
     #[error("{0} must be at least 1")]
     ZeroBound(&'static str),
@@ -124,14 +139,16 @@ impl LedgerConfig {
             return Err(ConfigError::InitialTau(self.initial_tau));
         }
         let l = &self.lease;
-        if !(l.multiple.is_finite() && l.multiple > 0.0) {
-            return Err(ConfigError::LeaseMultiple(l.multiple));
+        if !(l.margin.is_finite() && l.margin >= 1.0) {
+            return Err(ConfigError::LeaseMargin(l.margin));
+        }
+        if self.claim_timeout.is_zero() {
+            return Err(ConfigError::ClaimTimeout);
         }
         if l.floor.is_zero() || l.floor > l.initial || l.initial > l.ceiling {
             return Err(ConfigError::LeaseBounds);
         }
         for (name, v) in [
-            ("lease.window", l.window),
             ("max_attempts", self.max_attempts as usize),
             ("max_batch_size", self.max_batch_size),
             ("max_per_call", self.max_per_call),
@@ -169,5 +186,8 @@ mod tests {
             ..LedgerConfig::default()
         };
         assert_eq!(bad.validate(), Err(ConfigError::ZeroBound("max_per_call")));
+        let mut bad = LedgerConfig::default();
+        bad.lease.margin = 0.5;
+        assert_eq!(bad.validate(), Err(ConfigError::LeaseMargin(0.5)));
     }
 }

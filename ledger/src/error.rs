@@ -81,6 +81,14 @@ pub enum PostError {
         /// Its size.
         len: usize,
     },
+    /// The budgets do not match the prompts one for one.
+    #[error("{budgets} token budgets for {prompts} prompts")]
+    BudgetCount {
+        /// Prompts posted.
+        prompts: usize,
+        /// Budgets given.
+        budgets: usize,
+    },
     /// The sampling parameters are larger than `max_sampling_bytes`.
     #[error("sampling parameters above the size limit")]
     SamplingTooLarge,
@@ -120,12 +128,20 @@ pub enum ClaimError {
     Database(#[from] sqlx::Error),
 }
 
-/// Renewing leases failed.
+/// Recording progress (and extending leases) failed.
 #[derive(Debug, Error)]
-pub enum RenewError {
+pub enum ProgressError {
     /// More jobs than `max_per_call`.
-    #[error("renewal of {0} jobs exceeds the limit of {1}")]
+    #[error("progress report of {0} jobs exceeds the limit of {1}")]
     TooMany(usize, usize),
+    /// The database failed.
+    #[error("ledger database")]
+    Database(#[from] sqlx::Error),
+}
+
+/// Releasing a closed connection's leases failed.
+#[derive(Debug, Error)]
+pub enum ReleaseError {
     /// The database failed.
     #[error("ledger database")]
     Database(#[from] sqlx::Error),
@@ -201,7 +217,8 @@ retryable!(
     PostError,
     ScheduleError,
     ClaimError,
-    RenewError,
+    ProgressError,
+    ReleaseError,
     ExpireError,
     SubmitError
 );

@@ -144,6 +144,30 @@ impl fmt::Display for BatchId {
     }
 }
 
+/// One job connection of an actor: each registration of the actor takes the next number, and
+/// the leases it claims are tagged with it, so closing one connection releases exactly what
+/// that connection held (not what a newer connection of the same actor claimed since).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Session(pub(crate) i64);
+
+impl Session {
+    /// A session from its number (as logged).
+    pub fn from_raw(n: i64) -> Session {
+        Session(n)
+    }
+
+    /// The session number.
+    pub fn raw(self) -> i64 {
+        self.0
+    }
+}
+
+impl fmt::Display for Session {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "session#{}", self.0)
+    }
+}
+
 /// The 128-bit homomorphic state digest of a version's weights.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Digest(pub [u8; 16]);

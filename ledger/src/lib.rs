@@ -4,9 +4,10 @@
 //!
 //! Architecture invariants:
 //! - the database is the only source of truth: every state change is one transaction, and
-//!   everything in memory (the lease-length window) is rebuilt from it on open;
+//!   nothing the ledger decides is held in memory (leases, their sessions, throughput
+//!   measurements and stalls are rows), so a restarted hub carries on from the database;
 //! - a job is in exactly one state (`posted → pending → leased → done`, or back to `pending`
-//!   on lease expiry, or `failed` after `max_attempts` expiries), enforced by CHECK
+//!   on lease expiry or release, or `failed` after `max_attempts` leases), enforced by CHECK
 //!   constraints and verified by [`Ledger::check_invariants`];
 //! - a result is accepted at most once per job (transactional check + `UNIQUE (job_id)`), and
 //!   only under a valid lease held by the submitter, with the job's version and that
@@ -14,8 +15,9 @@
 //! - the ledger never reads a clock: every operation takes `now` (see [`clock`]);
 //! - every request is bounded ([`LedgerConfig`]).
 //!
-//! Code map: [`schedule`] (pure Algorithm 1), `verdict` (pure acceptance rule), `lease`
-//! (lease sizing), `sqlite` and `postgres` (the two backends), `sql` (what they share),
+//! Code map: [`schedule`] (pure Algorithm 1 and the delivery interval τ is measured over),
+//! `verdict` (pure acceptance rule), `lease` (pure lease sizing and progress), `sqlite` and
+//! `postgres` (the two backends), `sql` (what they share),
 //! [`invariants`] (checks over all rows). See `docs/ledger.md`.
 
 pub mod clock;
@@ -33,26 +35,25 @@ mod sqlite;
 mod verdict;
 
 use std::future::Future;
-use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 pub use config::{ConfigError, LeaseConfig, LedgerConfig};
 pub use error::{
-    ActorError, CancelError, ClaimError, ExpireError, OpenError, PostError, ReadError, RenewError,
-    ScheduleError, SubmitError, VersionError,
+    ActorError, CancelError, ClaimError, ExpireError, OpenError, PostError, ProgressError,
+    ReadError, ReleaseError, ScheduleError, SubmitError, VersionError,
 };
 pub use ids::{
-    ActorId, BatchId, Digest, InvalidActorId, JobId, Timestamp, Version, VersionOutOfRange,
+    ActorId, BatchId, Digest, InvalidActorId, JobId, Session, Timestamp, Version, VersionOutOfRange,
 };
 pub use invariants::{InvariantError, InvariantViolation};
 pub use model::{
     ActorAssignment, ActorInfo, Assignment, BatchInfo, ClaimedJob, ExpireReport, JobCounts,
-    JobState, JobView, Rejection, RenewReport, ResultSubmission, SubmitOutcome, VersionState,
+    JobState, JobView, ProgressReport, Rejection, ReleaseReport, ResultSubmission, SubmitOutcome,
+    VersionState,
 };
 pub use run::{AcceptedResult, BatchStatus, JobPayload, VersionRecord};
 
 use error::Retryable;
-use lease::LeaseEstimator;
 
 /// Which database a ledger runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,7 +101,6 @@ async fn retry<T, E: Retryable, F: Future<Output = Result<T, E>>>(
 pub struct Ledger {
     store: Store,
     config: LedgerConfig,
-    leases: Mutex<LeaseEstimator>,
 }
 
 const MAX_LABEL: usize = 256;
@@ -120,20 +120,7 @@ impl Ledger {
         } else {
             return Err(OpenError::UnsupportedUrl(url.to_owned()));
         };
-        let window = config.lease.window;
-        let recent = match &store {
-            Store::Sqlite(s) => s.recent_completions(window).await?,
-            Store::Postgres(s) => s.recent_completions(window).await?,
-        };
-        let mut leases = LeaseEstimator::new(config.lease.clone());
-        for ms in recent.into_iter().rev() {
-            leases.observe(Duration::from_millis(u64::try_from(ms).unwrap_or(0)));
-        }
-        Ok(Ledger {
-            store,
-            config,
-            leases: Mutex::new(leases),
-        })
+        Ok(Ledger { store, config })
     }
 
     /// Closes the connection pool, waiting for queries in flight.
@@ -157,14 +144,6 @@ impl Ledger {
         &self.config
     }
 
-    /// The lease length granted now: clamp(multiple × median completion time, floor, ceiling).
-    pub fn lease_length(&self) -> Duration {
-        self.leases
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .lease()
-    }
-
     /// Registers version `version` (as staged) with its base and weight digest. Idempotent
     /// when repeated with the same base and digest.
     pub async fn register_version(
@@ -186,14 +165,16 @@ impl Ledger {
         on_store!(self, s => s.commit_version(version, now))
     }
 
-    /// Registers an actor (or updates its labels if known; its τ is kept).
+    /// Registers an actor (or updates its labels if known; its τ is kept) for a new job
+    /// connection, and returns that connection's session: the leases it claims are tagged
+    /// with it, and [`Ledger::release`] returns them when the connection closes.
     pub async fn register_actor(
         &self,
         id: &ActorId,
         region: &str,
         hardware: &str,
         now: Timestamp,
-    ) -> Result<(), ActorError> {
+    ) -> Result<Session, ActorError> {
         if region.len() > MAX_LABEL {
             return Err(ActorError::LabelTooLong("region"));
         }
@@ -240,7 +221,29 @@ impl Ledger {
         max_staleness: u64,
         now: Timestamp,
     ) -> Result<BatchId, PostError> {
+        let budgets = vec![0; prompts.len()];
+        self.post_batch_budgeted(version, prompts, &budgets, sampling, max_staleness, now)
+            .await
+    }
+
+    /// Posts a batch as [`Ledger::post_batch_bounded`] does, with each job's token budget
+    /// (`n × max_new_tokens` + prompt tokens; 0 = unknown), which sizes its lease at claim.
+    pub async fn post_batch_budgeted(
+        &self,
+        version: Version,
+        prompts: &[Vec<u8>],
+        budgets: &[u64],
+        sampling: &str,
+        max_staleness: u64,
+        now: Timestamp,
+    ) -> Result<BatchId, PostError> {
         let c = &self.config;
+        if budgets.len() != prompts.len() {
+            return Err(PostError::BudgetCount {
+                prompts: prompts.len(),
+                budgets: budgets.len(),
+            });
+        }
         if prompts.is_empty() {
             return Err(PostError::Empty);
         }
@@ -261,7 +264,7 @@ impl Ledger {
             return Err(PostError::SamplingTooLarge);
         }
         let bound = i64::try_from(max_staleness).unwrap_or(i64::MAX);
-        on_store!(self, s => s.post_batch(version, prompts, sampling, bound, now))
+        on_store!(self, s => s.post_batch(version, prompts, budgets, sampling, bound, now))
     }
 
     /// Schedules a posted batch (Algorithm 1): splits it over the eligible actors in
@@ -281,9 +284,15 @@ impl Ledger {
         on_store!(self, s => s.schedule(batch, now, alpha, timeout, split))
     }
 
-    /// Leases up to `max` jobs to `actor`: first from its own share of scheduled batches, then
-    /// from the shared pool (jobs returned by expiry or released from silent actors) of the
-    /// version it is active on.
+    /// Leases up to `max` jobs to `actor`, tagged with its newest session: first from its own
+    /// share of scheduled batches, then — only if it held no lease before this claim, so a
+    /// pipelining actor does not take pooled jobs an idle one could start at once — from the
+    /// shared pool (jobs returned by expiry, release or the claim timeout). Either way only
+    /// jobs of versions it can run now: its active version, or the next one once it has
+    /// staged it. Each lease covers the budget of everything the actor then holds at its
+    /// measured throughput (see `lease`). The claim also tells the ledger the actor takes
+    /// work (a stalled actor is scheduled again) and moves its delivery interval
+    /// ([`schedule::interval_after_claim`]).
     pub async fn claim(
         &self,
         actor: &ActorId,
@@ -293,41 +302,73 @@ impl Ledger {
         if max > self.config.max_per_call {
             return Err(ClaimError::TooMany(max, self.config.max_per_call));
         }
-        if max == 0 {
-            return Ok(Vec::new());
-        }
-        let lease = self.lease_length();
-        on_store!(self, s => s.claim(actor, max, now, lease))
+        let c = &self.config;
+        on_store!(self, s => s.claim(actor, max, now, &c.lease, c.max_claim_gap))
     }
 
-    /// Extends the leases `actor` still validly holds to `now + lease length`; the others are
-    /// reported lost.
-    pub async fn renew(
+    /// Records `actor`'s progress — tokens generated so far for each job it holds — and, if
+    /// any count moved, extends the reported leases it still holds (see `lease`). Jobs it no
+    /// longer holds are reported lost.
+    pub async fn progress(
         &self,
         actor: &ActorId,
-        jobs: &[JobId],
+        jobs: &[(JobId, u64)],
         now: Timestamp,
-    ) -> Result<RenewReport, RenewError> {
+    ) -> Result<ProgressReport, ProgressError> {
         if jobs.len() > self.config.max_per_call {
-            return Err(RenewError::TooMany(jobs.len(), self.config.max_per_call));
+            return Err(ProgressError::TooMany(jobs.len(), self.config.max_per_call));
         }
-        let lease = self.lease_length();
-        on_store!(self, s => s.renew(actor, jobs, now, lease))
+        if jobs.is_empty() {
+            return Ok(ProgressReport::default());
+        }
+        let lease = &self.config.lease;
+        on_store!(self, s => s.progress(actor, jobs, now, lease))
+    }
+
+    /// The job connection `session` of `actor` closed: its leases go back to the shared pool
+    /// at once (the attempt counts; a job on its last attempt fails), and if it was the
+    /// actor's newest connection, the unclaimed rest of its shares too and its delivery
+    /// interval ends.
+    pub async fn release(
+        &self,
+        actor: &ActorId,
+        session: Session,
+        now: Timestamp,
+    ) -> Result<ReleaseReport, ReleaseError> {
+        let max_attempts = self.config.max_attempts;
+        on_store!(self, s => s.release(actor, session, now, max_attempts))
+    }
+
+    /// `actor` connected as `keep` and holds no other live connection: the leases its earlier
+    /// sessions still hold (their connections died, or a previous hub process served them)
+    /// go back to the pool at once, as [`Ledger::release`] would have returned them.
+    pub async fn release_others(
+        &self,
+        actor: &ActorId,
+        keep: Session,
+    ) -> Result<ReleaseReport, ReleaseError> {
+        let max_attempts = self.config.max_attempts;
+        on_store!(self, s => s.release_others(actor, keep, max_attempts))
     }
 
     /// Returns jobs whose lease expired before `now` to the shared pool (or fails them after
-    /// `max_attempts`), and releases unclaimed shares of actors silent for `actor_timeout`.
+    /// `max_attempts`), releases unclaimed shares of actors silent for `actor_timeout`, and
+    /// returns shares nobody claimed from for `claim_timeout` (marking their actors stalled).
     /// Handles at most `max_expire_per_sweep` leases per call.
     pub async fn expire(&self, now: Timestamp) -> Result<ExpireReport, ExpireError> {
         let c = &self.config;
         let (max_attempts, limit, timeout) =
             (c.max_attempts, c.max_expire_per_sweep, c.actor_timeout);
-        on_store!(self, s => s.expire(now, max_attempts, limit, timeout))
+        let claim_cutoff = now.minus(c.claim_timeout);
+        on_store!(self, s => s.expire(now, max_attempts, limit, timeout, claim_cutoff))
     }
 
     /// Submits results from `actor`, in one transaction. Each gets a verdict: accepted exactly
-    /// once per job, or rejected with a [`Rejection`] the actor can act on. Accepted results
-    /// update the actor's τ (EMA with β) and the lease-length window.
+    /// once per job, or rejected with a [`Rejection`] the actor can act on. The accepted
+    /// tokens over the wall time of the actor's delivery interval (on the hub's clock: from
+    /// its previous accepted submit, or from the claim that ended its idleness) update its τ
+    /// (EMA with β; the first measurement replaces the initial guess), and open the next
+    /// interval.
     pub async fn submit(
         &self,
         actor: &ActorId,
@@ -348,12 +389,7 @@ impl Ledger {
             return Ok(Vec::new());
         }
         let beta = c.beta;
-        let (outcomes, completions) = on_store!(self, s => s.submit(actor, results, now, beta))?;
-        let mut leases = self.leases.lock().unwrap_or_else(PoisonError::into_inner);
-        for d in completions {
-            leases.observe(d);
-        }
-        Ok(outcomes)
+        on_store!(self, s => s.submit(actor, results, now, beta))
     }
 
     /// Checks every invariant over all rows; returns the violated ones.

@@ -99,8 +99,8 @@ pub struct ResultSubmission {
     pub digest: Digest,
     /// Tokens generated.
     pub tokens: u32,
-    /// Wall-clock generation time attributable to this result (for a generation batch of k
-    /// prompts that took T, T/k each), used for τ.
+    /// The generation time the actor reports for this result. Stored with the result for
+    /// information only: τ is measured on the hub's clock, never from times an actor reports.
     pub elapsed: Duration,
     /// The rollout.
     pub payload: Vec<u8>,
@@ -186,16 +186,28 @@ pub struct SubmitOutcome {
     pub verdict: Result<(), Rejection>,
 }
 
-/// The outcome of a renew call.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RenewReport {
-    /// Leases that were extended.
-    pub renewed: Vec<JobId>,
-    /// Their new expiry.
-    pub expires: Timestamp,
-    /// Jobs whose lease the actor no longer holds (expired, re-leased, done, unknown): stop
-    /// working on them.
+/// The outcome of a progress report.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ProgressReport {
+    /// Leases that were extended (the report showed the actor's generation moving).
+    pub extended: Vec<JobId>,
+    /// Leases still held but not extended (nothing the actor reported moved).
+    pub unmoved: Vec<JobId>,
+    /// Jobs whose lease the actor no longer holds (expired, released, re-leased, done,
+    /// unknown): stop working on them.
     pub lost: Vec<JobId>,
+}
+
+/// What releasing a closed connection's leases did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReleaseReport {
+    /// Leased jobs that went back to the shared pool (their attempt counts).
+    pub returned: u64,
+    /// Leased jobs that had used their last attempt and failed.
+    pub failed: u64,
+    /// Unclaimed jobs of the actor's shares that went back to the shared pool (only when the
+    /// closed connection was the actor's newest).
+    pub unassigned: u64,
 }
 
 /// What an expiry sweep did.
@@ -207,6 +219,9 @@ pub struct ExpireReport {
     pub failed: u64,
     /// Unclaimed jobs taken back from actors that stopped sending heartbeats.
     pub released: u64,
+    /// Unclaimed jobs taken back from shares their actor did not claim from within the claim
+    /// timeout.
+    pub unclaimed: u64,
 }
 
 impl ExpireReport {
@@ -229,10 +244,15 @@ pub struct ActorInfo {
     pub active: Option<Version>,
     /// The version it has staged.
     pub staged: Option<Version>,
-    /// Throughput estimate τ, tokens per second.
+    /// Throughput estimate τ, tokens per second, as the hub measured it (its initial guess
+    /// until `measured`).
     pub tau: f64,
+    /// How many deliveries τ was measured from.
+    pub measured: u64,
     /// Last heartbeat.
     pub last_heartbeat: Timestamp,
+    /// When a share of it last timed out unclaimed, if it has not claimed since.
+    pub stalled_since: Option<Timestamp>,
 }
 
 /// A posted batch.

@@ -11,12 +11,16 @@ use std::time::Duration;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{PgPool, Row};
 
+use std::collections::{BTreeSet, HashMap};
+
+use crate::config::LeaseConfig;
 use crate::error::*;
-use crate::ids::{ActorId, BatchId, Digest, JobId, Timestamp, Version};
+use crate::ids::{ActorId, BatchId, Digest, JobId, Session, Timestamp, Version};
 use crate::invariants::{InvariantError, InvariantViolation, RULES};
+use crate::lease::{self, ProgressRow};
 use crate::model::*;
 use crate::schedule;
-use crate::sql;
+use crate::sql::{self, Get};
 
 #[derive(Debug, Clone)]
 pub(crate) struct PgStore {
@@ -42,14 +46,6 @@ impl PgStore {
 
     pub(crate) async fn close(&self) {
         self.pool.close().await;
-    }
-
-    pub(crate) async fn recent_completions(&self, n: usize) -> Result<Vec<i64>, sqlx::Error> {
-        let rows = sqlx::query(sql::RECENT_COMPLETIONS)
-            .bind(i64::try_from(n).unwrap_or(i64::MAX))
-            .fetch_all(&self.pool)
-            .await?;
-        rows.iter().map(|r| r.try_get::<i64, _>(0)).collect()
     }
 
     pub(crate) async fn register_version(
@@ -124,18 +120,18 @@ impl PgStore {
         hardware: &str,
         tau: f64,
         now: Timestamp,
-    ) -> Result<(), ActorError> {
+    ) -> Result<Session, ActorError> {
         let mut tx = self.pool.begin().await?;
-        sqlx::query(sql::UPSERT_ACTOR)
+        let session: i64 = sqlx::query_scalar(sql::UPSERT_ACTOR)
             .bind(id.as_str())
             .bind(region)
             .bind(hardware)
             .bind(tau)
             .bind(now.millis())
-            .execute(&mut *tx)
+            .fetch_one(&mut *tx)
             .await?;
         tx.commit().await?;
-        Ok(())
+        Ok(Session(session))
     }
 
     pub(crate) async fn heartbeat(
@@ -164,6 +160,7 @@ impl PgStore {
         &self,
         version: Version,
         prompts: &[Vec<u8>],
+        budgets: &[u64],
         sampling: &str,
         max_staleness: i64,
         now: Timestamp,
@@ -187,11 +184,16 @@ impl PgStore {
             .bind(max_staleness)
             .fetch_one(&mut *tx)
             .await?;
-        for chunk in prompts.chunks(8192) {
+        for (chunk, budgets) in prompts.chunks(8192).zip(budgets.chunks(8192)) {
+            let budgets: Vec<i64> = budgets
+                .iter()
+                .map(|b| i64::try_from(*b).unwrap_or(i64::MAX))
+                .collect();
             sqlx::query(PG_INSERT_JOBS)
                 .bind(batch)
                 .bind(version.to_db())
                 .bind(chunk)
+                .bind(budgets)
                 .execute(&mut *tx)
                 .await?;
         }
@@ -264,59 +266,174 @@ impl PgStore {
         actor: &ActorId,
         max: usize,
         now: Timestamp,
-        lease: Duration,
+        lease: &LeaseConfig,
+        max_gap: Duration,
     ) -> Result<Vec<ClaimedJob>, ClaimError> {
         let mut tx = self.pool.begin().await?;
-        let active: Option<Option<i64>> = sqlx::query_scalar(sql::ACTOR_ACTIVE)
+        let row = sqlx::query(PG_ACTOR_FOR_CLAIM)
             .bind(actor.as_str())
             .fetch_optional(&mut *tx)
             .await?;
-        let Some(active) = active else {
+        let Some(row) = row else {
             return Err(ClaimError::UnknownActor(actor.clone()));
         };
-        let expires = now.plus(lease);
-        let limit = i64::try_from(max).unwrap_or(i64::MAX);
-        let mut rows = sqlx::query(PG_CLAIM_ASSIGNED)
+        let who = sql::claiming_actor(&row)?;
+        let held = sqlx::query(sql::HELD_BUDGET)
             .bind(actor.as_str())
-            .bind(now.millis())
-            .bind(expires.millis())
-            .bind(limit)
-            .fetch_all(&mut *tx)
+            .fetch_one(&mut *tx)
             .await?;
-        if let (Some(active), true) = (active, rows.len() < max) {
-            let more = sqlx::query(PG_CLAIM_OPEN)
+        let held_before = u64::try_from(held.i64("n")?).unwrap_or(0);
+        // A placeholder expiry, set for real below once the held budget is known.
+        let expires = now.plus(lease.initial);
+        let limit = i64::try_from(max).unwrap_or(i64::MAX);
+        let mut rows = Vec::new();
+        if let (Some(runnable), true) = (who.runnable, max > 0) {
+            rows = sqlx::query(PG_CLAIM_ASSIGNED)
                 .bind(actor.as_str())
                 .bind(now.millis())
                 .bind(expires.millis())
-                .bind(limit - rows.len() as i64)
-                .bind(active)
+                .bind(limit)
+                .bind(runnable)
+                .bind(who.session)
                 .fetch_all(&mut *tx)
                 .await?;
-            rows.extend(more);
+            if rows.len() < max && held_before == 0 {
+                let more = sqlx::query(PG_CLAIM_OPEN)
+                    .bind(actor.as_str())
+                    .bind(now.millis())
+                    .bind(expires.millis())
+                    .bind(limit - rows.len() as i64)
+                    .bind(runnable)
+                    .bind(who.session)
+                    .fetch_all(&mut *tx)
+                    .await?;
+                rows.extend(more);
+            }
         }
-        let jobs = sql::claimed_jobs(&rows, expires)?;
+        let mut jobs = sql::claimed_jobs(&rows, expires)?;
+        if !jobs.is_empty() {
+            let budget: i64 = sqlx::query(sql::HELD_BUDGET)
+                .bind(actor.as_str())
+                .fetch_one(&mut *tx)
+                .await?
+                .i64("budget")?;
+            let length = lease::at_claim(
+                u64::try_from(budget).unwrap_or(0),
+                who.tau,
+                who.measured,
+                lease,
+            );
+            let expires = now.plus(length);
+            sqlx::query(PG_SET_EXPIRY)
+                .bind(expires.millis())
+                .bind(jobs.iter().map(|j| j.id.0).collect::<Vec<i64>>())
+                .execute(&mut *tx)
+                .await?;
+            for j in &mut jobs {
+                j.lease_expires = expires;
+            }
+            let batches: BTreeSet<i64> = jobs.iter().map(|j| j.batch.0).collect();
+            for b in batches {
+                sqlx::query(sql::TOUCH_ASSIGNMENT)
+                    .bind(b)
+                    .bind(actor.as_str())
+                    .bind(now.millis())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+        }
+        let interval =
+            schedule::interval_after_claim(who.busy_since, held_before, jobs.len(), now, max_gap);
+        sqlx::query(sql::ACTOR_CLAIMED)
+            .bind(actor.as_str())
+            .bind(interval.map(Timestamp::millis))
+            .execute(&mut *tx)
+            .await?;
         tx.commit().await?;
         Ok(jobs)
     }
 
-    pub(crate) async fn renew(
+    pub(crate) async fn progress(
         &self,
         actor: &ActorId,
-        jobs: &[JobId],
+        jobs: &[(JobId, u64)],
         now: Timestamp,
-        lease: Duration,
-    ) -> Result<RenewReport, RenewError> {
-        let expires = now.plus(lease);
+        lease: &LeaseConfig,
+    ) -> Result<ProgressReport, ProgressError> {
         let mut tx = self.pool.begin().await?;
-        let renewed: Vec<i64> = sqlx::query_scalar(PG_RENEW)
+        let rows = sqlx::query(PG_PROGRESS_ROWS)
+            .bind(jobs.iter().map(|(j, _)| j.0).collect::<Vec<i64>>())
+            .fetch_all(&mut *tx)
+            .await?;
+        let rows: HashMap<i64, ProgressRow> = rows
+            .iter()
+            .map(|r| sql::progress_row(r, actor, now))
+            .collect::<Result<_, _>>()?;
+        let (extensions, report) = lease::on_progress(now, jobs, &rows, lease);
+        for (job, expires, tokens) in extensions {
+            sqlx::query(sql::EXTEND_LEASE)
+                .bind(job.0)
+                .bind(expires.millis())
+                .bind(i64::try_from(tokens).unwrap_or(i64::MAX))
+                .bind(now.millis())
+                .bind(actor.as_str())
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(report)
+    }
+
+    pub(crate) async fn release(
+        &self,
+        actor: &ActorId,
+        session: Session,
+        _now: Timestamp,
+        max_attempts: u32,
+    ) -> Result<ReleaseReport, ReleaseError> {
+        let mut tx = self.pool.begin().await?;
+        // The actor row first (as claim and submit lock it), then its jobs.
+        let newest: Option<i64> = sqlx::query_scalar(PG_ACTOR_SESSION_FOR_UPDATE)
             .bind(actor.as_str())
-            .bind(now.millis())
-            .bind(expires.millis())
-            .bind(jobs.iter().map(|j| j.0).collect::<Vec<i64>>())
+            .fetch_optional(&mut *tx)
+            .await?;
+        let states: Vec<String> = sqlx::query_scalar(sql::RELEASE_SESSION)
+            .bind(actor.as_str())
+            .bind(session.0)
+            .bind(i64::from(max_attempts))
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut unassigned = 0;
+        if newest == Some(session.0) {
+            unassigned = sqlx::query(sql::UNASSIGN_ACTOR)
+                .bind(actor.as_str())
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            sqlx::query(sql::ACTOR_IDLE)
+                .bind(actor.as_str())
+                .execute(&mut *tx)
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(sql::release_report(&states, unassigned))
+    }
+
+    pub(crate) async fn release_others(
+        &self,
+        actor: &ActorId,
+        keep: Session,
+        max_attempts: u32,
+    ) -> Result<ReleaseReport, ReleaseError> {
+        let mut tx = self.pool.begin().await?;
+        let states: Vec<String> = sqlx::query_scalar(sql::RELEASE_OTHER_SESSIONS)
+            .bind(actor.as_str())
+            .bind(keep.0)
+            .bind(i64::from(max_attempts))
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
-        Ok(sql::renew_report(jobs, renewed, expires))
+        Ok(sql::release_report(&states, 0))
     }
 
     pub(crate) async fn expire(
@@ -325,6 +442,7 @@ impl PgStore {
         max_attempts: u32,
         limit: usize,
         actor_timeout: Duration,
+        claim_cutoff: Timestamp,
     ) -> Result<ExpireReport, ExpireError> {
         let mut tx = self.pool.begin().await?;
         let states: Vec<String> = sqlx::query_scalar(PG_EXPIRE)
@@ -338,26 +456,36 @@ impl PgStore {
             .execute(&mut *tx)
             .await?
             .rows_affected();
+        sqlx::query(sql::MARK_STALLED)
+            .bind(claim_cutoff.millis())
+            .bind(now.millis())
+            .execute(&mut *tx)
+            .await?;
+        let unclaimed = sqlx::query(sql::RELEASE_UNCLAIMED)
+            .bind(claim_cutoff.millis())
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
         tx.commit().await?;
-        Ok(sql::expire_report(&states, released))
+        Ok(sql::expire_report(&states, released, unclaimed))
     }
 
-    /// Returns the verdicts and, for accepted results, the observed completion times.
     pub(crate) async fn submit(
         &self,
         actor: &ActorId,
         results: &[ResultSubmission],
         now: Timestamp,
         beta: f64,
-    ) -> Result<(Vec<SubmitOutcome>, Vec<Duration>), SubmitError> {
+    ) -> Result<Vec<SubmitOutcome>, SubmitError> {
         let mut tx = self.pool.begin().await?;
-        let tau: Option<f64> = sqlx::query_scalar(PG_ACTOR_TAU_FOR_UPDATE)
+        let who = sqlx::query(PG_ACTOR_TAU_FOR_UPDATE)
             .bind(actor.as_str())
             .fetch_optional(&mut *tx)
             .await?;
-        let Some(tau) = tau else {
+        let Some(who) = who else {
             return Err(SubmitError::UnknownActor(actor.clone()));
         };
+        let who = sql::settling_actor(&who)?;
         let rows = sqlx::query(PG_SUBMIT_ROWS)
             .bind(results.iter().map(|r| r.job.0).collect::<Vec<i64>>())
             .fetch_all(&mut *tx)
@@ -371,7 +499,7 @@ impl PgStore {
             .fetch_one(&mut *tx)
             .await?;
         let committed = sql::committed(&named, latest)?;
-        let decided = sql::decide(&rows, &committed, results, actor, now, tau, beta);
+        let decided = sql::decide(&rows, &committed, results, actor, now);
         for (batch, reason, n) in sql::refusal_counts(&rows, &decided.outcomes) {
             sqlx::query(sql::COUNT_REFUSALS)
                 .bind(batch)
@@ -420,31 +548,26 @@ impl PgStore {
                 .bind(acc.iter().map(|(_, r)| r.batch).collect::<Vec<i64>>())
                 .execute(&mut *tx)
                 .await?;
-        }
-        if !decided.accepted.is_empty() {
             let done = sqlx::query(PG_MARK_DONE)
                 .bind(actor.as_str())
                 .bind(now.millis())
-                .bind(
-                    decided
-                        .accepted
-                        .iter()
-                        .map(|(s, _)| s.job.0)
-                        .collect::<Vec<i64>>(),
-                )
+                .bind(acc.iter().map(|(s, _)| s.job.0).collect::<Vec<i64>>())
                 .execute(&mut *tx)
                 .await?;
-            if done.rows_affected() != decided.accepted.len() as u64 {
+            if done.rows_affected() != acc.len() as u64 {
                 return Err(SubmitError::Conflict);
             }
-            sqlx::query(sql::SET_TAU)
+        }
+        if let Some(tau) = sql::settle_submit(&who, &decided, now, beta) {
+            sqlx::query(sql::SETTLE_ACTOR)
                 .bind(actor.as_str())
-                .bind(decided.tau)
+                .bind(tau)
+                .bind(now.millis())
                 .execute(&mut *tx)
                 .await?;
         }
         tx.commit().await?;
-        Ok((decided.outcomes, decided.completions))
+        Ok(decided.outcomes)
     }
 
     pub(crate) async fn check_invariants(&self, max_attempts: u32) -> Result<(), InvariantError> {
@@ -519,31 +642,41 @@ impl PgStore {
     }
 }
 
-const PG_INSERT_JOBS: &str = "INSERT INTO jobs (batch_id, version, prompt, state) \
-     SELECT $1, $2, p, 'posted' FROM UNNEST($3::bytea[]) WITH ORDINALITY AS u(p, n) ORDER BY n";
+const PG_INSERT_JOBS: &str = "INSERT INTO jobs (batch_id, version, prompt, state, budget) \
+     SELECT $1, $2, p, 'posted', b FROM UNNEST($3::bytea[], $4::bigint[]) WITH ORDINALITY AS u(p, b, n) ORDER BY n";
 
 const PG_BATCH_FOR_UPDATE: &str =
     "SELECT id, version, size, sampling, scheduled_at FROM batches WHERE id = $1 FOR UPDATE";
 
-const PG_ACTORS_FOR_UPDATE: &str = "SELECT id, active_version, staged_version, tau, last_heartbeat FROM actors ORDER BY id FOR UPDATE";
+const PG_ACTORS_FOR_UPDATE: &str = "SELECT id, active_version, staged_version, tau, last_heartbeat, \
+     stalled_at FROM actors ORDER BY id FOR UPDATE";
 
-const PG_ACTOR_TAU_FOR_UPDATE: &str = "SELECT tau FROM actors WHERE id = $1 FOR UPDATE";
+const PG_ACTOR_TAU_FOR_UPDATE: &str =
+    "SELECT tau, measured, busy_since FROM actors WHERE id = $1 FOR UPDATE";
+
+const PG_ACTOR_FOR_CLAIM: &str = "SELECT active_version, staged_version, tau, measured, busy_since, \
+     session FROM actors WHERE id = $1 FOR UPDATE";
+
+const PG_ACTOR_SESSION_FOR_UPDATE: &str = "SELECT session FROM actors WHERE id = $1 FOR UPDATE";
+
+const PG_SET_EXPIRY: &str = "UPDATE jobs SET lease_expires = $1 WHERE id = ANY($2)";
+
+const PG_PROGRESS_ROWS: &str = "SELECT id, state, lease_holder, leased_at, lease_expires, \
+     progress_tokens, progress_at FROM jobs WHERE id = ANY($1) ORDER BY id FOR UPDATE";
 
 const PG_CLAIM_ASSIGNED: &str = "UPDATE jobs SET state = 'leased', assignee = NULL, lease_holder = $1, \
-     leased_at = $2, lease_expires = $3, attempts = attempts + 1 \
-     WHERE id IN (SELECT id FROM jobs WHERE state = 'pending' AND assignee = $1 ORDER BY id LIMIT $4 \
-     FOR UPDATE SKIP LOCKED) \
-     RETURNING id, batch_id, version, prompt, attempts";
-
-const PG_CLAIM_OPEN: &str = "UPDATE jobs SET state = 'leased', lease_holder = $1, \
-     leased_at = $2, lease_expires = $3, attempts = attempts + 1 \
-     WHERE id IN (SELECT id FROM jobs WHERE state = 'pending' AND assignee IS NULL AND version <= $5 \
+     leased_at = $2, lease_expires = $3, attempts = attempts + 1, lease_session = $6, \
+     progress_tokens = 0, progress_at = $2 \
+     WHERE id IN (SELECT id FROM jobs WHERE state = 'pending' AND assignee = $1 AND version <= $5 \
      ORDER BY id LIMIT $4 FOR UPDATE SKIP LOCKED) \
      RETURNING id, batch_id, version, prompt, attempts";
 
-const PG_RENEW: &str = "UPDATE jobs SET lease_expires = GREATEST(lease_expires, $3) \
-     WHERE id = ANY($4) AND state = 'leased' AND lease_holder = $1 AND lease_expires >= $2 \
-     RETURNING id";
+const PG_CLAIM_OPEN: &str = "UPDATE jobs SET state = 'leased', lease_holder = $1, \
+     leased_at = $2, lease_expires = $3, attempts = attempts + 1, lease_session = $6, \
+     progress_tokens = 0, progress_at = $2 \
+     WHERE id IN (SELECT id FROM jobs WHERE state = 'pending' AND assignee IS NULL AND version <= $5 \
+     ORDER BY id LIMIT $4 FOR UPDATE SKIP LOCKED) \
+     RETURNING id, batch_id, version, prompt, attempts";
 
 const PG_EXPIRE: &str = "UPDATE jobs SET state = CASE WHEN attempts >= $2 THEN 'failed' ELSE 'pending' END, \
      lease_holder = NULL, leased_at = NULL, lease_expires = NULL \

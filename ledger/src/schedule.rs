@@ -2,6 +2,15 @@
 //! for a batch of version v, how many prompts each eligible actor gets, who must be sent
 //! COMMIT(v), and how τ moves (decay on exclusion, EMA on settle).
 //!
+//! One change to the paper's eligibility: an actor on v−1 whose D(v) has not finished arriving
+//! is eligible too ([`Eligibility::Arriving`]). A batch is scheduled within a tick of being
+//! posted, which is right after v is published: the near region has staged v by then, a far
+//! one is still receiving it. Excluding it (and decaying its τ) left the demo's far actor with
+//! no work for runs of 7 consecutive steps although v reached it well before the batch ended.
+//! Its share is reserved; the ledger hands it out only once the actor can run v (it reports v
+//! staged or active), and the claim timeout returns a share its actor never comes for to the
+//! shared pool.
+//!
 //! Invariants of [`plan`]: the counts sum to exactly the batch size (largest-remainder
 //! rounding, so no prompt is dropped); ineligible actors get nothing and appear in
 //! `decayed` with τ·α; every eligible actor appears in `shares` (even with a count of zero, so
@@ -17,7 +26,9 @@
 
 use std::cmp::Ordering;
 
-use crate::ids::{ActorId, Version};
+use std::time::Duration;
+
+use crate::ids::{ActorId, Timestamp, Version};
 
 /// What the scheduler needs to know about one registered actor.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,6 +43,9 @@ pub struct ActorState {
     pub tau: f64,
     /// Whether its last heartbeat is recent enough to count it in.
     pub alive: bool,
+    /// Whether a share of it timed out unclaimed and it has not claimed since (a fenced
+    /// engine heartbeats but takes no work): not scheduled until it claims again.
+    pub stalled: bool,
 }
 
 /// Where an actor stands with respect to a target version v.
@@ -43,20 +57,27 @@ pub enum Eligibility {
     OnVersion,
     /// Active on v−1 with D(v) staged: gets work and COMMIT(v).
     NeedsCommit,
-    /// Anything else (behind by more, D(v) not staged, silent): no work, τ decays.
+    /// Active on v−1, D(v) still arriving: gets work (held for it until it can run v, or
+    /// until the claim timeout) and COMMIT(v).
+    Arriving,
+    /// Anything else (behind by more, silent, stalled): no work, τ decays.
     Ineligible,
 }
 
 /// The eligibility rule of Algorithm 1 (lines 3 and 8), with the staging condition of §5.3.
 pub fn eligibility(target: Version, actor: &ActorState) -> Eligibility {
-    if !actor.alive {
+    if !actor.alive || actor.stalled {
         return Eligibility::Ineligible;
     }
     if actor.active.is_some_and(|a| a >= target) {
         return Eligibility::OnVersion;
     }
-    if actor.active.is_some() && actor.active == target.previous() && actor.staged == Some(target) {
-        return Eligibility::NeedsCommit;
+    if actor.active.is_some() && actor.active == target.previous() {
+        return if actor.staged == Some(target) {
+            Eligibility::NeedsCommit
+        } else {
+            Eligibility::Arriving
+        };
     }
     Eligibility::Ineligible
 }
@@ -113,7 +134,7 @@ pub fn plan(
     for a in actors {
         match eligibility(target, a) {
             Eligibility::OnVersion => eligible.push((a, false)),
-            Eligibility::NeedsCommit => eligible.push((a, true)),
+            Eligibility::NeedsCommit | Eligibility::Arriving => eligible.push((a, true)),
             Eligibility::Ineligible => decayed.push((a.id.clone(), a.tau * alpha)),
         }
     }
@@ -189,16 +210,46 @@ pub fn plan(
     Ok(Plan { shares, decayed })
 }
 
-/// The settle rule (Algorithm 1, line 16): τ ← β·τ + (1−β)·tokens/elapsed.
-/// An elapsed time under one millisecond counts as one millisecond.
-pub fn settle(tau: f64, beta: f64, tokens: u32, elapsed_ms: u64) -> f64 {
-    let sample = f64::from(tokens) / (elapsed_ms.max(1) as f64 / 1000.0);
-    let tau = if tau.is_finite() && tau >= 0.0 {
-        tau
-    } else {
-        sample
-    };
+/// The settle rule (Algorithm 1, line 16): τ ← β·τ + (1−β)·tokens/elapsed, where `tokens`
+/// are the tokens of one accepted submit and `elapsed` the wall time on the hub's clock it
+/// took the actor to deliver them (see `docs/ledger.md`). The first measurement of an actor
+/// (`measured` false) replaces the configured initial guess outright. An elapsed time under
+/// one millisecond counts as one millisecond.
+pub fn settle(tau: f64, measured: bool, beta: f64, tokens: u64, elapsed_ms: u64) -> f64 {
+    let sample = tokens as f64 / (elapsed_ms.max(1) as f64 / 1000.0);
+    if !(measured && tau.is_finite() && tau >= 0.0) {
+        return sample;
+    }
     beta * tau + (1.0 - beta) * sample
+}
+
+/// Where an actor's delivery interval stands after a claim (its throughput is measured on the
+/// hub's clock as accepted tokens per second of this interval, see [`settle`]).
+///
+/// `busy_since` is the start of the open interval (none: idle), `held_before` the leases it
+/// held before the claim, `claimed` what the claim leased. An actor that holds work stays in
+/// its interval. An idle actor that got nothing is idle (its wait for work is not its
+/// slowness). An idle actor that got work continues the interval its last accepted submit
+/// opened if that was at most `max_gap` ago — the verdict's trip back, its turnaround and
+/// the claim's trip in are its own round trip, which it pays between every two jobs unless it
+/// pipelines — and otherwise starts a new one now.
+pub fn interval_after_claim(
+    busy_since: Option<Timestamp>,
+    held_before: u64,
+    claimed: usize,
+    now: Timestamp,
+    max_gap: Duration,
+) -> Option<Timestamp> {
+    if held_before > 0 {
+        return Some(busy_since.unwrap_or(now));
+    }
+    if claimed == 0 {
+        return None;
+    }
+    match busy_since {
+        Some(since) if now.since(since) <= max_gap => Some(since),
+        _ => Some(now),
+    }
 }
 
 #[cfg(test)]
@@ -216,6 +267,7 @@ mod tests {
             staged: staged.map(v),
             tau,
             alive: true,
+            stalled: false,
         }
     }
 
@@ -253,7 +305,8 @@ mod tests {
         );
         assert_eq!(
             eligibility(t, &actor("a", Some(9), None, 1.0)),
-            Eligibility::Ineligible
+            Eligibility::Arriving,
+            "one version behind with D(v) on its way: work is held for it"
         );
         assert_eq!(
             eligibility(t, &actor("a", Some(8), Some(9), 1.0)),
@@ -271,6 +324,9 @@ mod tests {
         let mut dead = actor("a", Some(10), None, 1.0);
         dead.alive = false;
         assert_eq!(eligibility(t, &dead), Eligibility::Ineligible);
+        let mut stalled = actor("a", Some(10), None, 1.0);
+        stalled.stalled = true;
+        assert_eq!(eligibility(t, &stalled), Eligibility::Ineligible);
         assert_eq!(
             eligibility(v(0), &actor("a", Some(0), None, 1.0)),
             Eligibility::OnVersion
@@ -361,10 +417,63 @@ mod tests {
 
     #[test]
     fn settle_is_an_ema_of_tokens_per_second() {
-        let tau = settle(100.0, 0.75, 600, 2_000);
+        let tau = settle(100.0, true, 0.75, 600, 2_000);
         assert!((tau - (0.75 * 100.0 + 0.25 * 300.0)).abs() < 1e-9);
-        assert!((settle(f64::NAN, 0.5, 10, 1_000) - 10.0).abs() < 1e-9);
-        assert!(settle(1.0, 0.5, 10, 0).is_finite());
+        assert!((settle(100.0, false, 0.75, 600, 2_000) - 300.0).abs() < 1e-9);
+        assert!((settle(f64::NAN, true, 0.5, 10, 1_000) - 10.0).abs() < 1e-9);
+        assert!(settle(1.0, true, 0.5, 10, 0).is_finite());
+    }
+
+    #[test]
+    fn an_actor_whose_version_is_still_arriving_keeps_its_proportional_share() {
+        // The demo's shape: the near region has staged v when the batch is split, the far
+        // actor is still receiving D(v). It keeps its τ and its share (and is told COMMIT).
+        let actors = [
+            actor("eu-a1", Some(6), Some(7), 300.0),
+            actor("eu-a2", Some(6), Some(7), 100.0),
+            actor("ap-a1", Some(6), None, 200.0),
+        ];
+        let p = plan(v(7), 60, &actors, 0.5, Split::Proportional).expect("eligible");
+        assert_eq!(
+            counts(&p),
+            vec![
+                ("eu-a1".into(), 30, true),
+                ("eu-a2".into(), 10, true),
+                ("ap-a1".into(), 20, true)
+            ]
+        );
+        assert!(p.decayed.is_empty(), "nobody is excluded: {p:?}");
+    }
+
+    #[test]
+    fn the_delivery_interval_counts_round_trips_but_not_idleness() {
+        let t = |ms: i64| Timestamp::from_millis(ms);
+        let gap = Duration::from_secs(2);
+        // Submitted at 1.0 s, claimed again at 1.3 s (a 300 ms round trip) and got work: the
+        // round trip counts.
+        assert_eq!(
+            interval_after_claim(Some(t(1_000)), 0, 4, t(1_300), gap),
+            Some(t(1_000))
+        );
+        // Came back after 10 s: it was idle; measure from the claim.
+        assert_eq!(
+            interval_after_claim(Some(t(1_000)), 0, 4, t(11_000), gap),
+            Some(t(11_000))
+        );
+        // Nothing to do: idle.
+        assert_eq!(
+            interval_after_claim(Some(t(1_000)), 0, 0, t(1_300), gap),
+            None
+        );
+        // Pipelining (it still holds work): the interval goes on whatever this claim got.
+        assert_eq!(
+            interval_after_claim(Some(t(1_000)), 4, 0, t(9_000), gap),
+            Some(t(1_000))
+        );
+        assert_eq!(
+            interval_after_claim(None, 0, 4, t(5_000), gap),
+            Some(t(5_000))
+        );
     }
 
     #[test]

@@ -49,38 +49,71 @@ macro_rules! impl_get {
 impl_get!(sqlx::sqlite::SqliteRow);
 impl_get!(sqlx::postgres::PgRow);
 
-pub(crate) const RECENT_COMPLETIONS: &str =
-    "SELECT completion_ms FROM results ORDER BY id DESC LIMIT $1";
 pub(crate) const VERSION_BY_ID: &str =
     "SELECT version, base, digest, state FROM versions WHERE version = $1";
 pub(crate) const VERSION_STATE: &str = "SELECT state FROM versions WHERE version = $1";
 pub(crate) const INSERT_VERSION: &str = "INSERT INTO versions (version, base, digest, state, created_at) VALUES ($1, $2, $3, 'staged', $4)";
 pub(crate) const COMMIT_VERSION: &str = "UPDATE versions SET state = 'committed', committed_at = $2 WHERE version = $1 AND state = 'staged'";
-pub(crate) const UPSERT_ACTOR: &str = "INSERT INTO actors (id, region, hardware, tau, last_heartbeat, registered_at) \
-     VALUES ($1, $2, $3, $4, $5, $5) \
+pub(crate) const UPSERT_ACTOR: &str = "INSERT INTO actors (id, region, hardware, tau, last_heartbeat, registered_at, session) \
+     VALUES ($1, $2, $3, $4, $5, $5, 1) \
      ON CONFLICT (id) DO UPDATE SET region = excluded.region, hardware = excluded.hardware, \
-     last_heartbeat = excluded.last_heartbeat";
+     last_heartbeat = excluded.last_heartbeat, session = actors.session + 1 \
+     RETURNING session";
 pub(crate) const HEARTBEAT: &str =
     "UPDATE actors SET active_version = $2, staged_version = $3, last_heartbeat = $4 WHERE id = $1";
 pub(crate) const INSERT_BATCH: &str = "INSERT INTO batches (version, size, sampling, created_at, max_staleness) VALUES ($1, $2, $3, $4, $5) RETURNING id";
-pub(crate) const INSERT_JOB: &str =
-    "INSERT INTO jobs (batch_id, version, prompt, state) VALUES ($1, $2, $3, 'posted')";
+pub(crate) const INSERT_JOB: &str = "INSERT INTO jobs (batch_id, version, prompt, state, budget) \
+     VALUES ($1, $2, $3, 'posted', $4)";
 pub(crate) const BATCH_BY_ID: &str =
     "SELECT id, version, size, sampling, scheduled_at FROM batches WHERE id = $1";
-pub(crate) const ACTORS_FOR_SCHEDULE: &str =
-    "SELECT id, active_version, staged_version, tau, last_heartbeat FROM actors ORDER BY id";
+pub(crate) const ACTORS_FOR_SCHEDULE: &str = "SELECT id, active_version, staged_version, tau, last_heartbeat, stalled_at FROM actors ORDER BY id";
 pub(crate) const SET_TAU: &str = "UPDATE actors SET tau = $2 WHERE id = $1";
 pub(crate) const ASSIGN_JOBS: &str = "UPDATE jobs SET state = 'pending', assignee = $1 \
      WHERE id IN (SELECT id FROM jobs WHERE batch_id = $2 AND state = 'posted' ORDER BY id LIMIT $3)";
 pub(crate) const INSERT_ASSIGNMENT: &str =
     "INSERT INTO assignments (batch_id, actor_id, count, commit_version) VALUES ($1, $2, $3, $4)";
 pub(crate) const MARK_SCHEDULED: &str = "UPDATE batches SET scheduled_at = $2 WHERE id = $1";
-pub(crate) const ACTOR_ACTIVE: &str = "SELECT active_version FROM actors WHERE id = $1";
-pub(crate) const ACTOR_TAU: &str = "SELECT tau FROM actors WHERE id = $1";
+pub(crate) const ACTOR_FOR_CLAIM: &str = "SELECT active_version, staged_version, tau, measured, \
+     busy_since, session FROM actors WHERE id = $1";
+pub(crate) const ACTOR_TAU: &str = "SELECT tau, measured, busy_since FROM actors WHERE id = $1";
+pub(crate) const HELD_BUDGET: &str = "SELECT COUNT(*) AS n, CAST(COALESCE(SUM(budget), 0) AS BIGINT) AS budget \
+     FROM jobs WHERE state = 'leased' AND lease_holder = $1";
+pub(crate) const ACTOR_CLAIMED: &str =
+    "UPDATE actors SET busy_since = $2, stalled_at = NULL WHERE id = $1";
+pub(crate) const TOUCH_ASSIGNMENT: &str =
+    "UPDATE assignments SET claimed_at = $3 WHERE batch_id = $1 AND actor_id = $2";
+pub(crate) const SETTLE_ACTOR: &str =
+    "UPDATE actors SET tau = $2, measured = measured + 1, busy_since = $3 WHERE id = $1";
+pub(crate) const EXTEND_LEASE: &str = "UPDATE jobs SET lease_expires = $2, progress_tokens = $3, \
+     progress_at = $4 WHERE id = $1 AND state = 'leased' AND lease_holder = $5";
+pub(crate) const RELEASE_SESSION: &str = "UPDATE jobs SET state = CASE WHEN attempts >= $3 THEN 'failed' ELSE 'pending' END, \
+     assignee = NULL, lease_holder = NULL, leased_at = NULL, lease_expires = NULL \
+     WHERE state = 'leased' AND lease_holder = $1 AND lease_session = $2 RETURNING state";
+pub(crate) const RELEASE_OTHER_SESSIONS: &str = "UPDATE jobs SET state = CASE WHEN attempts >= $3 THEN 'failed' ELSE 'pending' END, \
+     assignee = NULL, lease_holder = NULL, leased_at = NULL, lease_expires = NULL \
+     WHERE state = 'leased' AND lease_holder = $1 AND (lease_session IS NULL OR lease_session <> $2) \
+     RETURNING state";
+pub(crate) const ACTOR_SESSION: &str = "SELECT session FROM actors WHERE id = $1";
+pub(crate) const UNASSIGN_ACTOR: &str =
+    "UPDATE jobs SET assignee = NULL WHERE state = 'pending' AND assignee = $1";
+pub(crate) const ACTOR_IDLE: &str = "UPDATE actors SET busy_since = NULL WHERE id = $1";
+/// Actors holding a share (batch, actor) nobody claimed from since `$1`: counted from the
+/// last claim from the share, or from the batch's scheduling. They are marked stalled at `$2`.
+pub(crate) const MARK_STALLED: &str = "UPDATE actors SET stalled_at = $2 WHERE stalled_at IS NULL AND id IN \
+     (SELECT j.assignee FROM jobs j \
+     JOIN assignments a ON a.batch_id = j.batch_id AND a.actor_id = j.assignee \
+     JOIN batches b ON b.id = j.batch_id \
+     WHERE j.state = 'pending' AND j.assignee IS NOT NULL AND COALESCE(a.claimed_at, b.scheduled_at) < $1)";
+/// Returns those shares' unclaimed jobs to the shared pool.
+pub(crate) const RELEASE_UNCLAIMED: &str = "UPDATE jobs SET assignee = NULL WHERE id IN \
+     (SELECT j.id FROM jobs j \
+     JOIN assignments a ON a.batch_id = j.batch_id AND a.actor_id = j.assignee \
+     JOIN batches b ON b.id = j.batch_id \
+     WHERE j.state = 'pending' AND j.assignee IS NOT NULL AND COALESCE(a.claimed_at, b.scheduled_at) < $1)";
 pub(crate) const RELEASE_SILENT: &str = "UPDATE jobs SET assignee = NULL WHERE state = 'pending' \
      AND assignee IN (SELECT id FROM actors WHERE last_heartbeat < $1)";
 pub(crate) const ACTOR_BY_ID: &str = "SELECT id, region, hardware, active_version, staged_version, tau, \
-     last_heartbeat FROM actors WHERE id = $1";
+     measured, last_heartbeat, stalled_at FROM actors WHERE id = $1";
 pub(crate) const JOB_VIEW: &str = "SELECT j.id, j.state, j.attempts, j.lease_holder, r.actor_id \
      FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1";
 pub(crate) const JOB_COUNTS: &str = "SELECT state, COUNT(*) AS n FROM jobs GROUP BY state";
@@ -123,6 +156,7 @@ pub(crate) fn actor_states<R: Get>(
                 staged: opt_version(r.opt_i64("staged_version")?)?,
                 tau: r.f64("tau")?,
                 alive: r.i64("last_heartbeat")? >= cutoff,
+                stalled: r.opt_i64("stalled_at")?.is_some(),
             })
         })
         .collect()
@@ -166,29 +200,128 @@ pub(crate) fn claimed_jobs<R: Get>(
     Ok(jobs)
 }
 
-pub(crate) fn renew_report(asked: &[JobId], renewed: Vec<i64>, expires: Timestamp) -> RenewReport {
-    let set: HashSet<i64> = renewed.iter().copied().collect();
-    let mut renewed: Vec<JobId> = renewed.into_iter().map(JobId).collect();
-    renewed.sort();
-    let lost = asked
-        .iter()
-        .copied()
-        .filter(|j| !set.contains(&j.0))
-        .collect();
-    RenewReport {
-        renewed,
-        expires,
-        lost,
-    }
-}
-
-pub(crate) fn expire_report(states: &[String], released: u64) -> ExpireReport {
+pub(crate) fn expire_report(states: &[String], released: u64, unclaimed: u64) -> ExpireReport {
     let failed = states.iter().filter(|s| s.as_str() == "failed").count() as u64;
     ExpireReport {
         returned: states.len() as u64 - failed,
         failed,
         released,
+        unclaimed,
     }
+}
+
+pub(crate) fn release_report(states: &[String], unassigned: u64) -> ReleaseReport {
+    let failed = states.iter().filter(|s| s.as_str() == "failed").count() as u64;
+    ReleaseReport {
+        returned: states.len() as u64 - failed,
+        failed,
+        unassigned,
+    }
+}
+
+/// What a claim transaction reads of its actor.
+pub(crate) struct ClaimingActor {
+    /// The newest version it can run now: its active one, or the next one if it has staged
+    /// it (its COMMIT is on the way); none before it holds weights.
+    pub(crate) runnable: Option<i64>,
+    pub(crate) tau: f64,
+    pub(crate) measured: bool,
+    pub(crate) busy_since: Option<Timestamp>,
+    pub(crate) session: i64,
+}
+
+pub(crate) fn claiming_actor<R: Get>(r: &R) -> Result<ClaimingActor, sqlx::Error> {
+    let active = r.opt_i64("active_version")?;
+    let staged = r.opt_i64("staged_version")?;
+    let runnable = match (active, staged) {
+        (Some(a), Some(s)) if s == a.saturating_add(1) => Some(s),
+        (a, _) => a,
+    };
+    Ok(ClaimingActor {
+        runnable,
+        tau: r.f64("tau")?,
+        measured: r.i64("measured")? > 0,
+        busy_since: r.opt_i64("busy_since")?.map(Timestamp::from_millis),
+        session: r.i64("session")?,
+    })
+}
+
+/// A job row of a progress report (`id, state, lease_holder, leased_at, lease_expires,
+/// progress_tokens, progress_at`) as `lease::on_progress` needs it.
+pub(crate) fn progress_row<R: Get>(
+    r: &R,
+    actor: &ActorId,
+    now: Timestamp,
+) -> Result<(i64, crate::lease::ProgressRow), sqlx::Error> {
+    let expires = r.opt_i64("lease_expires")?;
+    let held = JobState::parse(&r.string("state")?)? == JobState::Leased
+        && r.opt_string("lease_holder")?.as_deref() == Some(actor.as_str())
+        && expires.is_some_and(|e| e >= now.millis());
+    let previous = r
+        .opt_i64("progress_at")?
+        .or(r.opt_i64("leased_at")?)
+        .unwrap_or(now.millis());
+    Ok((
+        r.i64("id")?,
+        crate::lease::ProgressRow {
+            held,
+            tokens: u64::try_from(r.i64("progress_tokens")?).unwrap_or(0),
+            previous: Timestamp::from_millis(previous),
+            expires: Timestamp::from_millis(expires.unwrap_or(0)),
+        },
+    ))
+}
+
+/// What a submit transaction reads of its actor to measure it.
+pub(crate) struct SettlingActor {
+    pub(crate) tau: f64,
+    pub(crate) measured: bool,
+    pub(crate) busy_since: Option<Timestamp>,
+}
+
+pub(crate) fn settling_actor<R: Get>(r: &R) -> Result<SettlingActor, sqlx::Error> {
+    Ok(SettlingActor {
+        tau: r.f64("tau")?,
+        measured: r.i64("measured")? > 0,
+        busy_since: r.opt_i64("busy_since")?.map(Timestamp::from_millis),
+    })
+}
+
+/// The new τ and the start of the next interval after an accepted submit (`None`: nothing
+/// was accepted, nothing changes): the accepted tokens over the wall time since the actor's
+/// interval started (its previous accepted submit, or the claim that ended its idleness), or
+/// since the earliest of these leases if no interval is open.
+pub(crate) fn settle_submit(
+    actor: &SettlingActor,
+    decided: &Decided<'_>,
+    now: Timestamp,
+    beta: f64,
+) -> Option<f64> {
+    if decided.accepted.is_empty() {
+        return None;
+    }
+    let tokens: u64 = decided
+        .accepted
+        .iter()
+        .map(|(s, _)| u64::from(s.tokens))
+        .sum();
+    let start = actor.busy_since.unwrap_or_else(|| {
+        let earliest = decided
+            .accepted
+            .iter()
+            .filter_map(|(_, r)| r.leased_at)
+            .min()
+            .unwrap_or(now.millis());
+        Timestamp::from_millis(earliest)
+    });
+    let elapsed = u64::try_from(now.millis().saturating_sub(start.millis())).unwrap_or(0);
+    Some(schedule::settle(
+        actor.tau,
+        actor.measured,
+        beta,
+        tokens,
+        elapsed,
+    ))
 }
 
 pub(crate) fn job_rows<R: Get>(rows: &[R]) -> Result<HashMap<i64, JobRow>, sqlx::Error> {
@@ -217,8 +350,6 @@ pub(crate) fn job_rows<R: Get>(rows: &[R]) -> Result<HashMap<i64, JobRow>, sqlx:
 pub(crate) struct Decided<'a> {
     pub(crate) outcomes: Vec<SubmitOutcome>,
     pub(crate) accepted: Vec<(&'a ResultSubmission, &'a JobRow)>,
-    pub(crate) completions: Vec<Duration>,
-    pub(crate) tau: f64,
 }
 
 /// The committed versions' digests from `version, digest` rows, and the newest committed
@@ -266,35 +397,23 @@ pub(crate) fn decide<'a>(
     results: &'a [ResultSubmission],
     actor: &ActorId,
     now: Timestamp,
-    mut tau: f64,
-    beta: f64,
 ) -> Decided<'a> {
     let mut seen = HashSet::new();
     let mut outcomes = Vec::with_capacity(results.len());
     let mut accepted = Vec::new();
-    let mut completions = Vec::new();
     for sub in results {
         let row = rows.get(&sub.job.0);
         let verdict = judge(row, sub, committed, actor, now, seen.contains(&sub.job.0));
         if let (Ok(()), Some(row)) = (&verdict, row) {
             seen.insert(sub.job.0);
             accepted.push((sub, row));
-            let leased_at = Timestamp::from_millis(row.leased_at.unwrap_or(now.millis()));
-            completions.push(now.since(leased_at));
-            let elapsed = u64::try_from(sub.elapsed.as_millis()).unwrap_or(u64::MAX);
-            tau = schedule::settle(tau, beta, sub.tokens, elapsed);
         }
         outcomes.push(SubmitOutcome {
             job: sub.job,
             verdict,
         });
     }
-    Decided {
-        outcomes,
-        accepted,
-        completions,
-        tau,
-    }
+    Decided { outcomes, accepted }
 }
 
 pub(crate) fn actor_info<R: Get>(r: &R) -> Result<ActorInfo, crate::error::ReadError> {
@@ -305,7 +424,9 @@ pub(crate) fn actor_info<R: Get>(r: &R) -> Result<ActorInfo, crate::error::ReadE
         active: opt_version(r.opt_i64("active_version")?)?,
         staged: opt_version(r.opt_i64("staged_version")?)?,
         tau: r.f64("tau")?,
+        measured: u64::try_from(r.i64("measured")?).unwrap_or(0),
         last_heartbeat: Timestamp::from_millis(r.i64("last_heartbeat")?),
+        stalled_since: r.opt_i64("stalled_at")?.map(Timestamp::from_millis),
     })
 }
 

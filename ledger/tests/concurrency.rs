@@ -1,4 +1,4 @@
-//! Many tasks hammering one ledger at once — claims, renewals, expiry sweeps, duplicate
+//! Many tasks hammering one ledger at once — claims, progress, expiry sweeps, duplicate
 //! submits (same call, later call, from another actor), stale-version, wrong-digest and
 //! after-expiry submits — on SQLite and PostgreSQL. Afterwards: every job ends done, no job
 //! was accepted twice, nothing was accepted that should not have been, and the invariants
@@ -25,11 +25,10 @@ fn config() -> LedgerConfig {
     let lease = Duration::from_secs(5);
     LedgerConfig {
         lease: LeaseConfig {
-            multiple: 2.0,
+            margin: 1.0,
             floor: lease,
             ceiling: lease,
             initial: lease,
-            window: 16,
         },
         max_attempts: 1_000,
         actor_timeout: Duration::from_secs(3_600),
@@ -159,8 +158,13 @@ async fn hammer(ledger: Arc<Ledger>) -> Arc<Ledger> {
                 recent.lock().unwrap().extend(jobs.iter().cloned());
                 mine.extend(jobs.iter().map(|j| j.id));
                 if rng.random_bool(0.3) {
-                    let ids: Vec<JobId> = jobs.iter().map(|j| j.id).collect();
-                    ledger_ref.renew(&who, &ids, clock.now()).await.unwrap();
+                    // Progress: every job moved, so each lease is extended to at most
+                    // now + the 5 s floor (margin 1 × the little time since the claim).
+                    let moved: Vec<(JobId, u64)> = jobs.iter().map(|j| (j.id, 1)).collect();
+                    ledger_ref
+                        .progress(&who, &moved, clock.now())
+                        .await
+                        .unwrap();
                 }
                 let mut batch = Vec::new();
                 for job in &jobs {

@@ -1,6 +1,9 @@
 //! The ledger's rules, one scenario each, against SQLite and (when configured) PostgreSQL:
 //! version registration, version-gated scheduling, quotas, the shared pool, every rejection
-//! reason, renewal, expiry with max attempts, release of silent actors' shares, lease sizing.
+//! reason, progress, expiry with max attempts, release of silent actors' shares, lease sizing
+//! from the held budget and the throughput measured on the ledger's clock, release of a
+//! closed connection's leases, the claim timeout, shares held for an actor whose version is
+//! still arriving, and pipelined claims.
 #![allow(clippy::unwrap_used)]
 
 mod common;
@@ -28,11 +31,10 @@ fn ok(job: &ClaimedJob) -> ResultSubmission {
 fn config() -> LedgerConfig {
     LedgerConfig {
         lease: LeaseConfig {
-            multiple: 2.0,
+            margin: 2.0,
             floor: Duration::from_secs(1),
             ceiling: Duration::from_secs(60),
             initial: Duration::from_secs(30),
-            window: 16,
         },
         max_attempts: 2,
         actor_timeout: Duration::from_secs(20),
@@ -117,12 +119,22 @@ async fn scheduling_is_gated_by_version(l: &Ledger) {
         .iter()
         .map(|s| (s.actor.as_str(), s.count, s.commit))
         .collect();
-    assert_eq!(shares, vec![("on-v3", 51, false), ("staged-v3", 50, true)]);
+    // One version behind with D(v3) still arriving: its share is held for it (and it is not
+    // decayed); two behind or silent: excluded.
+    assert_eq!(
+        shares,
+        vec![
+            ("not-staged", 34, true),
+            ("on-v3", 34, false),
+            ("staged-v3", 33, true)
+        ]
+    );
     let mut excluded: Vec<&str> = a.excluded.iter().map(ActorId::as_str).collect();
     excluded.sort();
-    assert_eq!(excluded, vec!["not-staged", "silent", "two-behind"]);
+    assert_eq!(excluded, vec!["silent", "two-behind"]);
     let initial = l.config().initial_tau;
-    for name in ["not-staged", "silent", "two-behind"] {
+    assert_eq!(l.actor(&actor("not-staged")).await.unwrap().tau, initial);
+    for name in ["silent", "two-behind"] {
         let tau = l.actor(&actor(name)).await.unwrap().tau;
         assert!(
             (tau - initial * l.config().alpha).abs() < 1e-9,
@@ -131,11 +143,11 @@ async fn scheduling_is_gated_by_version(l: &Ledger) {
     }
     assert_eq!(l.actor(&actor("on-v3")).await.unwrap().tau, initial);
     let recorded = l.assignment(b).await.unwrap();
-    assert_eq!(recorded.len(), 2);
+    assert_eq!(recorded.len(), 3);
     assert!(
         recorded
             .iter()
-            .any(|r| r.actor.as_str() == "staged-v3" && r.commit && r.count == 50)
+            .any(|r| r.actor.as_str() == "staged-v3" && r.commit && r.count == 33)
     );
     assert!(matches!(
         l.schedule(b, now).await,
@@ -304,43 +316,52 @@ async fn every_rejection_has_its_reason(l: &Ledger) {
 }
 both_backends!(every_rejection_has_its_reason, config());
 
-async fn renewal_extends_only_valid_leases(l: &Ledger) {
+async fn progress_extends_only_moving_held_leases(l: &Ledger) {
     versions(l, 0).await;
     actors_on(l, &["a", "b"], 0, T0).await;
     let batch = l.post_batch(v(0), &prompts(4), "{}", T0).await.unwrap();
     l.schedule(batch, T0).await.unwrap();
     let mine = l.claim(&actor("a"), 10, T0).await.unwrap();
     let theirs = l.claim(&actor("b"), 10, T0).await.unwrap();
-    let ids: Vec<JobId> = mine.iter().chain(&theirs).map(|j| j.id).collect();
-    let r = l.renew(&actor("a"), &ids, at(20_000)).await.unwrap();
-    assert_eq!(r.renewed, mine.iter().map(|j| j.id).collect::<Vec<_>>());
-    assert_eq!(r.lost, theirs.iter().map(|j| j.id).collect::<Vec<_>>());
-    assert_eq!(r.expires, at(50_000));
-    // At 40 s b's leases have expired and a's have not.
+    assert_eq!(
+        mine[0].lease_expires,
+        at(30_000),
+        "unmeasured: the initial lease"
+    );
+    // a's first job generated 10 tokens; its second waits behind it; b's are not a's.
+    let report = [(mine[0].id, 10), (mine[1].id, 0), (theirs[0].id, 5)];
+    let r = l.progress(&actor("a"), &report, at(20_000)).await.unwrap();
+    assert_eq!(r.extended, vec![mine[0].id, mine[1].id]);
+    assert_eq!(r.lost, vec![theirs[0].id]);
+    // Nothing moved since: nothing is extended (a stuck engine's leases run out).
+    let r = l.progress(&actor("a"), &report, at(21_000)).await.unwrap();
+    assert_eq!(r.unmoved, vec![mine[0].id, mine[1].id]);
+    // Extended to 20 s + 2 × the 20 s since the claim = 60 s: at 40 s only b's have expired.
     let e = l.expire(at(40_000)).await.unwrap();
     assert_eq!(e.returned, 2);
+    assert_eq!(l.expire(at(60_000)).await.unwrap().returned, 0);
     let out = l
         .submit(
             &actor("a"),
             &mine.iter().map(ok).collect::<Vec<_>>(),
-            at(45_000),
+            at(60_000),
         )
         .await
         .unwrap();
     assert!(out.iter().all(|o| o.verdict.is_ok()), "{out:?}");
-    // An expired lease cannot be renewed.
-    let r = l
-        .renew(
-            &actor("b"),
-            &theirs.iter().map(|j| j.id).collect::<Vec<_>>(),
-            at(45_000),
-        )
-        .await
-        .unwrap();
-    assert!(r.renewed.is_empty());
+    // An expired lease is not extended by progress, however much it moved.
+    let gone: Vec<(JobId, u64)> = theirs.iter().map(|j| (j.id, 1_000)).collect();
+    let r = l.progress(&actor("b"), &gone, at(45_000)).await.unwrap();
+    assert!(r.extended.is_empty());
+    assert_eq!(r.lost.len(), 2);
+    assert!(matches!(
+        l.progress(&actor("a"), &vec![(mine[0].id, 1); 5_000], at(45_000))
+            .await,
+        Err(ProgressError::TooMany(..))
+    ));
     l.check_invariants().await.unwrap();
 }
-both_backends!(renewal_extends_only_valid_leases, config());
+both_backends!(progress_extends_only_moving_held_leases, config());
 
 async fn jobs_fail_after_max_attempts(l: &Ledger) {
     versions(l, 0).await;
@@ -353,7 +374,8 @@ async fn jobs_fail_after_max_attempts(l: &Ledger) {
         ExpireReport {
             returned: 1,
             failed: 0,
-            released: 0
+            released: 0,
+            unclaimed: 0,
         }
     );
     l.heartbeat(&actor("a"), Some(v(0)), None, at(30_001))
@@ -366,7 +388,8 @@ async fn jobs_fail_after_max_attempts(l: &Ledger) {
         ExpireReport {
             returned: 0,
             failed: 1,
-            released: 0
+            released: 0,
+            unclaimed: 0,
         }
     );
     let out = l
@@ -384,10 +407,8 @@ async fn silent_actors_lose_their_unclaimed_share(l: &Ledger) {
     actors_on(l, &["alive", "gone"], 0, T0).await;
     let batch = l.post_batch(v(0), &prompts(20), "{}", T0).await.unwrap();
     l.schedule(batch, T0).await.unwrap();
-    assert_eq!(
-        l.claim(&actor("alive"), 100, at(1)).await.unwrap().len(),
-        10
-    );
+    let mine = l.claim(&actor("alive"), 100, at(1)).await.unwrap();
+    assert_eq!(mine.len(), 10);
     assert_eq!(
         l.expire(at(10_000)).await.unwrap().released,
         0,
@@ -396,7 +417,16 @@ async fn silent_actors_lose_their_unclaimed_share(l: &Ledger) {
     l.heartbeat(&actor("alive"), Some(v(0)), None, at(25_000))
         .await
         .unwrap();
-    assert_eq!(l.expire(at(25_000)).await.unwrap().released, 10);
+    let e = l.expire(at(25_000)).await.unwrap();
+    assert_eq!(e.released, 10, "{e:?}");
+    // Once done with its own share, alive takes gone's from the pool.
+    l.submit(
+        &actor("alive"),
+        &mine.iter().map(ok).collect::<Vec<_>>(),
+        at(25_000),
+    )
+    .await
+    .unwrap();
     assert_eq!(
         l.claim(&actor("alive"), 100, at(25_000))
             .await
@@ -408,69 +438,380 @@ async fn silent_actors_lose_their_unclaimed_share(l: &Ledger) {
 }
 both_backends!(silent_actors_lose_their_unclaimed_share, config());
 
-async fn lease_length_follows_median_completion(l: &Ledger) {
+async fn a_lease_covers_the_held_budget_at_the_measured_throughput(l: &Ledger) {
     versions(l, 0).await;
     actors_on(l, &["a"], 0, T0).await;
-    assert_eq!(
-        l.lease_length(),
-        Duration::from_secs(30),
-        "initial lease before any completion"
-    );
-    let batch = l.post_batch(v(0), &prompts(5), "{}", T0).await.unwrap();
-    l.schedule(batch, T0).await.unwrap();
-    let jobs = l.claim(&actor("a"), 5, T0).await.unwrap();
-    let out = l
-        .submit(
-            &actor("a"),
-            &jobs.iter().map(ok).collect::<Vec<_>>(),
-            at(4_000),
-        )
+    let batch = l
+        .post_batch_budgeted(v(0), &prompts(4), &[1_000; 4], "{}", 1, T0)
         .await
         .unwrap();
+    l.schedule(batch, T0).await.unwrap();
+    let first = l.claim(&actor("a"), 2, T0).await.unwrap();
+    assert_eq!(
+        first[0].lease_expires,
+        at(30_000),
+        "not measured yet: the initial lease"
+    );
+    // 200 tokens accepted 4 s after the claim, whatever time the actor reports: 50 tokens/s
+    // on the ledger's clock (the first measurement replaces the initial guess).
+    let claims_1ms: Vec<ResultSubmission> = first
+        .iter()
+        .map(|j| ResultSubmission {
+            elapsed: Duration::from_millis(1),
+            ..ok(j)
+        })
+        .collect();
+    let out = l.submit(&actor("a"), &claims_1ms, at(4_000)).await.unwrap();
     assert!(out.iter().all(|o| o.verdict.is_ok()));
-    assert_eq!(l.lease_length(), Duration::from_secs(8), "2 × median 4 s");
-    let batch = l.post_batch(v(0), &prompts(1), "{}", T0).await.unwrap();
-    l.schedule(batch, at(5_000)).await.unwrap();
-    let next = l.claim(&actor("a"), 1, at(5_000)).await.unwrap();
-    assert_eq!(next[0].lease_expires, at(13_000));
+    let info = l.actor(&actor("a")).await.unwrap();
+    assert_eq!((info.tau, info.measured), (50.0, 1));
+    // Its next claim (0.5 s later: its round trip, counted in its next interval) holds
+    // 1,000 tokens: 2 × 1,000 / 50 = 40 s; pipelined, the next one's lease covers both.
+    let next = l.claim(&actor("a"), 1, at(4_500)).await.unwrap();
+    assert_eq!(next[0].lease_expires, at(44_500));
+    let pipelined = l.claim(&actor("a"), 1, at(4_600)).await.unwrap();
+    assert_eq!(pipelined[0].lease_expires, at(84_600));
+    // 100 tokens over the 6 s since its last accepted submit (round trip included): the EMA
+    // moves towards 16.7 tokens/s.
+    l.submit(&actor("a"), &[ok(&next[0])], at(10_000))
+        .await
+        .unwrap();
+    let tau = l.actor(&actor("a")).await.unwrap().tau;
+    let expected = 0.9 * 50.0 + 0.1 * (100.0 / 6.0);
+    assert!(
+        (tau - expected).abs() < 1e-9,
+        "tau {tau}, expected {expected}"
+    );
+    l.submit(&actor("a"), &[ok(&pipelined[0])], at(11_000))
+        .await
+        .unwrap();
+    // Idle (a claim that found nothing), then a job 32× as long: its interval starts at the
+    // claim, not at the last submit, and its lease is 32× a short one's.
+    assert!(
+        l.claim(&actor("a"), 1, at(11_100))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let tau_before = l.actor(&actor("a")).await.unwrap().tau;
+    l.heartbeat(&actor("a"), Some(v(0)), None, at(70_000))
+        .await
+        .unwrap();
+    let long_batch = l
+        .post_batch_budgeted(v(0), &prompts(1), &[32_000], "{}", 1, at(70_000))
+        .await
+        .unwrap();
+    l.schedule(long_batch, at(70_000)).await.unwrap();
+    let long = l.claim(&actor("a"), 1, at(71_000)).await.unwrap();
+    let lease_ms = (long[0].lease_expires.millis() - at(71_000).millis()) as f64;
+    let expected_ms = 2.0 * 32_000.0 / tau_before * 1_000.0;
+    assert!(
+        (lease_ms - expected_ms).abs() <= 1.0,
+        "{lease_ms} vs {expected_ms}"
+    );
+    l.submit(&actor("a"), &[ok(&long[0])], at(72_000))
+        .await
+        .unwrap();
+    let tau = l.actor(&actor("a")).await.unwrap().tau;
+    let expected = 0.9 * tau_before + 0.1 * 100.0;
+    assert!(
+        (tau - expected).abs() < 1e-9,
+        "tau {tau}, expected {expected}"
+    );
+    // The floor holds.
+    let tiny = l
+        .post_batch_budgeted(v(0), &prompts(1), &[1], "{}", 1, at(80_000))
+        .await
+        .unwrap();
+    l.schedule(tiny, at(80_000)).await.unwrap();
+    let t = l.claim(&actor("a"), 1, at(80_000)).await.unwrap();
+    assert_eq!(t[0].lease_expires, at(81_000), "the 1 s floor");
+    l.check_invariants().await.unwrap();
 }
-both_backends!(lease_length_follows_median_completion, config());
+both_backends!(
+    a_lease_covers_the_held_budget_at_the_measured_throughput,
+    LedgerConfig {
+        lease: LeaseConfig {
+            ceiling: Duration::from_secs(3_600),
+            ..config().lease
+        },
+        ..config()
+    }
+);
+
+async fn a_closed_connection_releases_its_own_leases_at_once(l: &Ledger) {
+    versions(l, 0).await;
+    actors_on(l, &["b"], 0, T0).await;
+    let first = l.register_actor(&actor("a"), "r", "cpu", T0).await.unwrap();
+    l.heartbeat(&actor("a"), Some(v(0)), None, T0)
+        .await
+        .unwrap();
+    let batch = l.post_batch(v(0), &prompts(8), "{}", T0).await.unwrap();
+    l.schedule(batch, T0).await.unwrap();
+    let old = l.claim(&actor("a"), 2, T0).await.unwrap();
+    // A second connection of the same actor (a reconnect while the first still looks alive).
+    let second = l
+        .register_actor(&actor("a"), "r", "cpu", at(1_000))
+        .await
+        .unwrap();
+    assert!(second > first);
+    // It may not pipeline from the pool, but its own share is its own.
+    l.submit(&actor("a"), &[ok(&old[0])], at(1_500))
+        .await
+        .unwrap();
+    let new = l.claim(&actor("a"), 1, at(2_000)).await.unwrap();
+    assert_eq!(new.len(), 1);
+    // The first connection closes: only its lease goes back, the share stays.
+    let r = l.release(&actor("a"), first, at(3_000)).await.unwrap();
+    assert_eq!(
+        r,
+        ReleaseReport {
+            returned: 1,
+            failed: 0,
+            unassigned: 0
+        }
+    );
+    assert_eq!(l.job(old[1].id).await.unwrap().state, JobState::Pending);
+    assert_eq!(l.job(new[0].id).await.unwrap().state, JobState::Leased);
+    // The newest closes: its lease and the unclaimed rest of its share go to the pool, and
+    // b (holding nothing) takes them at once, attempts counted.
+    let r = l.release(&actor("a"), second, at(4_000)).await.unwrap();
+    assert_eq!((r.returned, r.unassigned), (1, 1));
+    let b_jobs = l.claim(&actor("b"), 100, at(4_000)).await.unwrap();
+    assert_eq!(b_jobs.len(), 4 + 3, "b's share and a's three");
+    assert_eq!(b_jobs.iter().filter(|j| j.attempt == 2).count(), 2);
+    // Results of released leases are refused.
+    let out = l
+        .submit(&actor("a"), &[ok(&old[1])], at(4_100))
+        .await
+        .unwrap();
+    assert_eq!(out[0].verdict, Err(Rejection::NotLeaseHolder));
+    // A job released on its last attempt fails (config: 2 attempts).
+    let third = l
+        .register_actor(&actor("c"), "r", "cpu", at(5_000))
+        .await
+        .unwrap();
+    l.heartbeat(&actor("c"), Some(v(0)), None, at(5_000))
+        .await
+        .unwrap();
+    let again = b_jobs.iter().find(|j| j.attempt == 2).unwrap();
+    let rest: Vec<_> = b_jobs.iter().filter(|j| j.id != again.id).collect();
+    l.submit(
+        &actor("b"),
+        &rest.iter().map(|j| ok(j)).collect::<Vec<_>>(),
+        at(5_000),
+    )
+    .await
+    .unwrap();
+    let r = l
+        .release(&actor("b"), Session::from_raw(1), at(5_000))
+        .await
+        .unwrap();
+    assert_eq!((r.returned, r.failed), (0, 1));
+    assert_eq!(l.job(again.id).await.unwrap().state, JobState::Failed);
+    assert_eq!(third, Session::from_raw(1));
+    l.check_invariants().await.unwrap();
+}
+both_backends!(
+    a_closed_connection_releases_its_own_leases_at_once,
+    config()
+);
+
+async fn an_unclaimed_share_returns_to_the_pool_and_stalls_its_actor(l: &Ledger) {
+    versions(l, 0).await;
+    actors_on(l, &["worker", "fenced", "slow"], 0, T0).await;
+    let batch = l.post_batch(v(0), &prompts(9), "{}", T0).await.unwrap();
+    l.schedule(batch, T0).await.unwrap();
+    let w = l.claim(&actor("worker"), 3, at(100)).await.unwrap();
+    // The slow actor claims one of its three now and then: its share stays its own.
+    let s1 = l.claim(&actor("slow"), 1, at(6_000)).await.unwrap();
+    assert_eq!(l.expire(at(9_000)).await.unwrap().unclaimed, 0);
+    l.submit(&actor("slow"), &[ok(&s1[0])], at(9_500))
+        .await
+        .unwrap();
+    let _s2 = l.claim(&actor("slow"), 1, at(9_600)).await.unwrap();
+    for name in ["worker", "fenced", "slow"] {
+        l.heartbeat(&actor(name), Some(v(0)), None, at(10_500))
+            .await
+            .unwrap();
+    }
+    // 10 s after scheduling the fenced actor (heartbeating, never claiming) loses its share.
+    let e = l.expire(at(10_500)).await.unwrap();
+    assert_eq!(e.unclaimed, 3);
+    assert!(
+        l.actor(&actor("fenced"))
+            .await
+            .unwrap()
+            .stalled_since
+            .is_some()
+    );
+    assert!(
+        l.actor(&actor("slow"))
+            .await
+            .unwrap()
+            .stalled_since
+            .is_none()
+    );
+    // The worker, done with its share, takes them from the pool.
+    l.submit(
+        &actor("worker"),
+        &w.iter().map(ok).collect::<Vec<_>>(),
+        at(10_600),
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        l.claim(&actor("worker"), 10, at(10_700))
+            .await
+            .unwrap()
+            .len(),
+        3
+    );
+    // The next batch leaves the stalled actor out (it would hold its share up again) ...
+    let next = l
+        .post_batch(v(0), &prompts(4), "{}", at(11_000))
+        .await
+        .unwrap();
+    let a = l.schedule(next, at(11_000)).await.unwrap();
+    let names: Vec<&str> = a.shares.iter().map(|s| s.actor.as_str()).collect();
+    assert_eq!(names, ["slow", "worker"]);
+    // ... until it claims again (even for nothing).
+    l.claim(&actor("fenced"), 1, at(12_000)).await.unwrap();
+    assert!(
+        l.actor(&actor("fenced"))
+            .await
+            .unwrap()
+            .stalled_since
+            .is_none()
+    );
+    let third = l
+        .post_batch(v(0), &prompts(3), "{}", at(12_000))
+        .await
+        .unwrap();
+    assert_eq!(l.schedule(third, at(12_000)).await.unwrap().shares.len(), 3);
+    l.check_invariants().await.unwrap();
+}
+both_backends!(
+    an_unclaimed_share_returns_to_the_pool_and_stalls_its_actor,
+    config()
+);
+
+async fn an_arriving_actor_gets_its_share_once_it_can_run_the_version(l: &Ledger) {
+    versions(l, 1).await;
+    actors_on(l, &["far", "near"], 0, T0).await;
+    l.heartbeat(&actor("near"), Some(v(0)), Some(v(1)), T0)
+        .await
+        .unwrap();
+    let batch = l.post_batch(v(1), &prompts(6), "{}", T0).await.unwrap();
+    let a = l.schedule(batch, T0).await.unwrap();
+    assert_eq!(a.shares.len(), 2, "{a:?}");
+    assert!(a.excluded.is_empty());
+    // D(v1) has not reached the far actor: nothing of v1 is handed to it yet.
+    assert!(
+        l.claim(&actor("far"), 10, at(200))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    // The near one has staged v1 (its COMMIT is on the way): it gets its share.
+    assert_eq!(l.claim(&actor("near"), 10, at(200)).await.unwrap().len(), 3);
+    // v1 arrives at the far actor within the claim timeout: its share waited for it.
+    l.heartbeat(&actor("far"), Some(v(0)), Some(v(1)), at(900))
+        .await
+        .unwrap();
+    let got = l.claim(&actor("far"), 10, at(1_000)).await.unwrap();
+    assert_eq!(got.len(), 3);
+    assert!(got.iter().all(|j| j.version == v(1)));
+    let initial = l.config().initial_tau;
+    assert_eq!(l.actor(&actor("far")).await.unwrap().tau, initial);
+    l.check_invariants().await.unwrap();
+}
+both_backends!(
+    an_arriving_actor_gets_its_share_once_it_can_run_the_version,
+    config()
+);
+
+async fn a_pipelining_actor_takes_only_its_own_share(l: &Ledger) {
+    versions(l, 0).await;
+    actors_on(l, &["a", "b"], 0, T0).await;
+    let batch = l.post_batch(v(0), &prompts(4), "{}", T0).await.unwrap();
+    l.schedule(batch, T0).await.unwrap();
+    let b = l.claim(&actor("b"), 2, T0).await.unwrap();
+    l.release(&actor("b"), Session::from_raw(1), at(100))
+        .await
+        .unwrap();
+    // Two jobs in the pool. a claims its share one at a time, pipelining: while it holds a
+    // lease it gets only its own jobs, never pooled ones an idle actor could start now.
+    let first = l.claim(&actor("a"), 1, at(200)).await.unwrap();
+    let second = l.claim(&actor("a"), 1, at(210)).await.unwrap();
+    assert_eq!((first.len(), second.len()), (1, 1));
+    assert!(l.claim(&actor("a"), 1, at(220)).await.unwrap().is_empty());
+    l.submit(
+        &actor("a"),
+        &first.iter().chain(&second).map(ok).collect::<Vec<_>>(),
+        at(300),
+    )
+    .await
+    .unwrap();
+    // Holding nothing, it takes pooled jobs.
+    let pooled = l.claim(&actor("a"), 10, at(400)).await.unwrap();
+    assert_eq!(
+        pooled.iter().map(|j| j.id).collect::<Vec<_>>(),
+        b.iter().map(|j| j.id).collect::<Vec<_>>()
+    );
+    l.check_invariants().await.unwrap();
+}
+both_backends!(a_pipelining_actor_takes_only_its_own_share, config());
 
 #[tokio::test]
-async fn sqlite_state_and_lease_window_survive_reopen() {
+async fn sqlite_state_and_measurements_survive_reopen() {
     let (l, db) = sqlite(config()).await;
     versions(&l, 0).await;
     actors_on(&l, &["a"], 0, T0).await;
-    let batch = l.post_batch(v(0), &prompts(6), "{}", T0).await.unwrap();
+    let batch = l
+        .post_batch_budgeted(v(0), &prompts(6), &[100; 6], "{}", 1, T0)
+        .await
+        .unwrap();
     l.schedule(batch, T0).await.unwrap();
-    let jobs = l.claim(&actor("a"), 6, T0).await.unwrap();
+    let jobs = l.claim(&actor("a"), 3, T0).await.unwrap();
     l.submit(
         &actor("a"),
-        &jobs[..3].iter().map(ok).collect::<Vec<_>>(),
+        &jobs.iter().map(ok).collect::<Vec<_>>(),
         at(2_000),
     )
     .await
     .unwrap();
+    let before = l.actor(&actor("a")).await.unwrap();
+    assert_eq!((before.tau, before.measured), (150.0, 1));
+    let held = l.claim(&actor("a"), 1, at(2_100)).await.unwrap();
     let counts = l.job_counts().await.unwrap();
-    let lease = l.lease_length();
     l.close().await;
     drop(l);
+    // The hub restarts: what it measured and granted is all in the file.
     let reopened = Ledger::open(&sqlite_url(&db), config()).await.unwrap();
     assert_eq!(reopened.job_counts().await.unwrap(), counts);
-    assert_eq!((counts.done, counts.leased), (3, 3));
-    assert_eq!(reopened.lease_length(), lease);
-    assert_eq!(lease, Duration::from_secs(4));
+    assert_eq!((counts.done, counts.leased), (3, 1));
+    assert_eq!(reopened.actor(&actor("a")).await.unwrap(), before);
+    // 2 × (100 + 100) / 150 s = 2.67 s: the same lease as before the restart would give.
+    let next = reopened.claim(&actor("a"), 1, at(2_200)).await.unwrap();
+    assert_eq!(next[0].lease_expires, at(2_200 + 2_666));
+    // The interval opened before the restart goes on: 200 tokens over 1.2 s.
     let out = reopened
         .submit(
             &actor("a"),
-            &jobs[3..].iter().map(ok).collect::<Vec<_>>(),
-            at(3_000),
+            &held.iter().chain(&next).map(ok).collect::<Vec<_>>(),
+            at(3_200),
         )
         .await
         .unwrap();
     assert!(
         out.iter().all(|o| o.verdict.is_ok()),
         "leases survive a restart"
+    );
+    let tau = reopened.actor(&actor("a")).await.unwrap().tau;
+    assert!(
+        (tau - (0.9 * 150.0 + 0.1 * 200.0 / 1.2)).abs() < 1e-9,
+        "{tau}"
     );
     reopened.check_invariants().await.unwrap();
     db.cleanup(reopened).await;

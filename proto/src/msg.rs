@@ -8,8 +8,8 @@
 //! messages carry no hash of their own.
 //!
 //! Besides distribution, the same framing carries the rollout job protocol between the hub
-//! and an actor's worker connection (`Work`, `Heartbeat`, `Claim`, `Jobs`, `Submit`,
-//! `Verdicts`; `docs/api.md`); their payloads are the types of [`crate::rollout`], which
+//! and an actor's worker connection (`Work`, `Heartbeat`, `Claim`, `Jobs`, `Progress`,
+//! `Submit`, `Verdicts`; `docs/api.md`); their payloads are the types of [`crate::rollout`], which
 //! keep their own invariants at decode.
 
 use crate::error::DecodeError;
@@ -59,10 +59,16 @@ pub enum RefuseReason {
     NotStaged = 5,
     /// A malformed or unexpected message.
     Protocol = 6,
+    /// The peer sent one kind of message faster than the receiver allows (the detail names
+    /// the kind and the bound): slow down; the connection is closed.
+    RateLimited = 7,
+    /// The peer's credentials already hold as many connections of this kind as allowed:
+    /// close one (or wait for a dead one to time out) before opening another.
+    TooManyConnections = 8,
 }
 
 /// The message type ids `check` knows.
-const KNOWN_TYPES: std::ops::RangeInclusive<u8> = 1..=22;
+const KNOWN_TYPES: std::ops::RangeInclusive<u8> = 1..=23;
 
 /// One control message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -191,6 +197,12 @@ pub enum Message {
     Verdicts {
         verdicts: Vec<(u64, Verdict)>,
     },
+    /// Actor → hub, about every second while generating: for each job it holds (at most
+    /// `MAX_JOBS_PER_MESSAGE`), the tokens generated for it so far (all samples together).
+    /// The hub extends the leases of an actor whose generation moves; no answer.
+    Progress {
+        jobs: Vec<(u64, u64)>,
+    },
 }
 
 impl Message {
@@ -218,6 +230,7 @@ impl Message {
             Self::Jobs { .. } => 20,
             Self::Submit { .. } => 21,
             Self::Verdicts { .. } => 22,
+            Self::Progress { .. } => 23,
         }
     }
 
@@ -342,6 +355,13 @@ impl Message {
                     v.write(out);
                 }
             }
+            Self::Progress { jobs } => {
+                put_varint(out, jobs.len() as u64);
+                for (job, tokens) in jobs {
+                    put_varint(out, *job);
+                    put_varint(out, *tokens);
+                }
+            }
         }
     }
 
@@ -438,6 +458,8 @@ impl Message {
                     4 => RefuseReason::VersionUnavailable,
                     5 => RefuseReason::NotStaged,
                     6 => RefuseReason::Protocol,
+                    7 => RefuseReason::RateLimited,
+                    8 => RefuseReason::TooManyConnections,
                     id => {
                         return Err(DecodeError::UnknownCodec {
                             what: "refuse reason",
@@ -509,6 +531,11 @@ impl Message {
             22 => Self::Verdicts {
                 verdicts: read_list(&mut r, "verdict count", |r| {
                     Ok((r.varint("job id")?, Verdict::read(r)?))
+                })?,
+            },
+            23 => Self::Progress {
+                jobs: read_list(&mut r, "progress count", |r| {
+                    Ok((r.varint("job id")?, r.varint("tokens so far")?))
                 })?,
             },
             id => {
@@ -800,6 +827,18 @@ mod tests {
                 staged: None,
             },
             Message::Claim { max: 4 },
+            Message::Progress { jobs: vec![] },
+            Message::Progress {
+                jobs: vec![(1, 0), (u64::MAX, 1 << 40)],
+            },
+            Message::Refuse {
+                reason: RefuseReason::RateLimited,
+                detail: "heartbeats above 20/s".into(),
+            },
+            Message::Refuse {
+                reason: RefuseReason::TooManyConnections,
+                detail: "2 worker connections".into(),
+            },
             Message::Jobs { jobs: vec![] },
             Message::Jobs {
                 jobs: vec![small_job(), {
@@ -952,6 +991,17 @@ mod tests {
             encoded(&m),
             [22, 11, 2, 1, 1, 2, 2, 4, b'l', b'a', b't', b'e', 0]
         );
+
+        // Two jobs: 7 at 300 tokens, 9 at none yet.
+        let m = Message::Progress {
+            jobs: vec![(7, 300), (9, 0)],
+        };
+        assert_eq!(encoded(&m), [23, 6, 2, 7, 0xac, 0x02, 9, 0]);
+        let m = Message::Refuse {
+            reason: RefuseReason::RateLimited,
+            detail: "hb".into(),
+        };
+        assert_eq!(encoded(&m), [9, 4, 7, 2, b'h', b'b']);
     }
 
     #[test]
@@ -1127,6 +1177,7 @@ mod tests {
             (20, vec![], MAX_JOBS_PER_MESSAGE),
             (21, vec![], MAX_JOBS_PER_MESSAGE),
             (22, vec![], MAX_JOBS_PER_MESSAGE),
+            (23, vec![], MAX_JOBS_PER_MESSAGE),
             (20, [&[1u8][..], job_head].concat(), MAX_PROMPT_TOKENS),
             (20, [&[1u8][..], job_head, &[0]].concat(), MAX_SAMPLES),
             (
@@ -1192,6 +1243,15 @@ mod tests {
             Message::decode(&framed(17, &body)),
             Err(DecodeError::TooLarge { .. })
         ));
+        // A progress entry cut after its job id, and an unknown refusal reason.
+        assert!(matches!(
+            Message::decode(&[23, 2, 1, 7]),
+            Err(DecodeError::Truncated { .. })
+        ));
+        assert!(matches!(
+            Message::decode(&[9, 2, 9, 0]),
+            Err(DecodeError::UnknownCodec { .. })
+        ));
         // Bad option flags.
         assert!(Message::decode(&[18, 2, 2, 0]).is_err());
         assert!(Message::decode(&[18, 2, 0, 2]).is_err());
@@ -1221,6 +1281,14 @@ mod tests {
             let m = Message::Fetch { version: v, seqs };
             let mut buf = Vec::new();
             m.encode(&mut buf);
+            prop_assert_eq!(Message::decode(&buf), Ok((m, buf.len())));
+        }
+
+        #[test]
+        fn progress_round_trips(jobs in proptest::collection::vec((any::<u64>(), any::<u64>()), 0..64)) {
+            let m = Message::Progress { jobs };
+            let buf = encoded(&m);
+            prop_assert_eq!(buf.len(), m.encoded_len());
             prop_assert_eq!(Message::decode(&buf), Ok((m, buf.len())));
         }
 
@@ -1265,12 +1333,13 @@ mod tests {
 
         #[test]
         fn perturbed_rollout_messages_never_panic(
-            which in 0usize..3,
+            which in 0usize..4,
             flips in proptest::collection::vec((any::<usize>(), any::<u8>()), 1..4),
         ) {
             let m = match which {
                 0 => Message::Jobs { jobs: vec![small_job()] },
                 1 => Message::Submit { results: vec![mixed_result()] },
+                2 => Message::Progress { jobs: vec![(1, 300), (u64::MAX, 0)] },
                 _ => Message::Verdicts { verdicts: vec![(1, Verdict::Accepted), (2, Verdict::Refused { code: "c".into(), detail: "d".into() })] },
             };
             let mut buf = encoded(&m);

@@ -22,7 +22,9 @@
 //! | `control_rtt_seconds` | histogram, 100 µs .. 13.1 s | | ✓ | ✓ | |
 //! | `delta_bytes` | histogram, 1 KiB .. 64 GiB | ✓ | | | |
 //! | `publish_seconds` | histogram, 10 ms .. 327.68 s | ✓ | | | |
-//! | `jobs_leased_total`, `leases_expired_total` | counter | ✓ | | | |
+//! | `jobs_leased_total`, `leases_expired_total`, `leases_extended_total` | counter | ✓ | | | |
+//! | `leases_released_total` | counter | ✓ | | | `reason` (a fixed set of codes) |
+//! | `worker_refusals_total` | counter | ✓ | | | `reason` (a fixed set of codes) |
 //! | `results_accepted_total`, `rollout_tokens_total` | counter | ✓ | | | |
 //! | `results_refused_total` | counter | ✓ | | | `reason` (a fixed set of codes) |
 //!
@@ -217,6 +219,9 @@ struct Inner {
     publish: Histogram,
     jobs_leased: Counter,
     leases_expired: Counter,
+    leases_released: Family<ReasonLabel, Counter>,
+    leases_extended: Counter,
+    worker_refusals: Family<ReasonLabel, Counter>,
     results_accepted: Counter,
     results_refused: Family<ReasonLabel, Counter>,
     rollout_tokens: Counter,
@@ -251,6 +256,9 @@ impl Metrics {
             publish: Buckets::TRANSFER.histogram(),
             jobs_leased: Counter::default(),
             leases_expired: Counter::default(),
+            leases_released: Family::default(),
+            leases_extended: Counter::default(),
+            worker_refusals: Family::default(),
             results_accepted: Counter::default(),
             results_refused: Family::default(),
             rollout_tokens: Counter::default(),
@@ -364,6 +372,36 @@ impl Metrics {
     /// Leases that expired (their jobs returned to the pool or failed).
     pub fn expired(&self, leases: u64) {
         self.inner.leases_expired.inc_by(leases);
+    }
+
+    /// Jobs the hub took back before their lease ran out, by reason (callers pass codes from a
+    /// fixed set: `connection_closed` for leases of a closed job connection, `unclaimed` for
+    /// shares not claimed within the claim timeout, `silent` for shares of silent actors).
+    pub fn released(&self, reason: &str, jobs: u64) {
+        if jobs > 0 {
+            self.inner
+                .leases_released
+                .get_or_create(&ReasonLabel {
+                    reason: reason.to_owned(),
+                })
+                .inc_by(jobs);
+        }
+    }
+
+    /// Leases extended because their actor reported progress.
+    pub fn extended(&self, leases: u64) {
+        self.inner.leases_extended.inc_by(leases);
+    }
+
+    /// A worker connection closed for a limit it reached, by reason (a fixed set:
+    /// `heartbeat_rate`, `progress_rate`, `claim_rate`, `submit_rate`, `connections`).
+    pub fn worker_refused(&self, reason: &str) {
+        self.inner
+            .worker_refusals
+            .get_or_create(&ReasonLabel {
+                reason: reason.to_owned(),
+            })
+            .inc();
     }
 
     /// A result accepted, with the tokens it generated.
@@ -530,6 +568,21 @@ impl Inner {
                     "leases_expired",
                     "Leases that expired before a result was accepted",
                     self.leases_expired.clone(),
+                );
+                r.register(
+                    "leases_released",
+                    "Jobs taken back before their lease ran out, by reason",
+                    self.leases_released.clone(),
+                );
+                r.register(
+                    "leases_extended",
+                    "Leases extended by their actor's progress",
+                    self.leases_extended.clone(),
+                );
+                r.register(
+                    "worker_refusals",
+                    "Worker connections refused or closed for a per-actor limit, by reason",
+                    self.worker_refusals.clone(),
                 );
                 r.register(
                     "results_accepted",

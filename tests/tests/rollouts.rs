@@ -440,7 +440,8 @@ fn faults(pg: Option<String>) {
     let mut reference = Reference::new(&c.tb);
     let dl = c.tb.deadline;
 
-    // An actor SIGKILLed while it holds leases: its groups come back after expiry.
+    // An actor SIGKILLed while it holds leases: its groups come back when the hub sees its
+    // connection close (`leases.rs` times it).
     let (body, answers) = additions(None, 24, 4, 11);
     let b = trainer.submit(&body);
     // Right after a submit the worker claims its next groups and generates them (slowly):
@@ -449,10 +450,13 @@ fn faults(pg: Option<String>) {
     std::thread::sleep(Duration::from_millis(100));
     kill_named(&mut c, "a1");
     check_batch(&c.tb, &trainer, &mut reference, b, 0, 24, 4, &answers, 1);
-    let expired = starling_tests::metric(&c.tb.hub_metrics(), "starling_hub_leases_expired_total");
+    let released = starling_tests::metric(
+        &c.tb.hub_metrics(),
+        "starling_hub_leases_released_total{reason=\"connection_closed\"}",
+    );
     assert!(
-        expired.unwrap_or(0.0) >= 1.0,
-        "a1's leases expired and were re-offered"
+        released.unwrap_or(0.0) >= 1.0,
+        "a1's leases were released and re-offered"
     );
 
     // The hub SIGKILLed mid-batch and restarted with the same command: the batch, its leases

@@ -257,10 +257,11 @@ async fn submit_batch(
         .max_staleness
         .unwrap_or(starling_ledger::DEFAULT_MAX_STALENESS);
     let prompts: Vec<Vec<u8>> = groups.iter().map(|g| g.to_bytes()).collect();
+    let budgets: Vec<u64> = groups.iter().map(crate::jobs::token_budget).collect();
     let sampling = serde_json::to_string(&groups[0].sampling).unwrap_or_default();
     let batch = hub
         .ledger
-        .post_batch_bounded(v, &prompts, &sampling, max_staleness, now())
+        .post_batch_budgeted(v, &prompts, &budgets, &sampling, max_staleness, now())
         .await
         .map_err(|e| match e {
             PostError::UnknownVersion(_) | PostError::NotCommitted(_) => ApiError::new(

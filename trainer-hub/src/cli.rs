@@ -108,13 +108,36 @@ pub enum Command {
         /// resumes the run where it stopped.
         #[arg(long, env = "STARLING_HUB_LEDGER")]
         ledger: Option<String>,
-        /// A lease's length before any completion was observed (seconds); afterwards
-        /// 2.5 × the median completion time, clamped to [--lease-floor, 600 s].
+        /// The lease of a job claimed by an actor whose throughput the hub has not measured
+        /// yet (seconds). Afterwards a lease covers the token budget of every job the actor
+        /// holds at its measured throughput × --lease-margin, within [--lease-floor, 1 h].
         #[arg(long, default_value_t = 120.0)]
         lease_initial: f64,
-        /// The shortest lease (seconds).
+        /// The shortest lease (seconds), and how long after its last progress report a
+        /// generation that stopped moving keeps its lease.
         #[arg(long, default_value_t = 10.0)]
         lease_floor: f64,
+        /// Safety factor of a lease over the expected generation time (≥ 1).
+        #[arg(long, default_value_t = 2.0)]
+        lease_margin: f64,
+        /// A share of a batch its actor has claimed nothing from for this long (seconds)
+        /// goes back to the shared pool, and the actor is not scheduled again until it claims
+        /// (an actor that heartbeats but never claims holds up nobody).
+        #[arg(long, default_value_t = 10.0)]
+        claim_timeout: f64,
+        /// Most Heartbeat (and, separately, Progress) messages per second one actor's worker
+        /// connection may send; beyond it the connection is refused (RateLimited) and closed.
+        #[arg(long, default_value_t = 20.0)]
+        actor_heartbeat_rate: f64,
+        /// Most Submit (and, separately, Claim) messages per second one actor's worker
+        /// connection may send; beyond it the connection is refused (RateLimited) and closed.
+        #[arg(long, default_value_t = 50.0)]
+        actor_submit_rate: f64,
+        /// Most live worker connections one actor certificate may hold (a reconnect may
+        /// overlap its dead predecessor until the idle timeout); more are refused
+        /// (TooManyConnections).
+        #[arg(long, default_value_t = 2)]
+        actor_connections: usize,
         /// An actor silent this long (seconds) gets no new work and its reserved share goes
         /// back to the shared pool.
         #[arg(long, default_value_t = 60.0)]
@@ -310,6 +333,11 @@ pub fn run(cli: Cli) -> Result<()> {
             ledger,
             lease_initial,
             lease_floor,
+            lease_margin,
+            claim_timeout,
+            actor_heartbeat_rate,
+            actor_submit_rate,
+            actor_connections,
             actor_timeout,
             uniform_split,
             full_broadcast,
@@ -328,7 +356,29 @@ pub fn run(cli: Cli) -> Result<()> {
             ledger_config.lease.floor = secs("lease-floor", lease_floor)?;
             ledger_config.lease.ceiling =
                 ledger_config.lease.ceiling.max(ledger_config.lease.floor);
+            if !(lease_margin.is_finite() && lease_margin >= 1.0) {
+                anyhow::bail!("--lease-margin must be a number of at least 1, not {lease_margin}");
+            }
+            ledger_config.lease.margin = lease_margin;
+            ledger_config.claim_timeout = secs("claim-timeout", claim_timeout)?;
             ledger_config.actor_timeout = secs("actor-timeout", actor_timeout)?;
+            let rate = |name: &str, v: f64| {
+                if v.is_finite() && v > 0.0 {
+                    Ok(v)
+                } else {
+                    Err(anyhow::anyhow!(
+                        "--{name} must be a positive number per second"
+                    ))
+                }
+            };
+            if actor_connections == 0 {
+                anyhow::bail!("--actor-connections must be at least 1");
+            }
+            let worker_limits = crate::limits::WorkerLimits {
+                heartbeats_per_s: rate("actor-heartbeat-rate", actor_heartbeat_rate)?,
+                submits_per_s: rate("actor-submit-rate", actor_submit_rate)?,
+                connections: actor_connections,
+            };
             if uniform_split {
                 ledger_config.split = starling_ledger::schedule::Split::Uniform;
             }
@@ -362,6 +412,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 ledger,
                 ledger_config,
                 schedule_tick: std::time::Duration::from_millis(100),
+                worker_limits,
             };
             runtime()?.block_on(crate::serve::serve(
                 cfg,

@@ -1,10 +1,15 @@
 //! Rollout work on the hub: the actors' job connections and the scheduler loop.
 //!
 //! An actor opens a connection of its own to the hub for work (the data subscription goes
-//! through its region's relay), says `Work`, and then sends `Heartbeat`, `Claim` and `Submit`;
-//! the hub answers `Claim` with `Jobs` and `Submit` with `Verdicts`. Every decision is the
-//! ledger's: registration, heartbeats (which drive eligibility), leases, and exactly-once
-//! acceptance under the batch's staleness bound. The hub adds what only it can: the group's
+//! through its region's relay), says `Work`, and then sends `Heartbeat`, `Claim`, `Progress`
+//! and `Submit`; the hub answers `Claim` with `Jobs` and `Submit` with `Verdicts`. Every
+//! decision is the ledger's: registration (each connection is a ledger session), heartbeats
+//! (which drive eligibility), leases sized to the job and extended by progress, and
+//! exactly-once acceptance under the batch's staleness bound. When the connection ends — the
+//! actor stopped, died, or its link dropped (the hub sees it at most the QUIC idle timeout
+//! later) — the leases that session holds are released at once and their groups re-offered,
+//! rather than waiting for the leases to run out. Per-actor limits ([`crate::limits`]) bound
+//! the rate of each message kind and the connections per certificate. The hub adds what only it can: the group's
 //! reference answer never leaves it, and rewards are computed here by the group's verifier
 //! (`rollouts::judge_result`), so an actor can neither see the answer nor forge a reward.
 //!
@@ -16,9 +21,11 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use quinn::SendStream;
-use starling_ledger::{ActorId, Digest, JobId, Ledger, ResultSubmission, ScheduleError, Version};
+use starling_ledger::{
+    ActorId, Digest, JobId, Ledger, ResultSubmission, ScheduleError, Session, Version,
+};
 use starling_proto::msg::{Message, RefuseReason};
 use starling_proto::rollout::{JobResult, Verdict};
 use starling_telemetry::Metrics;
@@ -26,6 +33,7 @@ use starling_transport::framed::{MessageReader, send};
 
 use crate::board::{Board, now_ms};
 use crate::durable::now;
+use crate::limits::{Kind, RateLimiter, WorkerConnections, WorkerLimits};
 use crate::rollouts::{GroupSpec, judge_result};
 use tracing::Instrument;
 
@@ -40,23 +48,58 @@ pub(crate) struct WorkerContext {
     pub(crate) board: Arc<Board>,
     /// The model's tokenizer: completions are decoded with it before they are scored.
     pub(crate) text: Arc<starling_text::ModelText>,
+    /// The live worker connections per certificate (shared by all connections).
+    pub(crate) connections: Arc<WorkerConnections>,
+    pub(crate) limits: WorkerLimits,
 }
 
 /// Serves one actor's job connection until it closes.
 pub(crate) async fn serve_worker(
     cx: WorkerContext,
-    tx: SendStream,
+    mut tx: SendStream,
     reader: MessageReader,
     name: String,
     region: String,
     label: String,
 ) -> Result<()> {
     let actor = ActorId::new(name.clone()).context("actor name")?;
-    cx.ledger
+    let Some((_slot, alone)) = cx.connections.open(&name) else {
+        cx.metrics.worker_refused("connections");
+        let detail = format!(
+            "{name} already holds {} worker connections, the most one certificate may hold: \
+             close one (or wait for a dead one to time out) and connect again",
+            cx.connections.max()
+        );
+        tracing::warn!("worker refused: {detail}");
+        let refuse = Message::Refuse {
+            reason: RefuseReason::TooManyConnections,
+            detail,
+        };
+        send(&mut tx, &refuse).await?;
+        let _ = tx.finish();
+        return Ok(());
+    };
+    let session = cx
+        .ledger
         .register_actor(&actor, &region, &label, now())
         .await
         .with_context(|| format!("register actor {name}"))?;
-    tracing::info!(engine = %label, "worker registered");
+    tracing::info!(engine = %label, session = session.raw(), "worker registered");
+    if alone {
+        // No other connection of this actor is live here: what its earlier sessions hold
+        // (a connection that died, or one a previous hub process served) is no one's work.
+        match cx.ledger.release_others(&actor, session).await {
+            Ok(r) => {
+                cx.metrics
+                    .released("connection_closed", r.returned + r.failed);
+                cx.metrics.expired(r.failed);
+            }
+            Err(e) => tracing::error!(
+                "release the leases of the actor's earlier connections: {}",
+                starling_telemetry::error_chain(&e)
+            ),
+        }
+    }
     cx.board.worker_connected(&name, &region, &label, now_ms());
     cx.metrics.peer_connected("worker", 1);
     let served = work(&cx, &actor, tx, reader).await;
@@ -68,7 +111,49 @@ pub(crate) async fn serve_worker(
     }
     cx.board
         .worker_disconnected(&name, why.as_deref(), now_ms());
+    release(&cx, &actor, session).await;
     served
+}
+
+/// The connection of `session` ended: its leases go back to the pool at once (the ledger
+/// decides, in one transaction), so its groups are re-offered now rather than when the leases
+/// would have run out.
+async fn release(cx: &WorkerContext, actor: &ActorId, session: Session) {
+    match cx.ledger.release(actor, session, now()).await {
+        Ok(r) => {
+            cx.metrics
+                .released("connection_closed", r.returned + r.failed + r.unassigned);
+            cx.metrics.expired(r.failed);
+            if r.returned + r.failed + r.unassigned > 0 {
+                tracing::info!(
+                    returned = r.returned,
+                    failed = r.failed,
+                    unassigned = r.unassigned,
+                    "worker's leases released"
+                );
+            }
+            if r.failed > 0 {
+                for batch in cx.board.open_batches() {
+                    note_if_finished(&cx.ledger, &cx.board, batch).await;
+                }
+            }
+        }
+        Err(e) => tracing::error!(
+            "release the worker's leases (they expire instead): {}",
+            starling_telemetry::error_chain(&e)
+        ),
+    }
+}
+
+/// The rate bucket a message draws from.
+fn kind_of(m: &Message) -> Option<Kind> {
+    match m {
+        Message::Heartbeat { .. } => Some(Kind::Heartbeat),
+        Message::Progress { .. } => Some(Kind::Progress),
+        Message::Claim { .. } => Some(Kind::Claim),
+        Message::Submit { .. } => Some(Kind::Submit),
+        _ => None,
+    }
 }
 
 async fn work(
@@ -78,9 +163,37 @@ async fn work(
     mut reader: MessageReader,
 ) -> Result<()> {
     let ledger = &cx.ledger;
+    let mut rates = RateLimiter::new(&cx.limits, std::time::Instant::now());
     // The actor closes the connection when it stops: any end of the stream is normal.
     while let Ok(Some(m)) = reader.next().await {
+        if let Some(kind) = kind_of(&m)
+            && let Err(limited) = rates.admit(kind, std::time::Instant::now())
+        {
+            cx.metrics.worker_refused(limited.kind.code());
+            let refuse = Message::Refuse {
+                reason: RefuseReason::RateLimited,
+                detail: limited.detail.clone(),
+            };
+            send(&mut tx, &refuse).await?;
+            let _ = tx.finish();
+            bail!("refused: {}", limited.detail);
+        }
         let reply = match m {
+            Message::Progress { jobs } => {
+                let jobs: Vec<(JobId, u64)> = jobs
+                    .iter()
+                    .map(|&(j, t)| (JobId::from_raw(i64::try_from(j).unwrap_or(i64::MAX)), t))
+                    .collect();
+                let r = ledger
+                    .progress(actor, &jobs, now())
+                    .await
+                    .context("record progress")?;
+                cx.metrics.extended(r.extended.len() as u64);
+                if !r.lost.is_empty() {
+                    tracing::debug!(lost = r.lost.len(), "progress on jobs no longer held");
+                }
+                None
+            }
             Message::Heartbeat { active, staged } => {
                 cx.board
                     .heartbeat(actor.as_str(), active.map(|(v, _)| v), staged, now_ms());
@@ -102,7 +215,9 @@ async fn work(
             ),
             other => Some(Message::Refuse {
                 reason: RefuseReason::Protocol,
-                detail: format!("a worker may send Heartbeat, Claim or Submit, not {other:?}"),
+                detail: format!(
+                    "a worker may send Heartbeat, Claim, Progress or Submit, not {other:?}"
+                ),
             }),
         };
         if let Some(reply) = reply {
@@ -172,6 +287,7 @@ async fn submit(cx: &WorkerContext, actor: &ActorId, results: Vec<JobResult>) ->
                     version,
                     digest: Digest(r.digest),
                     tokens,
+                    // Stored for information; τ is measured on the hub's clock.
                     elapsed: Duration::from_micros(r.elapsed_us),
                     payload: serde_json::to_vec(&stored).unwrap_or_default(),
                 });
@@ -260,6 +376,14 @@ pub(crate) async fn run_scheduler(
             Ok(r) => {
                 let n = r.returned + r.failed;
                 metrics.expired(n);
+                metrics.released("unclaimed", r.unclaimed);
+                metrics.released("silent", r.released);
+                if r.unclaimed > 0 {
+                    tracing::warn!(
+                        jobs = r.unclaimed,
+                        "shares not claimed within the claim timeout went back to the pool"
+                    );
+                }
                 if n > 0 {
                     tracing::warn!(returned = r.returned, failed = r.failed, "leases expired");
                     board.leases_expired(n, now_ms());
@@ -305,6 +429,12 @@ pub(crate) async fn run_scheduler(
             }
         }
     }
+}
+
+/// A group's token budget, which sizes its lease: every sample may run to `max_new_tokens`,
+/// and the prompt is processed once per sample.
+pub(crate) fn token_budget(spec: &GroupSpec) -> u64 {
+    u64::from(spec.n) * (u64::from(spec.sampling.max_new_tokens) + spec.prompt_ids.len() as u64)
 }
 
 /// A refusal's detail within what the wire carries.

@@ -10,6 +10,7 @@ pub mod cli;
 mod durable;
 mod jobs;
 pub mod keys;
+pub mod limits;
 mod rollouts;
 pub mod serve;
 mod snapshot;

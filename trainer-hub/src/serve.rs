@@ -91,6 +91,8 @@ pub struct ServeConfig {
     pub ledger_config: LedgerConfig,
     /// How often posted batches are scheduled and expired leases swept.
     pub schedule_tick: std::time::Duration,
+    /// Per-actor limits on the job protocol.
+    pub worker_limits: crate::limits::WorkerLimits,
 }
 
 #[derive(Debug)]
@@ -116,6 +118,8 @@ pub(crate) struct Hub {
     metrics: Metrics,
     anchors: Arc<Anchors>,
     pub(crate) ledger: Arc<Ledger>,
+    /// Live worker connections per actor certificate.
+    workers: Arc<crate::limits::WorkerConnections>,
     /// The key trainer tokens are checked with.
     pub(crate) trainer_seed: [u8; 32],
     /// What prompts must fit (vocabulary, context).
@@ -301,6 +305,7 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
             cfg.keep_anchors,
         )?),
         ledger: Arc::new(ledger),
+        workers: crate::limits::WorkerConnections::new(cfg.worker_limits.connections),
         trainer_seed,
         limits,
         cfg,
@@ -440,6 +445,8 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
                     ledger: hub.ledger.clone(),
                     metrics: hub.metrics.clone(),
                     board: hub.board.clone(),
+                    connections: hub.workers.clone(),
+                    limits: hub.cfg.worker_limits,
                 },
                 a.control,
                 reader,
