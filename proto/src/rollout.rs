@@ -33,7 +33,7 @@
 
 use crate::error::DecodeError;
 use crate::segment::MAX_NAME_LEN;
-use crate::wire::{Reader, put_bytes, put_varint};
+use crate::wire::{Reader, put_bytes, put_varint, varint_len};
 
 /// The most prompt tokens one job may carry.
 pub const MAX_PROMPT_TOKENS: usize = 1 << 16;
@@ -493,6 +493,78 @@ fn read_u32s(
     Ok(v)
 }
 
+/// The most bytes one encoded [`Sample`] of at most `max_new_tokens` tokens can take: every
+/// token id and count at its longest varint, four bytes per log-probability, every span used
+/// with its longest fields, both times at their longest.
+pub fn max_sample_len(max_new_tokens: u32) -> u64 {
+    let t = u64::from(max_new_tokens);
+    let count = varint_len(t) as u64;
+    let span = 10 + 5 + 5;
+    count + 5 * t + count + 4 * t + 1 + 1 + MAX_SPANS as u64 * span + 10 + 10
+}
+
+/// The most bytes one encoded [`JobResult`] of `n` samples of at most `max_new_tokens`
+/// tokens each can take (what a group asking for that must be able to send).
+pub fn max_result_len(n: u32, max_new_tokens: u32) -> u64 {
+    // job, attempt, version, digest, elapsed, sample count.
+    let head = 10 + 5 + 10 + 16 + 10 + varint_len(u64::from(n)) as u64;
+    head + u64::from(n) * max_sample_len(max_new_tokens)
+}
+
+impl JobResult {
+    /// The length of [`JobResult::write`]'s output, computed without encoding.
+    pub fn encoded_len(&self) -> usize {
+        let v = |x: u64| varint_len(x);
+        let mut len = v(self.job)
+            + v(u64::from(self.attempt))
+            + v(self.version)
+            + 16
+            + v(self.elapsed_us)
+            + v(self.samples.len() as u64);
+        for s in &self.samples {
+            len += v(s.tokens.len() as u64)
+                + s.tokens.iter().map(|&t| v(u64::from(t))).sum::<usize>()
+                + v(s.logprobs.len() as u64)
+                + 4 * s.logprobs.len()
+                + 1
+                + v(s.spans.len() as u64)
+                + s.spans
+                    .iter()
+                    .map(|sp| v(sp.version) + v(u64::from(sp.start)) + v(u64::from(sp.end)))
+                    .sum::<usize>()
+                + v(s.ttft_us)
+                + v(s.decode_us);
+        }
+        len
+    }
+}
+
+/// Splits results into runs that each fit one `Submit` whose body is at most `max_body`
+/// bytes (a count, then the results), in order and at most [`MAX_JOBS_PER_MESSAGE`] each, so
+/// that no result sinks the others: a result too large for any message goes alone (the
+/// receiver refuses that one by name).
+pub fn split_for_messages(results: Vec<JobResult>, max_body: usize) -> Vec<Vec<JobResult>> {
+    let mut out: Vec<Vec<JobResult>> = Vec::new();
+    let mut current: Vec<JobResult> = Vec::new();
+    let mut used = 0usize;
+    for r in results {
+        let len = r.encoded_len();
+        let body = |count: usize, bytes: usize| varint_len(count as u64) + bytes;
+        let fits = current.len() < MAX_JOBS_PER_MESSAGE
+            && body(current.len() + 1, used.saturating_add(len)) <= max_body;
+        if !fits && !current.is_empty() {
+            out.push(std::mem::take(&mut current));
+            used = 0;
+        }
+        used = used.saturating_add(len);
+        current.push(r);
+    }
+    if !current.is_empty() {
+        out.push(current);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -515,6 +587,62 @@ mod tests {
             ttft_us: 1,
             decode_us: 2,
         }
+    }
+
+    fn result_of(job: u64, n: usize, tokens: usize) -> JobResult {
+        let mut s = sample(vec![-0.5; tokens]);
+        s.tokens = vec![u32::MAX; tokens];
+        JobResult {
+            job,
+            attempt: 1,
+            version: 3,
+            digest: [7; 16],
+            elapsed_us: 1_000,
+            samples: vec![s; n],
+        }
+    }
+
+    #[test]
+    fn encoded_len_is_exact_and_bounded_by_the_group_maximum() {
+        for (n, t) in [(1, 0), (1, 5), (3, 200), (2, 70_000)] {
+            let r = result_of(u64::MAX, n, t);
+            let mut out = Vec::new();
+            r.write(&mut out);
+            assert_eq!(out.len(), r.encoded_len(), "n {n}, tokens {t}");
+            assert!(out.len() as u64 <= max_result_len(n as u32, t as u32));
+        }
+        // The worst case a group may ask for: 16 samples of 65,536 tokens fit a message, 32
+        // do not.
+        let body = crate::msg::MAX_MESSAGE_BODY as u64;
+        assert!(max_result_len(16, MAX_NEW_TOKENS as u32) + 3 <= body);
+        assert!(max_result_len(32, MAX_NEW_TOKENS as u32) > body);
+    }
+
+    #[test]
+    fn results_are_split_into_messages_that_fit_in_order() {
+        let small = |job| result_of(job, 2, 100);
+        let len = small(0).encoded_len();
+        let rs: Vec<JobResult> = (0..10).map(small).collect();
+        // Room for three results (and the count) per message.
+        let parts = split_for_messages(rs.clone(), 3 * len + 1);
+        assert_eq!(parts.iter().map(Vec::len).collect::<Vec<_>>(), [3, 3, 3, 1]);
+        let back: Vec<u64> = parts.iter().flatten().map(|r| r.job).collect();
+        assert_eq!(back, (0..10).collect::<Vec<_>>(), "every result, in order");
+        for p in &parts {
+            let body =
+                varint_len(p.len() as u64) + p.iter().map(JobResult::encoded_len).sum::<usize>();
+            assert!(body <= 3 * len + 1);
+        }
+        // One result too large for any message goes alone; the others are unaffected.
+        let mut rs = vec![small(0), result_of(1, 4, 1_000), small(2)];
+        rs.extend((3..5).map(small));
+        let parts = split_for_messages(rs, 2 * len + 1);
+        let jobs: Vec<Vec<u64>> = parts
+            .iter()
+            .map(|p| p.iter().map(|r| r.job).collect())
+            .collect();
+        assert_eq!(jobs, [vec![0], vec![1], vec![2, 3], vec![4]]);
+        assert!(split_for_messages(Vec::new(), 100).is_empty());
     }
 
     #[test]

@@ -70,6 +70,113 @@ impl MessageReader {
     }
 }
 
+/// What [`MessageReader::next_or_oversized`] reads.
+#[derive(Debug)]
+pub enum Incoming {
+    /// A message within the limit.
+    Message(Message),
+    /// A message that declared a body over [`MAX_MESSAGE_BODY`]: its type, its declared length
+    /// and the first bytes of its body (at most [`OVERSIZED_HEAD`]); the rest was read and
+    /// dropped, never buffered, so the stream stays in step.
+    Oversized { kind: u8, len: u64, head: Vec<u8> },
+}
+
+/// How much of an oversized message's body [`MessageReader::next_or_oversized`] keeps.
+pub const OVERSIZED_HEAD: usize = 64;
+
+impl MessageReader {
+    /// As [`MessageReader::next`], but a message whose declared body is over the limit and
+    /// at most `max_skip` bytes is not an error: its first bytes are kept, the rest is read
+    /// and dropped in chunks, and the stream goes on with the next message (for a peer that
+    /// must be told which of its messages could not be read). Longer ones, and anything
+    /// malformed, are errors as with `next`.
+    pub async fn next_or_oversized(
+        &mut self,
+        max_skip: u64,
+    ) -> Result<Option<Incoming>, FramedError> {
+        loop {
+            if let Some((kind, len, at)) = oversized_header(&self.buf)? {
+                if len > max_skip {
+                    return Err(FramedError::Decode(DecodeError::TooLarge {
+                        what: "message length",
+                        value: len,
+                        limit: max_skip,
+                    }));
+                }
+                return self.skip_body(kind, len, at).await.map(Some);
+            }
+            if let Some(total) = check(&self.buf)? {
+                let (m, n) = Message::decode(&self.buf[..total])?;
+                self.buf.drain(..n);
+                return Ok(Some(Incoming::Message(m)));
+            }
+            let mut chunk = [0u8; 16 * 1024];
+            match self.recv.read(&mut chunk).await? {
+                Some(n) => {
+                    self.buf.extend_from_slice(&chunk[..n]);
+                    if self.buf.len() > MAX_MESSAGE_BODY + 16 {
+                        return Err(FramedError::Decode(DecodeError::TooLarge {
+                            what: "buffered message",
+                            value: self.buf.len() as u64,
+                            limit: MAX_MESSAGE_BODY as u64,
+                        }));
+                    }
+                }
+                None if self.buf.is_empty() => return Ok(None),
+                None => return Err(FramedError::Truncated),
+            }
+        }
+    }
+
+    /// Keeps the first bytes of a body of `len` bytes starting at `at` in the buffer, and
+    /// drops the rest as it arrives.
+    async fn skip_body(&mut self, kind: u8, len: u64, at: usize) -> Result<Incoming, FramedError> {
+        let keep = OVERSIZED_HEAD.min(usize::try_from(len).unwrap_or(usize::MAX));
+        let mut chunk = [0u8; 64 * 1024];
+        while self.buf.len() < at + keep {
+            match self.recv.read(&mut chunk).await? {
+                Some(n) => self.buf.extend_from_slice(&chunk[..n]),
+                None => return Err(FramedError::Truncated),
+            }
+        }
+        let head = self.buf[at..at + keep].to_vec();
+        // Bytes of the body still to drop, after what is buffered.
+        let buffered = (self.buf.len() - at) as u64;
+        if buffered >= len {
+            let end = at + usize::try_from(len).unwrap_or(usize::MAX);
+            self.buf.drain(..end);
+        } else {
+            let mut left = len - buffered;
+            self.buf.clear();
+            while left > 0 {
+                let want = chunk.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+                match self.recv.read(&mut chunk[..want]).await? {
+                    Some(n) => left -= n as u64,
+                    None => return Err(FramedError::Truncated),
+                }
+            }
+        }
+        Ok(Incoming::Oversized { kind, len, head })
+    }
+}
+
+/// The type, declared body length and body offset of a message at the start of `buf` whose
+/// declared length is over [`MAX_MESSAGE_BODY`]; `None` for a message within the limit or a
+/// header not yet complete. An unknown type is an error, as in `check`.
+fn oversized_header(buf: &[u8]) -> Result<Option<(u8, u64, usize)>, FramedError> {
+    let Some(&kind) = buf.first() else {
+        return Ok(None);
+    };
+    // The type alone: known types need more bytes, unknown ones are refused.
+    check(&buf[..1])?;
+    let mut r = starling_proto::wire::Reader::new(&buf[1..]);
+    match r.varint("message length") {
+        Ok(len) if len > MAX_MESSAGE_BODY as u64 => Ok(Some((kind, len, 1 + r.position()))),
+        Ok(_) | Err(DecodeError::Truncated { .. }) => Ok(None),
+        Err(e) => Err(FramedError::Decode(e)),
+    }
+}
+
 /// A verified delta frame read from a stream, kept as its wire bytes (so a relay forwards
 /// it without re-encoding or re-hashing).
 #[derive(Debug, Clone)]
