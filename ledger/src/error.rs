@@ -187,6 +187,32 @@ pub enum ReadError {
     Database(#[from] sqlx::Error),
 }
 
+/// Scoring a result (or failing its scoring) failed.
+#[derive(Debug, Error)]
+pub enum ScoreError {
+    /// The scored payload is larger than `max_result_bytes`.
+    #[error("scored result payload of {0} bytes is above the limit")]
+    PayloadTooLarge(usize),
+    /// The database failed.
+    #[error("ledger database")]
+    Database(#[from] sqlx::Error),
+}
+
+/// Archiving a batch failed.
+#[derive(Debug, Error)]
+pub enum ArchiveError {
+    /// The batch does not exist.
+    #[error("{0} does not exist")]
+    UnknownBatch(BatchId),
+    /// The batch changed since its results were written out (a result became readable or
+    /// it was archived before): nothing was deleted.
+    #[error("{0} changed while its results were archived")]
+    Changed(BatchId),
+    /// The database failed.
+    #[error("ledger database")]
+    Database(#[from] sqlx::Error),
+}
+
 /// Errors whose database failures may be transient (PostgreSQL serialization failures and
 /// deadlocks), so that the whole transaction can be retried.
 pub(crate) trait Retryable {

@@ -67,8 +67,8 @@ pub(crate) const RULES: &[(&str, &str)] = &[
         "SELECT COUNT(*) FROM jobs WHERE attempts > $1",
     ),
     (
-        "failed jobs used all their attempts (or their batch was cancelled)",
-        "SELECT COUNT(*) FROM jobs j JOIN batches b ON b.id = j.batch_id WHERE j.state = 'failed' AND j.attempts < $1 AND b.cancelled_at IS NULL",
+        "failed jobs used all their attempts (or failed for a named reason, or their batch was cancelled)",
+        "SELECT COUNT(*) FROM jobs j JOIN batches b ON b.id = j.batch_id WHERE j.state = 'failed' AND j.attempts < $1 AND b.cancelled_at IS NULL AND j.fail_reason IS NULL",
     ),
     (
         "posted jobs belong to unscheduled batches and scheduled batches have no posted jobs",
@@ -79,12 +79,12 @@ pub(crate) const RULES: &[(&str, &str)] = &[
         "SELECT COUNT(*) FROM jobs j JOIN batches b ON b.id = j.batch_id WHERE j.version <> b.version",
     ),
     (
-        "each batch has as many jobs as its size",
-        "SELECT COUNT(*) FROM batches b WHERE b.size <> (SELECT COUNT(*) FROM jobs j WHERE j.batch_id = b.id)",
+        "each batch has as many jobs as its size (until it is archived)",
+        "SELECT COUNT(*) FROM batches b WHERE b.archived_at IS NULL AND b.size <> (SELECT COUNT(*) FROM jobs j WHERE j.batch_id = b.id)",
     ),
     (
         "a scheduled batch's assignments sum to its size",
-        "SELECT COUNT(*) FROM batches b WHERE b.scheduled_at IS NOT NULL AND b.size <> (SELECT COALESCE(SUM(a.count), 0) FROM assignments a WHERE a.batch_id = b.id)",
+        "SELECT COUNT(*) FROM batches b WHERE b.scheduled_at IS NOT NULL AND b.archived_at IS NULL AND b.size <> (SELECT COALESCE(SUM(a.count), 0) FROM assignments a WHERE a.batch_id = b.id)",
     ),
     (
         "throughput estimates are finite and non-negative",
@@ -101,5 +101,21 @@ pub(crate) const RULES: &[(&str, &str)] = &[
     (
         "accepted results are filed under their job's batch",
         "SELECT COUNT(*) FROM results r JOIN jobs j ON j.id = r.job_id WHERE r.batch_id IS NOT NULL AND r.batch_id <> j.batch_id",
+    ),
+    (
+        "no cursor is beyond the cursor counter (a cursor is never handed out twice)",
+        "SELECT COUNT(*) FROM results WHERE cursor > (SELECT value FROM ledger_counters WHERE name = 'result_cursor') OR $1 < 0",
+    ),
+    (
+        "the jobs counter equals the job rows",
+        "SELECT COUNT(*) FROM ledger_counters WHERE name = 'jobs' AND value <> (SELECT COUNT(*) FROM jobs) OR $1 < 0",
+    ),
+    (
+        "an archived batch holds no jobs, results or assignments",
+        "SELECT (SELECT COUNT(*) FROM jobs j JOIN batches b ON b.id = j.batch_id WHERE b.archived_at IS NOT NULL) + (SELECT COUNT(*) FROM results r JOIN batches b ON b.id = r.batch_id WHERE b.archived_at IS NOT NULL) + (SELECT COUNT(*) FROM assignments a JOIN batches b ON b.id = a.batch_id WHERE b.archived_at IS NOT NULL) + $1 * 0",
+    ),
+    (
+        "only delivered batches are archived, with their file",
+        "SELECT COUNT(*) FROM batches WHERE archived_at IS NOT NULL AND (delivered_at IS NULL OR archive IS NULL) OR $1 < 0",
     ),
 ];

@@ -17,8 +17,9 @@
 //!
 //! Code map: [`schedule`] (pure Algorithm 1 and the delivery interval τ is measured over),
 //! `verdict` (pure acceptance rule), `lease` (pure lease sizing and progress), `sqlite` and
-//! `postgres` (the two backends), `sql` (what they share),
-//! [`invariants`] (checks over all rows). See `docs/ledger.md`.
+//! `postgres` (the two backends), `sql` (what they share), `run` (the hub's side: versions,
+//! batch status, result stream by cursor, scoring), `retention` (archiving delivered
+//! batches), [`invariants`] (checks over all rows). See `docs/ledger.md`.
 
 pub mod clock;
 mod config;
@@ -28,7 +29,9 @@ pub mod invariants;
 mod lease;
 mod model;
 mod postgres;
+#[macro_use]
 mod run;
+mod retention;
 pub mod schedule;
 mod sql;
 mod sqlite;
@@ -39,19 +42,21 @@ use std::time::Duration;
 
 pub use config::{ConfigError, LeaseConfig, LedgerConfig};
 pub use error::{
-    ActorError, CancelError, ClaimError, ExpireError, OpenError, PostError, ProgressError,
-    ReadError, ReleaseError, ScheduleError, SubmitError, VersionError,
+    ActorError, ArchiveError, CancelError, ClaimError, ExpireError, OpenError, PostError,
+    ProgressError, ReadError, ReleaseError, ScheduleError, ScoreError, SubmitError, VersionError,
 };
 pub use ids::{
     ActorId, BatchId, Digest, InvalidActorId, JobId, Session, Timestamp, Version, VersionOutOfRange,
 };
 pub use invariants::{InvariantError, InvariantViolation};
 pub use model::{
-    ActorAssignment, ActorInfo, Assignment, BatchInfo, ClaimedJob, ExpireReport, JobCounts,
-    JobState, JobView, ProgressReport, Rejection, ReleaseReport, ResultSubmission, SubmitOutcome,
+    ActorAssignment, ActorInfo, Assignment, BatchInfo, ClaimedJob, ExpireReport, FAIL_ATTEMPTS,
+    FAIL_CANCELLED, HubRefusal, JobCounts, JobState, JobView, ProgressReport, RefusalEffect,
+    Rejection, ReleaseReport, ResultSubmission, SubmitCall, SubmitOutcome, Unscored,
     VersionState,
 };
-pub use run::{AcceptedResult, BatchStatus, JobPayload, VersionRecord};
+pub use retention::Retention;
+pub use run::{AcceptedResult, Archive, BatchStatus, JobPayload, ResultsPage, VersionRecord};
 
 use error::Retryable;
 
@@ -375,9 +380,31 @@ impl Ledger {
         results: &[ResultSubmission],
         now: Timestamp,
     ) -> Result<Vec<SubmitOutcome>, SubmitError> {
+        let call = SubmitCall {
+            results,
+            ..SubmitCall::default()
+        };
+        self.submit_call(actor, call, now).await
+    }
+
+    /// [`Ledger::submit`] as the hub makes it: the results in `call` are judged as there;
+    /// those listed in `call.unscored` are accepted but not readable until
+    /// [`Ledger::score`]; and the refusals the hub decided itself (`call.refused`) are
+    /// counted with the ledger's and applied ([`RefusalEffect`]) — all in one transaction
+    /// that is durable before it returns.
+    pub async fn submit_call(
+        &self,
+        actor: &ActorId,
+        call: SubmitCall<'_>,
+        now: Timestamp,
+    ) -> Result<Vec<SubmitOutcome>, SubmitError> {
         let c = &self.config;
-        if results.len() > c.max_per_call {
-            return Err(SubmitError::TooMany(results.len(), c.max_per_call));
+        let results = call.results;
+        if results.len() > c.max_per_call || call.refused.len() > c.max_per_call {
+            return Err(SubmitError::TooMany(
+                results.len().max(call.refused.len()),
+                c.max_per_call,
+            ));
         }
         if let Some(r) = results
             .iter()
@@ -385,11 +412,11 @@ impl Ledger {
         {
             return Err(SubmitError::PayloadTooLarge(r.payload.len()));
         }
-        if results.is_empty() {
+        if results.is_empty() && call.refused.is_empty() {
             return Ok(Vec::new());
         }
-        let beta = c.beta;
-        on_store!(self, s => s.submit(actor, results, now, beta))
+        let (beta, attempts) = (c.beta, c.max_attempts);
+        on_store!(self, s => s.submit(actor, call, now, beta, attempts))
     }
 
     /// Checks every invariant over all rows; returns the violated ones.
@@ -438,14 +465,6 @@ impl Ledger {
         match &self.store {
             Store::Sqlite(s) => s.version_state(version).await,
             Store::Postgres(s) => s.version_state(version).await,
-        }
-    }
-
-    /// Number of jobs per state.
-    pub async fn job_counts(&self) -> Result<JobCounts, ReadError> {
-        match &self.store {
-            Store::Sqlite(s) => s.job_counts().await,
-            Store::Postgres(s) => s.job_counts().await,
         }
     }
 }

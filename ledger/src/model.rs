@@ -306,3 +306,64 @@ pub struct JobView {
     /// The actor whose accepted result is stored, if done.
     pub accepted_from: Option<ActorId>,
 }
+
+/// What becomes of a group whose result the hub refused before the ledger judged it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RefusalEffect {
+    /// Nothing: the lease stays, the group is re-offered if no valid result comes before it
+    /// ends (a malformed result).
+    KeepLease,
+    /// The lease ends now and the group goes back to the shared pool (or fails, counted as
+    /// `attempts`, once it has used all its attempts): a result that can never be accepted
+    /// from this attempt, such as one with a NaN log-probability.
+    Reoffer,
+    /// The group fails at once with the refusal's code as its reason: a result that can
+    /// never be delivered.
+    Fail,
+}
+
+/// A refusal the hub decided itself (the result's shape, its log-probabilities, its size),
+/// counted in the batch's `refusals` with the ledger's own, in the same transaction. Applies
+/// only to a job leased to the submitting actor; otherwise it is only counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HubRefusal {
+    /// The job.
+    pub job: JobId,
+    /// Its stable code (`invalid_result`, `nonfinite_logprob`, `result_too_large`, …).
+    pub code: &'static str,
+    /// What becomes of the group.
+    pub effect: RefusalEffect,
+}
+
+/// One submit call as the hub makes it: the results to judge, which of them wait for a
+/// reward service (accepted but not readable until scored), and the refusals it decided
+/// itself.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SubmitCall<'a> {
+    /// Results for the ledger to judge.
+    pub results: &'a [ResultSubmission],
+    /// Jobs among `results` whose rewards come later ([`crate::Ledger::score`]).
+    pub unscored: &'a [JobId],
+    /// Refusals the hub decided.
+    pub refused: &'a [HubRefusal],
+}
+
+/// An accepted result waiting for its reward service.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unscored {
+    /// The job.
+    pub job: JobId,
+    /// Its batch.
+    pub batch: BatchId,
+    /// The version the result was generated with.
+    pub version: Version,
+    /// The job's prompt payload, as posted.
+    pub prompt: Vec<u8>,
+    /// The stored result, as accepted.
+    pub payload: Vec<u8>,
+}
+
+/// Why a group failed (`failures` in a batch's status).
+pub const FAIL_ATTEMPTS: &str = "attempts";
+/// A cancelled batch's unfinished groups.
+pub const FAIL_CANCELLED: &str = "cancelled";

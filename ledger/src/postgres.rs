@@ -8,7 +8,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgPoolOptions};
 use sqlx::{PgPool, Row};
 
 use std::collections::{BTreeSet, HashMap};
@@ -48,6 +48,23 @@ impl PgStore {
         self.pool.close().await;
     }
 
+    /// Runs `body` in one transaction that commits with `synchronous_commit = on` whatever the
+    /// server's or database's default: the commit is flushed to the WAL (and, with
+    /// synchronous standbys configured, to them) before it returns and before other sessions
+    /// see it. For the transactions whose outcome someone is told about (see `sqlite`).
+    pub(crate) async fn durably<T, E: From<sqlx::Error>>(
+        &self,
+        body: impl AsyncFnOnce(&mut PgConnection) -> Result<T, E>,
+    ) -> Result<T, E> {
+        let mut tx = self.pool.begin().await?;
+        sqlx::query("SET LOCAL synchronous_commit = on")
+            .execute(&mut *tx)
+            .await?;
+        let v = body(&mut tx).await?;
+        tx.commit().await?;
+        Ok(v)
+    }
+
     pub(crate) async fn register_version(
         &self,
         version: Version,
@@ -55,38 +72,39 @@ impl PgStore {
         digest: Digest,
         now: Timestamp,
     ) -> Result<(), VersionError> {
-        let mut tx = self.pool.begin().await?;
-        let existing = sqlx::query(sql::VERSION_BY_ID)
-            .bind(version.to_db())
-            .fetch_optional(&mut *tx)
-            .await?;
-        if let Some(row) = existing {
-            let same_base = row.try_get::<Option<i64>, _>("base")? == base.map(Version::to_db);
-            let same_digest = row.try_get::<Vec<u8>, _>("digest")? == digest.0;
-            return if same_base && same_digest {
-                Ok(())
-            } else {
-                Err(VersionError::Conflict(version))
-            };
-        }
-        if let Some(b) = base {
-            let found = sqlx::query(sql::VERSION_BY_ID)
-                .bind(b.to_db())
+        self.durably(async |tx| {
+            let existing = sqlx::query(sql::VERSION_BY_ID)
+                .bind(version.to_db())
                 .fetch_optional(&mut *tx)
                 .await?;
-            if found.is_none() {
-                return Err(VersionError::UnknownBase(b));
+            if let Some(row) = existing {
+                let same_base = row.try_get::<Option<i64>, _>("base")? == base.map(Version::to_db);
+                let same_digest = row.try_get::<Vec<u8>, _>("digest")? == digest.0;
+                return if same_base && same_digest {
+                    Ok(())
+                } else {
+                    Err(VersionError::Conflict(version))
+                };
             }
-        }
-        sqlx::query(sql::INSERT_VERSION)
-            .bind(version.to_db())
-            .bind(base.map(Version::to_db))
-            .bind(&digest.0[..])
-            .bind(now.millis())
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        Ok(())
+            if let Some(b) = base {
+                let found = sqlx::query(sql::VERSION_BY_ID)
+                    .bind(b.to_db())
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                if found.is_none() {
+                    return Err(VersionError::UnknownBase(b));
+                }
+            }
+            sqlx::query(sql::INSERT_VERSION)
+                .bind(version.to_db())
+                .bind(base.map(Version::to_db))
+                .bind(&digest.0[..])
+                .bind(now.millis())
+                .execute(&mut *tx)
+                .await?;
+            Ok(())
+        })
+        .await
     }
 
     pub(crate) async fn commit_version(
@@ -94,23 +112,24 @@ impl PgStore {
         version: Version,
         now: Timestamp,
     ) -> Result<(), VersionError> {
-        let mut tx = self.pool.begin().await?;
-        let done = sqlx::query(sql::COMMIT_VERSION)
-            .bind(version.to_db())
-            .bind(now.millis())
-            .execute(&mut *tx)
-            .await?;
-        if done.rows_affected() == 0 {
-            let found = sqlx::query(sql::VERSION_BY_ID)
+        self.durably(async |tx| {
+            let done = sqlx::query(sql::COMMIT_VERSION)
                 .bind(version.to_db())
-                .fetch_optional(&mut *tx)
+                .bind(now.millis())
+                .execute(&mut *tx)
                 .await?;
-            if found.is_none() {
-                return Err(VersionError::UnknownVersion(version));
+            if done.rows_affected() == 0 {
+                let found = sqlx::query(sql::VERSION_BY_ID)
+                    .bind(version.to_db())
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                if found.is_none() {
+                    return Err(VersionError::UnknownVersion(version));
+                }
             }
-        }
-        tx.commit().await?;
-        Ok(())
+            Ok(())
+        })
+        .await
     }
 
     pub(crate) async fn register_actor(
@@ -165,40 +184,46 @@ impl PgStore {
         max_staleness: i64,
         now: Timestamp,
     ) -> Result<BatchId, PostError> {
-        let mut tx = self.pool.begin().await?;
-        let state: Option<String> = sqlx::query_scalar(sql::VERSION_STATE)
-            .bind(version.to_db())
-            .fetch_optional(&mut *tx)
-            .await?;
-        match state.as_deref() {
-            None => return Err(PostError::UnknownVersion(version)),
-            Some("committed") => {}
-            Some(_) => return Err(PostError::NotCommitted(version)),
-        }
-        let size = i64::try_from(prompts.len()).unwrap_or(i64::MAX);
-        let batch: i64 = sqlx::query_scalar(sql::INSERT_BATCH)
-            .bind(version.to_db())
-            .bind(size)
-            .bind(sampling)
-            .bind(now.millis())
-            .bind(max_staleness)
-            .fetch_one(&mut *tx)
-            .await?;
-        for (chunk, budgets) in prompts.chunks(8192).zip(budgets.chunks(8192)) {
-            let budgets: Vec<i64> = budgets
-                .iter()
-                .map(|b| i64::try_from(*b).unwrap_or(i64::MAX))
-                .collect();
-            sqlx::query(PG_INSERT_JOBS)
-                .bind(batch)
+        self.durably(async |tx| {
+            let state: Option<String> = sqlx::query_scalar(sql::VERSION_STATE)
                 .bind(version.to_db())
-                .bind(chunk)
-                .bind(budgets)
+                .fetch_optional(&mut *tx)
+                .await?;
+            match state.as_deref() {
+                None => return Err(PostError::UnknownVersion(version)),
+                Some("committed") => {}
+                Some(_) => return Err(PostError::NotCommitted(version)),
+            }
+            let size = i64::try_from(prompts.len()).unwrap_or(i64::MAX);
+            let batch: i64 = sqlx::query_scalar(sql::INSERT_BATCH)
+                .bind(version.to_db())
+                .bind(size)
+                .bind(sampling)
+                .bind(now.millis())
+                .bind(max_staleness)
+                .fetch_one(&mut *tx)
+                .await?;
+            for (chunk, budgets) in prompts.chunks(8192).zip(budgets.chunks(8192)) {
+                let budgets: Vec<i64> = budgets
+                    .iter()
+                    .map(|b| i64::try_from(*b).unwrap_or(i64::MAX))
+                    .collect();
+                sqlx::query(PG_INSERT_JOBS)
+                    .bind(batch)
+                    .bind(version.to_db())
+                    .bind(chunk)
+                    .bind(budgets)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            sqlx::query(sql::ADD_COUNTER)
+                .bind(sql::COUNTER_JOBS)
+                .bind(size)
                 .execute(&mut *tx)
                 .await?;
-        }
-        tx.commit().await?;
-        Ok(BatchId(batch))
+            Ok(BatchId(batch))
+        })
+        .await
     }
 
     pub(crate) async fn schedule(
@@ -473,101 +498,142 @@ impl PgStore {
     pub(crate) async fn submit(
         &self,
         actor: &ActorId,
-        results: &[ResultSubmission],
+        call: SubmitCall<'_>,
         now: Timestamp,
         beta: f64,
+        max_attempts: u32,
     ) -> Result<Vec<SubmitOutcome>, SubmitError> {
-        let mut tx = self.pool.begin().await?;
-        let who = sqlx::query(PG_ACTOR_TAU_FOR_UPDATE)
-            .bind(actor.as_str())
-            .fetch_optional(&mut *tx)
-            .await?;
-        let Some(who) = who else {
-            return Err(SubmitError::UnknownActor(actor.clone()));
-        };
-        let who = sql::settling_actor(&who)?;
-        let rows = sqlx::query(PG_SUBMIT_ROWS)
-            .bind(results.iter().map(|r| r.job.0).collect::<Vec<i64>>())
-            .fetch_all(&mut *tx)
-            .await?;
-        let rows = sql::job_rows(&rows)?;
-        let named = sqlx::query(sql::COMMITTED_FROM)
-            .bind(sql::oldest_named(results))
-            .fetch_all(&mut *tx)
-            .await?;
-        let latest: Option<i64> = sqlx::query_scalar(sql::LATEST_COMMITTED)
-            .fetch_one(&mut *tx)
-            .await?;
-        let committed = sql::committed(&named, latest)?;
-        let decided = sql::decide(&rows, &committed, results, actor, now);
-        for (batch, reason, n) in sql::refusal_counts(&rows, &decided.outcomes) {
-            sqlx::query(sql::COUNT_REFUSALS)
-                .bind(batch)
-                .bind(reason)
-                .bind(n)
-                .execute(&mut *tx)
+        let results = call.results;
+        self.durably(async |tx| {
+            let who = sqlx::query(PG_ACTOR_TAU_FOR_UPDATE)
+                .bind(actor.as_str())
+                .fetch_optional(&mut *tx)
                 .await?;
-        }
-        if !decided.accepted.is_empty() {
-            let acc = &decided.accepted;
-            let leased = |row: &crate::verdict::JobRow| {
-                now.millis()
-                    .saturating_sub(row.leased_at.unwrap_or(now.millis()))
-                    .max(0)
+            let Some(who) = who else {
+                return Err(SubmitError::UnknownActor(actor.clone()));
             };
-            sqlx::query(PG_INSERT_RESULTS)
-                .bind(acc.iter().map(|(s, _)| s.job.0).collect::<Vec<i64>>())
-                .bind(actor.as_str())
-                .bind(now.millis())
-                .bind(
-                    acc.iter()
-                        .map(|(s, _)| s.version.to_db())
-                        .collect::<Vec<i64>>(),
-                )
-                .bind(
-                    acc.iter()
-                        .map(|(s, _)| s.digest.0.to_vec())
-                        .collect::<Vec<Vec<u8>>>(),
-                )
-                .bind(
-                    acc.iter()
-                        .map(|(s, _)| i64::from(s.tokens))
-                        .collect::<Vec<i64>>(),
-                )
-                .bind(
-                    acc.iter()
-                        .map(|(s, _)| crate::ids::duration_millis(s.elapsed))
-                        .collect::<Vec<i64>>(),
-                )
-                .bind(acc.iter().map(|(_, r)| leased(r)).collect::<Vec<i64>>())
-                .bind(
-                    acc.iter()
-                        .map(|(s, _)| s.payload.as_slice())
-                        .collect::<Vec<&[u8]>>(),
-                )
-                .bind(acc.iter().map(|(_, r)| r.batch).collect::<Vec<i64>>())
-                .execute(&mut *tx)
+            let who = sql::settling_actor(&who)?;
+            let rows = sqlx::query(PG_SUBMIT_ROWS)
+                .bind(sql::submit_ids(&call))
+                .fetch_all(&mut *tx)
                 .await?;
-            let done = sqlx::query(PG_MARK_DONE)
-                .bind(actor.as_str())
-                .bind(now.millis())
-                .bind(acc.iter().map(|(s, _)| s.job.0).collect::<Vec<i64>>())
-                .execute(&mut *tx)
+            let rows = sql::job_rows(&rows)?;
+            let named = sqlx::query(sql::COMMITTED_FROM)
+                .bind(sql::oldest_named(results))
+                .fetch_all(&mut *tx)
                 .await?;
-            if done.rows_affected() != acc.len() as u64 {
-                return Err(SubmitError::Conflict);
+            let latest: Option<i64> = sqlx::query_scalar(sql::LATEST_COMMITTED)
+                .fetch_one(&mut *tx)
+                .await?;
+            let committed = sql::committed(&named, latest)?;
+            let decided = sql::decide(&rows, &committed, results, actor, now);
+            for (batch, reason, n) in sql::refusal_counts(&rows, &decided.outcomes, call.refused) {
+                sqlx::query(sql::COUNT_REFUSALS)
+                    .bind(batch)
+                    .bind(reason)
+                    .bind(n)
+                    .execute(&mut *tx)
+                    .await?;
             }
-        }
-        if let Some(tau) = sql::settle_submit(&who, &decided, now, beta) {
-            sqlx::query(sql::SETTLE_ACTOR)
-                .bind(actor.as_str())
-                .bind(tau)
-                .bind(now.millis())
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        Ok(decided.outcomes)
+            let effects = sql::refusal_effects(&rows, call.refused, actor);
+            if !effects.reoffer.is_empty() {
+                sqlx::query(PG_REOFFER)
+                    .bind(actor.as_str())
+                    .bind(&effects.reoffer)
+                    .bind(i64::from(max_attempts))
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            for (code, jobs) in &effects.fail {
+                sqlx::query(PG_FAIL_REFUSED)
+                    .bind(actor.as_str())
+                    .bind(*code)
+                    .bind(jobs)
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            if !decided.accepted.is_empty() {
+                // The cursor counter is taken last but for the rows this transaction already
+                // holds: its lock (held to the commit) is what makes cursors visible in
+                // commit order, so it is held as briefly as possible.
+                let readable = sql::readable_count(&decided.accepted, call.unscored);
+                let last: i64 = if readable > 0 {
+                    sqlx::query_scalar(sql::ADD_COUNTER)
+                        .bind(sql::COUNTER_CURSOR)
+                        .bind(readable)
+                        .fetch_one(&mut *tx)
+                        .await?
+                } else {
+                    0
+                };
+                let cursors = sql::cursors(&decided.accepted, call.unscored, last);
+                let acc = &decided.accepted;
+                let leased = |row: &crate::verdict::JobRow| {
+                    now.millis()
+                        .saturating_sub(row.leased_at.unwrap_or(now.millis()))
+                        .max(0)
+                };
+                sqlx::query(PG_INSERT_RESULTS)
+                    .bind(acc.iter().map(|(s, _)| s.job.0).collect::<Vec<i64>>())
+                    .bind(actor.as_str())
+                    .bind(now.millis())
+                    .bind(
+                        acc.iter()
+                            .map(|(s, _)| s.version.to_db())
+                            .collect::<Vec<i64>>(),
+                    )
+                    .bind(
+                        acc.iter()
+                            .map(|(s, _)| s.digest.0.to_vec())
+                            .collect::<Vec<Vec<u8>>>(),
+                    )
+                    .bind(
+                        acc.iter()
+                            .map(|(s, _)| i64::from(s.tokens))
+                            .collect::<Vec<i64>>(),
+                    )
+                    .bind(
+                        acc.iter()
+                            .map(|(s, _)| crate::ids::duration_millis(s.elapsed))
+                            .collect::<Vec<i64>>(),
+                    )
+                    .bind(acc.iter().map(|(_, r)| leased(r)).collect::<Vec<i64>>())
+                    .bind(
+                        acc.iter()
+                            .map(|(s, _)| s.payload.as_slice())
+                            .collect::<Vec<&[u8]>>(),
+                    )
+                    .bind(acc.iter().map(|(_, r)| r.batch).collect::<Vec<i64>>())
+                    .bind(cursors)
+                    .execute(&mut *tx)
+                    .await?;
+                let done = sqlx::query(PG_MARK_DONE)
+                    .bind(actor.as_str())
+                    .bind(now.millis())
+                    .bind(
+                        decided
+                            .accepted
+                            .iter()
+                            .map(|(s, _)| s.job.0)
+                            .collect::<Vec<i64>>(),
+                    )
+                    .execute(&mut *tx)
+                    .await?;
+                if done.rows_affected() != decided.accepted.len() as u64 {
+                    return Err(SubmitError::Conflict);
+                }
+            }
+            if let Some(tau) = sql::settle_submit(&who, &decided, now, beta) {
+                sqlx::query(sql::SETTLE_ACTOR)
+                    .bind(actor.as_str())
+                    .bind(tau)
+                    .bind(now.millis())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            Ok(decided.outcomes)
+        })
+        .await
     }
 
     pub(crate) async fn check_invariants(&self, max_attempts: u32) -> Result<(), InvariantError> {
@@ -623,11 +689,6 @@ impl PgStore {
             .fetch_optional(&self.pool)
             .await?;
         sql::version_state(s.as_deref().ok_or(ReadError::NotFound)?)
-    }
-
-    pub(crate) async fn job_counts(&self) -> Result<JobCounts, ReadError> {
-        let rows = sqlx::query(sql::JOB_COUNTS).fetch_all(&self.pool).await?;
-        sql::job_counts(&rows)
     }
 
     pub(crate) async fn assignment(
@@ -689,10 +750,18 @@ const PG_SUBMIT_ROWS: &str = "SELECT j.id, j.state, j.attempts, j.version, j.lea
      WHERE j.id = ANY($1) ORDER BY j.id FOR UPDATE OF j";
 
 const PG_INSERT_RESULTS: &str = "INSERT INTO results \
-     (job_id, actor_id, version, digest, tokens, elapsed_ms, completion_ms, payload, accepted_at, batch_id) \
-     SELECT u.job, $2, u.version, u.digest, u.tokens, u.elapsed, u.completion, u.payload, $3, u.batch \
-     FROM UNNEST($1::bigint[], $4::bigint[], $5::bytea[], $6::bigint[], $7::bigint[], $8::bigint[], $9::bytea[], $10::bigint[]) \
-     AS u(job, version, digest, tokens, elapsed, completion, payload, batch)";
+     (job_id, actor_id, version, digest, tokens, elapsed_ms, completion_ms, payload, accepted_at, batch_id, cursor) \
+     SELECT u.job, $2, u.version, u.digest, u.tokens, u.elapsed, u.completion, u.payload, $3, u.batch, u.cursor \
+     FROM UNNEST($1::bigint[], $4::bigint[], $5::bytea[], $6::bigint[], $7::bigint[], $8::bigint[], $9::bytea[], $10::bigint[], $11::bigint[]) \
+     AS u(job, version, digest, tokens, elapsed, completion, payload, batch, cursor)";
+
+const PG_REOFFER: &str = "UPDATE jobs SET state = CASE WHEN attempts >= $3 THEN 'failed' ELSE 'pending' END, \
+     lease_holder = NULL, leased_at = NULL, lease_expires = NULL \
+     WHERE id = ANY($2) AND state = 'leased' AND lease_holder = $1";
+
+const PG_FAIL_REFUSED: &str = "UPDATE jobs SET state = 'failed', fail_reason = $2, lease_holder = NULL, \
+     leased_at = NULL, lease_expires = NULL \
+     WHERE id = ANY($3) AND state = 'leased' AND lease_holder = $1";
 
 const PG_MARK_DONE: &str = "UPDATE jobs SET state = 'done', lease_holder = NULL, leased_at = NULL, \
      lease_expires = NULL, done_at = $2 \

@@ -116,13 +116,22 @@ pub(crate) const ACTOR_BY_ID: &str = "SELECT id, region, hardware, active_versio
      measured, last_heartbeat, stalled_at FROM actors WHERE id = $1";
 pub(crate) const JOB_VIEW: &str = "SELECT j.id, j.state, j.attempts, j.lease_holder, r.actor_id \
      FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1";
-pub(crate) const JOB_COUNTS: &str = "SELECT state, COUNT(*) AS n FROM jobs GROUP BY state";
 pub(crate) const COMMITTED_FROM: &str =
     "SELECT version, digest FROM versions WHERE state = 'committed' AND version >= $1";
 pub(crate) const LATEST_COMMITTED: &str =
     "SELECT MAX(version) FROM versions WHERE state = 'committed'";
 pub(crate) const COUNT_REFUSALS: &str = "INSERT INTO refusals (batch_id, reason, count) VALUES ($1, $2, $3) \
      ON CONFLICT (batch_id, reason) DO UPDATE SET count = refusals.count + excluded.count";
+/// Adds `$2` to counter `$1` and returns its new value. The row stays locked until the
+/// transaction ends (PostgreSQL): transactions that take cursors commit in the order they
+/// took them.
+pub(crate) const ADD_COUNTER: &str =
+    "UPDATE ledger_counters SET value = value + $2 WHERE name = $1 RETURNING value";
+pub(crate) const COUNTER: &str = "SELECT value FROM ledger_counters WHERE name = $1";
+/// The last cursor handed out.
+pub(crate) const COUNTER_CURSOR: &str = "result_cursor";
+/// The job rows the ledger holds.
+pub(crate) const COUNTER_JOBS: &str = "jobs";
 pub(crate) const ASSIGNMENTS_OF_BATCH: &str =
     "SELECT actor_id, count, commit_version FROM assignments WHERE batch_id = $1 ORDER BY actor_id";
 
@@ -375,10 +384,25 @@ pub(crate) fn oldest_named(results: &[ResultSubmission]) -> i64 {
     results.iter().map(|r| r.version.to_db()).min().unwrap_or(0)
 }
 
-/// Refusals per (batch, reason) of one submit call, for the `refusals` counters.
+/// The jobs a submit call reads: those of its results, then those the hub refused.
+pub(crate) fn submit_ids(call: &SubmitCall<'_>) -> Vec<i64> {
+    let mut ids: Vec<i64> = call
+        .results
+        .iter()
+        .map(|r| r.job.0)
+        .chain(call.refused.iter().map(|r| r.job.0))
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    ids
+}
+
+/// Refusals per (batch, reason) of one submit call — the ledger's and the hub's — for the
+/// `refusals` counters.
 pub(crate) fn refusal_counts(
     rows: &HashMap<i64, JobRow>,
     outcomes: &[SubmitOutcome],
+    refused: &[HubRefusal],
 ) -> Vec<(i64, &'static str, i64)> {
     let mut counts: HashMap<(i64, &'static str), i64> = HashMap::new();
     for o in outcomes {
@@ -386,9 +410,79 @@ pub(crate) fn refusal_counts(
             *counts.entry((row.batch, why.code())).or_default() += 1;
         }
     }
+    for r in refused {
+        if let Some(row) = rows.get(&r.job.0) {
+            *counts.entry((row.batch, r.code)).or_default() += 1;
+        }
+    }
     let mut v: Vec<_> = counts.into_iter().map(|((b, r), n)| (b, r, n)).collect();
     v.sort();
     v
+}
+
+/// The jobs the hub's refusals act on: only jobs leased to the submitter.
+#[derive(Debug, Default)]
+pub(crate) struct Effects {
+    /// Leases to end now (the group goes back to the pool, or fails out of attempts).
+    pub(crate) reoffer: Vec<i64>,
+    /// Groups to fail, by reason.
+    pub(crate) fail: Vec<(&'static str, Vec<i64>)>,
+}
+
+pub(crate) fn refusal_effects(
+    rows: &HashMap<i64, JobRow>,
+    refused: &[HubRefusal],
+    actor: &ActorId,
+) -> Effects {
+    let mut e = Effects::default();
+    for r in refused {
+        let held = rows.get(&r.job.0).is_some_and(|row| {
+            row.state == JobState::Leased && row.holder.as_deref() == Some(actor.as_str())
+        });
+        if !held {
+            continue;
+        }
+        match r.effect {
+            RefusalEffect::KeepLease => {}
+            RefusalEffect::Reoffer => e.reoffer.push(r.job.0),
+            RefusalEffect::Fail => match e.fail.iter_mut().find(|(c, _)| *c == r.code) {
+                Some((_, jobs)) => jobs.push(r.job.0),
+                None => e.fail.push((r.code, vec![r.job.0])),
+            },
+        }
+    }
+    e
+}
+
+/// How many of the accepted results are readable at once (the others wait for scoring).
+pub(crate) fn readable_count(accepted: &[(&ResultSubmission, &JobRow)], unscored: &[JobId]) -> i64 {
+    let later: HashSet<JobId> = unscored.iter().copied().collect();
+    accepted
+        .iter()
+        .filter(|(s, _)| !later.contains(&s.job))
+        .count() as i64
+}
+
+/// The cursor of each accepted result, in order: the readable ones take the counter's values
+/// up to `last` in turn; the ones waiting for scoring get none.
+pub(crate) fn cursors(
+    accepted: &[(&ResultSubmission, &JobRow)],
+    unscored: &[JobId],
+    last: i64,
+) -> Vec<Option<i64>> {
+    let later: HashSet<JobId> = unscored.iter().copied().collect();
+    let mut next = last - readable_count(accepted, unscored) + 1;
+    accepted
+        .iter()
+        .map(|(s, _)| {
+            if later.contains(&s.job) {
+                None
+            } else {
+                next += 1;
+                Some(next - 1)
+            }
+        })
+        .collect()
 }
 
 pub(crate) fn decide<'a>(

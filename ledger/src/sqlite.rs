@@ -1,19 +1,32 @@
-//! The SQLite backend: one file in WAL mode with `synchronous = NORMAL` (a committed
-//! transaction survives a process crash; only an OS crash or power loss may lose the last
-//! ones), foreign keys on, a busy timeout for other processes.
+//! The SQLite backend: one file in WAL mode, foreign keys on, a busy timeout for other
+//! processes.
 //!
-//! All statements go through a pool of exactly one connection and every state change runs in
-//! a `BEGIN IMMEDIATE` transaction: SQLite has one writer anyway, and a single connection
+//! Durability per transaction: a transaction whose outcome someone is told about — a version
+//! recorded before it is announced, a batch before its id is answered, a submit before its
+//! verdicts, a result made readable, a cancellation — commits with `synchronous = FULL`
+//! ([`SqliteStore::durably`]): the WAL is fsynced before the commit returns (and before other
+//! connections can see it), so it survives a power loss, and so does every transaction
+//! before it in the WAL. Heartbeats, claims, renewals and expiry sweeps commit with
+//! `synchronous = NORMAL` (survive a process crash; a power loss may lose the last of them):
+//! losing one wastes work but accepts nothing wrongly, since acceptance needs the lease in
+//! the ledger, and they are the most frequent writes (one heartbeat per actor per second).
+//!
+//! All writes go through a pool of exactly one connection and every state change runs in a
+//! `BEGIN IMMEDIATE` transaction: SQLite has one writer anyway, and a single connection
 //! avoids lock upgrades between readers and writers inside the process, so the read-check-write
-//! sequences of claim and submit are serialized and see a stable database. Id lists are
-//! bound as one JSON array and expanded with `json_each`, so batched operations are a
-//! handful of statements whatever the batch size.
+//! sequences of claim and submit are serialized and see a stable database. Reads that serve
+//! people (status, result pages, version lists) go through a separate pool of read-only
+//! connections ([`SqliteStore::reader`]): WAL readers see the last commit and neither wait
+//! for the writer nor hold it up. Id lists are bound as one JSON array and expanded with
+//! `json_each`, so batched operations are a handful of statements whatever the batch size.
 
 use std::str::FromStr;
 use std::time::Duration;
 
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{Row, SqlitePool};
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteConnection, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous,
+};
+use sqlx::{Connection, Row, SqlitePool};
 
 use std::collections::{BTreeSet, HashMap};
 
@@ -29,7 +42,11 @@ use crate::sql::{self, Get};
 #[derive(Debug, Clone)]
 pub(crate) struct SqliteStore {
     pool: SqlitePool,
+    reader: SqlitePool,
 }
+
+/// Read-only connections for status and result reads.
+const READERS: u32 = 4;
 
 fn id_list(ids: impl IntoIterator<Item = i64>) -> String {
     let mut s = String::from("[");
@@ -45,8 +62,9 @@ fn id_list(ids: impl IntoIterator<Item = i64>) -> String {
 
 impl SqliteStore {
     pub(crate) async fn open(url: &str) -> Result<SqliteStore, OpenError> {
-        let options = SqliteConnectOptions::from_str(url)
-            .map_err(OpenError::Connect)?
+        let base = SqliteConnectOptions::from_str(url).map_err(OpenError::Connect)?;
+        let options = base
+            .clone()
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .synchronous(SqliteSynchronous::Normal)
@@ -60,15 +78,65 @@ impl SqliteStore {
             .await
             .map_err(OpenError::Connect)?;
         sqlx::migrate!("./migrations/sqlite").run(&pool).await?;
-        Ok(SqliteStore { pool })
+        // An in-memory database is private to its connection: read through the writer.
+        let reader = if url.contains(":memory:") || url.contains("mode=memory") {
+            pool.clone()
+        } else {
+            SqlitePoolOptions::new()
+                .max_connections(READERS)
+                .min_connections(0)
+                .acquire_timeout(Duration::from_secs(120))
+                .connect_with(
+                    base.read_only(true)
+                        .busy_timeout(Duration::from_secs(10))
+                        .foreign_keys(true),
+                )
+                .await
+                .map_err(OpenError::Connect)?
+        };
+        Ok(SqliteStore { pool, reader })
     }
 
     pub(crate) fn pool(&self) -> &SqlitePool {
         &self.pool
     }
 
+    /// The read-only pool: reads that need no writer and must not wait for one.
+    pub(crate) fn reader(&self) -> &SqlitePool {
+        &self.reader
+    }
+
     pub(crate) async fn close(&self) {
+        self.reader.close().await;
         self.pool.close().await;
+    }
+
+    /// Runs `body` in one `BEGIN IMMEDIATE` transaction on the writer and commits it with
+    /// `synchronous = FULL` (see the module documentation); rolls back when `body` fails.
+    /// The connection goes back to `NORMAL` afterwards (left at `FULL` only if the reset
+    /// itself fails or the caller is cancelled, which costs speed, never safety).
+    pub(crate) async fn durably<T, E: From<sqlx::Error>>(
+        &self,
+        body: impl AsyncFnOnce(&mut SqliteConnection) -> Result<T, E>,
+    ) -> Result<T, E> {
+        let mut conn = self.pool.acquire().await?;
+        sqlx::query("PRAGMA synchronous = FULL")
+            .execute(&mut *conn)
+            .await?;
+        let out = {
+            let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+            match body(&mut tx).await {
+                Ok(v) => {
+                    tx.commit().await?;
+                    Ok(v)
+                }
+                Err(e) => Err(e),
+            }
+        };
+        sqlx::query("PRAGMA synchronous = NORMAL")
+            .execute(&mut *conn)
+            .await?;
+        out
     }
 
     pub(crate) async fn register_version(
@@ -78,38 +146,39 @@ impl SqliteStore {
         digest: Digest,
         now: Timestamp,
     ) -> Result<(), VersionError> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let existing = sqlx::query(sql::VERSION_BY_ID)
-            .bind(version.to_db())
-            .fetch_optional(&mut *tx)
-            .await?;
-        if let Some(row) = existing {
-            let same_base = row.try_get::<Option<i64>, _>("base")? == base.map(Version::to_db);
-            let same_digest = row.try_get::<Vec<u8>, _>("digest")? == digest.0;
-            return if same_base && same_digest {
-                Ok(())
-            } else {
-                Err(VersionError::Conflict(version))
-            };
-        }
-        if let Some(b) = base {
-            let found = sqlx::query(sql::VERSION_BY_ID)
-                .bind(b.to_db())
+        self.durably(async |tx| {
+            let existing = sqlx::query(sql::VERSION_BY_ID)
+                .bind(version.to_db())
                 .fetch_optional(&mut *tx)
                 .await?;
-            if found.is_none() {
-                return Err(VersionError::UnknownBase(b));
+            if let Some(row) = existing {
+                let same_base = row.try_get::<Option<i64>, _>("base")? == base.map(Version::to_db);
+                let same_digest = row.try_get::<Vec<u8>, _>("digest")? == digest.0;
+                return if same_base && same_digest {
+                    Ok(())
+                } else {
+                    Err(VersionError::Conflict(version))
+                };
             }
-        }
-        sqlx::query(sql::INSERT_VERSION)
-            .bind(version.to_db())
-            .bind(base.map(Version::to_db))
-            .bind(&digest.0[..])
-            .bind(now.millis())
-            .execute(&mut *tx)
-            .await?;
-        tx.commit().await?;
-        Ok(())
+            if let Some(b) = base {
+                let found = sqlx::query(sql::VERSION_BY_ID)
+                    .bind(b.to_db())
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                if found.is_none() {
+                    return Err(VersionError::UnknownBase(b));
+                }
+            }
+            sqlx::query(sql::INSERT_VERSION)
+                .bind(version.to_db())
+                .bind(base.map(Version::to_db))
+                .bind(&digest.0[..])
+                .bind(now.millis())
+                .execute(&mut *tx)
+                .await?;
+            Ok(())
+        })
+        .await
     }
 
     pub(crate) async fn commit_version(
@@ -117,23 +186,24 @@ impl SqliteStore {
         version: Version,
         now: Timestamp,
     ) -> Result<(), VersionError> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let done = sqlx::query(sql::COMMIT_VERSION)
-            .bind(version.to_db())
-            .bind(now.millis())
-            .execute(&mut *tx)
-            .await?;
-        if done.rows_affected() == 0 {
-            let found = sqlx::query(sql::VERSION_BY_ID)
+        self.durably(async |tx| {
+            let done = sqlx::query(sql::COMMIT_VERSION)
                 .bind(version.to_db())
-                .fetch_optional(&mut *tx)
+                .bind(now.millis())
+                .execute(&mut *tx)
                 .await?;
-            if found.is_none() {
-                return Err(VersionError::UnknownVersion(version));
+            if done.rows_affected() == 0 {
+                let found = sqlx::query(sql::VERSION_BY_ID)
+                    .bind(version.to_db())
+                    .fetch_optional(&mut *tx)
+                    .await?;
+                if found.is_none() {
+                    return Err(VersionError::UnknownVersion(version));
+                }
             }
-        }
-        tx.commit().await?;
-        Ok(())
+            Ok(())
+        })
+        .await
     }
 
     pub(crate) async fn register_actor(
@@ -188,36 +258,42 @@ impl SqliteStore {
         max_staleness: i64,
         now: Timestamp,
     ) -> Result<BatchId, PostError> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let state: Option<String> = sqlx::query_scalar(sql::VERSION_STATE)
-            .bind(version.to_db())
-            .fetch_optional(&mut *tx)
-            .await?;
-        match state.as_deref() {
-            None => return Err(PostError::UnknownVersion(version)),
-            Some("committed") => {}
-            Some(_) => return Err(PostError::NotCommitted(version)),
-        }
-        let size = i64::try_from(prompts.len()).unwrap_or(i64::MAX);
-        let batch: i64 = sqlx::query_scalar(sql::INSERT_BATCH)
-            .bind(version.to_db())
-            .bind(size)
-            .bind(sampling)
-            .bind(now.millis())
-            .bind(max_staleness)
-            .fetch_one(&mut *tx)
-            .await?;
-        for (p, budget) in prompts.iter().zip(budgets) {
-            sqlx::query(sql::INSERT_JOB)
-                .bind(batch)
+        self.durably(async |tx| {
+            let state: Option<String> = sqlx::query_scalar(sql::VERSION_STATE)
                 .bind(version.to_db())
-                .bind(&p[..])
-                .bind(i64::try_from(*budget).unwrap_or(i64::MAX))
+                .fetch_optional(&mut *tx)
+                .await?;
+            match state.as_deref() {
+                None => return Err(PostError::UnknownVersion(version)),
+                Some("committed") => {}
+                Some(_) => return Err(PostError::NotCommitted(version)),
+            }
+            let size = i64::try_from(prompts.len()).unwrap_or(i64::MAX);
+            let batch: i64 = sqlx::query_scalar(sql::INSERT_BATCH)
+                .bind(version.to_db())
+                .bind(size)
+                .bind(sampling)
+                .bind(now.millis())
+                .bind(max_staleness)
+                .fetch_one(&mut *tx)
+                .await?;
+            for (p, budget) in prompts.iter().zip(budgets) {
+                sqlx::query(sql::INSERT_JOB)
+                    .bind(batch)
+                    .bind(version.to_db())
+                    .bind(&p[..])
+                    .bind(i64::try_from(*budget).unwrap_or(i64::MAX))
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            sqlx::query(sql::ADD_COUNTER)
+                .bind(sql::COUNTER_JOBS)
+                .bind(size)
                 .execute(&mut *tx)
                 .await?;
-        }
-        tx.commit().await?;
-        Ok(BatchId(batch))
+            Ok(BatchId(batch))
+        })
+        .await
     }
 
     pub(crate) async fn schedule(
@@ -491,87 +567,122 @@ impl SqliteStore {
     pub(crate) async fn submit(
         &self,
         actor: &ActorId,
-        results: &[ResultSubmission],
+        call: SubmitCall<'_>,
         now: Timestamp,
         beta: f64,
+        max_attempts: u32,
     ) -> Result<Vec<SubmitOutcome>, SubmitError> {
-        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
-        let who = sqlx::query(sql::ACTOR_TAU)
-            .bind(actor.as_str())
-            .fetch_optional(&mut *tx)
-            .await?;
-        let Some(who) = who else {
-            return Err(SubmitError::UnknownActor(actor.clone()));
-        };
-        let who = sql::settling_actor(&who)?;
-        let rows = sqlx::query(SQLITE_SUBMIT_ROWS)
-            .bind(id_list(results.iter().map(|r| r.job.0)))
-            .fetch_all(&mut *tx)
-            .await?;
-        let rows = sql::job_rows(&rows)?;
-        let named = sqlx::query(sql::COMMITTED_FROM)
-            .bind(sql::oldest_named(results))
-            .fetch_all(&mut *tx)
-            .await?;
-        let latest: Option<i64> = sqlx::query_scalar(sql::LATEST_COMMITTED)
-            .fetch_one(&mut *tx)
-            .await?;
-        let committed = sql::committed(&named, latest)?;
-        let decided = sql::decide(&rows, &committed, results, actor, now);
-        for (batch, reason, n) in sql::refusal_counts(&rows, &decided.outcomes) {
-            sqlx::query(sql::COUNT_REFUSALS)
-                .bind(batch)
-                .bind(reason)
-                .bind(n)
-                .execute(&mut *tx)
-                .await?;
-        }
-        // Multi-row INSERTs: one statement per 256 results (2,560 parameters, far below
-        // SQLite's limit of 32,766).
-        for chunk in decided.accepted.chunks(256) {
-            let mut insert = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
-                "INSERT INTO results (job_id, actor_id, version, digest, tokens, elapsed_ms, \
-                 completion_ms, payload, accepted_at, batch_id) ",
-            );
-            insert.push_values(chunk, |mut b, (sub, row)| {
-                b.push_bind(sub.job.0)
-                    .push_bind(actor.as_str())
-                    .push_bind(sub.version.to_db())
-                    .push_bind(&sub.digest.0[..])
-                    .push_bind(i64::from(sub.tokens))
-                    .push_bind(crate::ids::duration_millis(sub.elapsed))
-                    .push_bind(
-                        now.millis()
-                            .saturating_sub(row.leased_at.unwrap_or(now.millis()))
-                            .max(0),
-                    )
-                    .push_bind(&sub.payload[..])
-                    .push_bind(now.millis())
-                    .push_bind(row.batch);
-            });
-            insert.build().execute(&mut *tx).await?;
-        }
-        if !decided.accepted.is_empty() {
-            let done = sqlx::query(SQLITE_MARK_DONE)
+        let results = call.results;
+        self.durably(async |tx| {
+            let who = sqlx::query(sql::ACTOR_TAU)
                 .bind(actor.as_str())
-                .bind(now.millis())
-                .bind(id_list(decided.accepted.iter().map(|(s, _)| s.job.0)))
-                .execute(&mut *tx)
+                .fetch_optional(&mut *tx)
                 .await?;
-            if done.rows_affected() != decided.accepted.len() as u64 {
-                return Err(SubmitError::Conflict);
+            let Some(who) = who else {
+                return Err(SubmitError::UnknownActor(actor.clone()));
+            };
+            let who = sql::settling_actor(&who)?;
+            let rows = sqlx::query(SQLITE_SUBMIT_ROWS)
+                .bind(id_list(sql::submit_ids(&call)))
+                .fetch_all(&mut *tx)
+                .await?;
+            let rows = sql::job_rows(&rows)?;
+            let named = sqlx::query(sql::COMMITTED_FROM)
+                .bind(sql::oldest_named(results))
+                .fetch_all(&mut *tx)
+                .await?;
+            let latest: Option<i64> = sqlx::query_scalar(sql::LATEST_COMMITTED)
+                .fetch_one(&mut *tx)
+                .await?;
+            let committed = sql::committed(&named, latest)?;
+            let decided = sql::decide(&rows, &committed, results, actor, now);
+            for (batch, reason, n) in sql::refusal_counts(&rows, &decided.outcomes, call.refused) {
+                sqlx::query(sql::COUNT_REFUSALS)
+                    .bind(batch)
+                    .bind(reason)
+                    .bind(n)
+                    .execute(&mut *tx)
+                    .await?;
             }
-        }
-        if let Some(tau) = sql::settle_submit(&who, &decided, now, beta) {
-            sqlx::query(sql::SETTLE_ACTOR)
-                .bind(actor.as_str())
-                .bind(tau)
-                .bind(now.millis())
-                .execute(&mut *tx)
-                .await?;
-        }
-        tx.commit().await?;
-        Ok(decided.outcomes)
+            let effects = sql::refusal_effects(&rows, call.refused, actor);
+            if !effects.reoffer.is_empty() {
+                sqlx::query(SQLITE_REOFFER)
+                    .bind(actor.as_str())
+                    .bind(id_list(effects.reoffer.iter().copied()))
+                    .bind(i64::from(max_attempts))
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            for (code, jobs) in &effects.fail {
+                sqlx::query(SQLITE_FAIL_REFUSED)
+                    .bind(actor.as_str())
+                    .bind(*code)
+                    .bind(id_list(jobs.iter().copied()))
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            // Cursors last but one (then only inserts and updates of rows this transaction
+            // holds), so the counter row is held as briefly as possible.
+            let readable = sql::readable_count(&decided.accepted, call.unscored);
+            let last: i64 = if readable > 0 {
+                sqlx::query_scalar(sql::ADD_COUNTER)
+                    .bind(sql::COUNTER_CURSOR)
+                    .bind(readable)
+                    .fetch_one(&mut *tx)
+                    .await?
+            } else {
+                0
+            };
+            let cursors = sql::cursors(&decided.accepted, call.unscored, last);
+            // Multi-row INSERTs: one statement per 256 results (2,816 parameters, far below
+            // SQLite's limit of 32,766).
+            let accepted: Vec<_> = decided.accepted.iter().zip(&cursors).collect();
+            for chunk in accepted.chunks(256) {
+                let mut insert = sqlx::QueryBuilder::<sqlx::Sqlite>::new(
+                    "INSERT INTO results (job_id, actor_id, version, digest, tokens, elapsed_ms, \
+                     completion_ms, payload, accepted_at, batch_id, cursor) ",
+                );
+                insert.push_values(chunk, |mut b, ((sub, row), cursor)| {
+                    b.push_bind(sub.job.0)
+                        .push_bind(actor.as_str())
+                        .push_bind(sub.version.to_db())
+                        .push_bind(&sub.digest.0[..])
+                        .push_bind(i64::from(sub.tokens))
+                        .push_bind(crate::ids::duration_millis(sub.elapsed))
+                        .push_bind(
+                            now.millis()
+                                .saturating_sub(row.leased_at.unwrap_or(now.millis()))
+                                .max(0),
+                        )
+                        .push_bind(&sub.payload[..])
+                        .push_bind(now.millis())
+                        .push_bind(row.batch)
+                        .push_bind(**cursor);
+                });
+                insert.build().execute(&mut *tx).await?;
+            }
+            if !decided.accepted.is_empty() {
+                let done = sqlx::query(SQLITE_MARK_DONE)
+                    .bind(actor.as_str())
+                    .bind(now.millis())
+                    .bind(id_list(decided.accepted.iter().map(|(s, _)| s.job.0)))
+                    .execute(&mut *tx)
+                    .await?;
+                if done.rows_affected() != decided.accepted.len() as u64 {
+                    return Err(SubmitError::Conflict);
+                }
+            }
+            if let Some(tau) = sql::settle_submit(&who, &decided, now, beta) {
+                sqlx::query(sql::SETTLE_ACTOR)
+                    .bind(actor.as_str())
+                    .bind(tau)
+                    .bind(now.millis())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            Ok(decided.outcomes)
+        })
+        .await
     }
 
     pub(crate) async fn check_invariants(&self, max_attempts: u32) -> Result<(), InvariantError> {
@@ -626,18 +737,14 @@ impl SqliteStore {
         sql::version_state(s.as_deref().ok_or(ReadError::NotFound)?)
     }
 
-    pub(crate) async fn job_counts(&self) -> Result<JobCounts, ReadError> {
-        let rows = sqlx::query(sql::JOB_COUNTS).fetch_all(&self.pool).await?;
-        sql::job_counts(&rows)
-    }
-
     pub(crate) async fn assignment(
         &self,
         batch: BatchId,
     ) -> Result<Vec<ActorAssignment>, ReadError> {
+        // For status pages: off the writer.
         let rows = sqlx::query(sql::ASSIGNMENTS_OF_BATCH)
             .bind(batch.0)
-            .fetch_all(&self.pool)
+            .fetch_all(&self.reader)
             .await?;
         sql::assignments(&rows)
     }
@@ -670,6 +777,14 @@ const SQLITE_EXPIRE: &str = "UPDATE jobs SET state = CASE WHEN attempts >= $2 TH
 const SQLITE_SUBMIT_ROWS: &str = "SELECT j.id, j.state, j.attempts, j.version, j.lease_holder, j.leased_at, \
      j.lease_expires, j.batch_id, b.max_staleness, b.cancelled_at FROM jobs j JOIN batches b ON b.id = j.batch_id \
      WHERE j.id IN (SELECT value FROM json_each($1))";
+
+const SQLITE_REOFFER: &str = "UPDATE jobs SET state = CASE WHEN attempts >= $3 THEN 'failed' ELSE 'pending' END, \
+     lease_holder = NULL, leased_at = NULL, lease_expires = NULL \
+     WHERE id IN (SELECT value FROM json_each($2)) AND state = 'leased' AND lease_holder = $1";
+
+const SQLITE_FAIL_REFUSED: &str = "UPDATE jobs SET state = 'failed', fail_reason = $2, lease_holder = NULL, \
+     leased_at = NULL, lease_expires = NULL \
+     WHERE id IN (SELECT value FROM json_each($3)) AND state = 'leased' AND lease_holder = $1";
 
 const SQLITE_MARK_DONE: &str = "UPDATE jobs SET state = 'done', lease_holder = NULL, leased_at = NULL, \
      lease_expires = NULL, done_at = $2 \
