@@ -34,8 +34,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use quinn::SendStream;
-use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
-use starling_proto::rollout::{JobResult, JobSpec, Verdict};
+use starling_proto::msg::{MAX_MESSAGE_BODY, Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_proto::rollout::{JobResult, JobSpec, Verdict, split_for_messages};
 use starling_telemetry::Metrics;
 use starling_transport::endpoint::{client_endpoint, connect};
 use starling_transport::framed::{MessageReader, send};
@@ -251,9 +251,13 @@ async fn session(
             done = finished(&mut running) => {
                 running = None;
                 let results = done.context("generation task")?.context("generate")?;
-                let n = results.len();
-                send(&mut *tx.lock().await, &Message::Submit { results }).await?;
-                awaiting.push_back(Awaiting::Verdicts(n));
+                // Each `Submit` carries what fits one message; a result too large for any
+                // goes alone (the hub refuses it by name), so it sinks none of the others.
+                for part in split_for_messages(results, MAX_MESSAGE_BODY) {
+                    let n = part.len();
+                    send(&mut *tx.lock().await, &Message::Submit { results: part }).await?;
+                    awaiting.push_back(Awaiting::Verdicts(n));
+                }
             }
             _ = progress_timer.tick(), if held > 0 => {
                 let mut jobs: Vec<(u64, u64)> = Vec::with_capacity(held);

@@ -17,14 +17,15 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use serde_json::{Value, json};
 use starling_ledger::{BatchId, CancelError, PostError, ReadError, Version};
 use starling_proto::manifest::hex;
 use starling_proto::msg::Message;
 
 use crate::durable::{VersionMeta, now};
-use crate::rollouts::{BatchRequest, StoredResult, expand};
+use crate::results::{self, MAX_PAGE_BYTES};
+use crate::rollouts::{BatchRequest, check_deliverable, check_rewards, expand};
 use crate::serve::{Hub, publish};
 
 /// The largest request body (a batch of prompt groups as JSON).
@@ -236,8 +237,12 @@ async fn submit_batch(
 ) -> Reply<(StatusCode, Json<Value>)> {
     authorize(&hub, &headers)?;
     let Json(req) = req?;
+    check_rewards(&req, &hub.rewards)
+        .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.code, e.message))?;
     let groups = expand(&req, &hub.limits)
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.code, e.message))?;
+    check_deliverable(&groups)
+        .map_err(|e| ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, e.code, e.message))?;
     if groups.len() > hub.ledger.config().max_batch_size {
         return Err(ApiError::new(
             StatusCode::PAYLOAD_TOO_LARGE,
@@ -313,41 +318,43 @@ fn not_found_batch(id: BatchId) -> ApiError {
     )
 }
 
-async fn status_json(hub: &Hub, id: BatchId) -> Reply<(Value, bool)> {
+/// A batch's status document, whether it is finished, and where its results were archived.
+async fn status_json(hub: &Hub, id: BatchId) -> Reply<(Value, bool, Option<String>)> {
     let s = match hub.ledger.batch_status(id).await {
         Ok(s) => s,
         Err(ReadError::NotFound) => return Err(not_found_batch(id)),
         Err(e) => return Err(ApiError::internal("read batch", e)),
     };
     let j = &s.jobs;
-    let finished = j.done + j.failed == j.total();
+    let finished = s.finished();
     let state = if s.cancelled_at.is_some() {
         "cancelled"
-    } else if !s.scheduled {
+    } else if !s.scheduled && s.archive.is_none() {
         "posted"
     } else if finished {
         "done"
     } else {
         "running"
     };
-    let refused: serde_json::Map<String, Value> = s
-        .refusals
-        .iter()
-        .map(|(k, n)| (k.clone(), json!(n)))
-        .collect();
-    Ok((
-        json!({
-            "batch": id.raw(),
-            "version": s.version.number(),
-            "state": state,
-            "max_staleness": s.max_staleness,
-            "groups": {"total": j.total(), "posted": j.posted, "pending": j.pending,
-                       "leased": j.leased, "done": j.done, "failed": j.failed},
-            "refused": refused,
-            "created_at_ms": s.created_at.millis(),
-        }),
-        finished || s.cancelled_at.is_some(),
-    ))
+    let counts = |pairs: &[(String, u64)]| -> serde_json::Map<String, Value> {
+        pairs.iter().map(|(k, n)| (k.clone(), json!(n))).collect()
+    };
+    let mut doc = json!({
+        "batch": id.raw(),
+        "version": s.version.number(),
+        "state": state,
+        "max_staleness": s.max_staleness,
+        "groups": {"total": j.total(), "posted": j.posted, "pending": j.pending,
+                   "leased": j.leased, "scoring": s.scoring, "done": j.done - s.scoring.min(j.done),
+                   "failed": j.failed},
+        "refused": counts(&s.refusals),
+        "failures": counts(&s.failures),
+        "created_at_ms": s.created_at.millis(),
+    });
+    if let Some(a) = &s.archive {
+        doc["archived"] = json!({"path": a.path, "at_ms": a.at.millis()});
+    }
+    Ok((doc, finished, s.archive.map(|a| a.path)))
 }
 
 async fn batch_status(
@@ -368,25 +375,12 @@ struct ResultsQuery {
     wait_ms: Option<u64>,
 }
 
-#[derive(Debug, Serialize)]
-struct ResultOut {
-    cursor: i64,
-    job: i64,
-    batch: i64,
-    actor: String,
-    attempt: u32,
-    version: u64,
-    accepted_at_ms: i64,
-    #[serde(flatten)]
-    stored: StoredResult,
-}
-
 async fn results(
     State(hub): State<Arc<Hub>>,
     headers: HeaderMap,
     Path(id): Path<String>,
     query: Result<Query<ResultsQuery>, axum::extract::rejection::QueryRejection>,
-) -> Reply<Json<Value>> {
+) -> Reply<Response> {
     authorize(&hub, &headers)?;
     let id = batch_id(&id)?;
     let Query(q) =
@@ -395,35 +389,52 @@ async fn results(
     let limit = q.limit.unwrap_or(64).clamp(1, MAX_LIMIT);
     let wait = Duration::from_millis(q.wait_ms.unwrap_or(0).min(MAX_WAIT_MS));
     let deadline = tokio::time::Instant::now() + wait;
+    let unreadable = |e: results::Unreadable| ApiError::internal("read results", e);
     loop {
-        let (_, finished) = status_json(&hub, id).await?;
-        let rows = hub
-            .ledger
-            .results_after(id, after, limit)
+        let (_, finished, archive) = status_json(&hub, id).await?;
+        let page = if let Some(path) = archive {
+            let path = std::path::PathBuf::from(path);
+            tokio::task::spawn_blocking(move || {
+                let docs = results::archived(&path, after)
+                    .map_err(|e| ApiError::internal("open the batch's archive", e))?;
+                results::fill(after, limit as usize, docs).map_err(unreadable)
+            })
             .await
-            .map_err(|e| ApiError::internal("read results", e))?;
-        if !rows.is_empty() || finished || tokio::time::Instant::now() >= deadline {
-            let cursor = rows.last().map_or(after, |r| r.cursor);
-            let done = finished && rows.len() < limit as usize;
-            let out: Vec<ResultOut> = rows
-                .into_iter()
-                .filter_map(|r| {
-                    let stored: StoredResult = serde_json::from_slice(&r.payload).ok()?;
-                    Some(ResultOut {
-                        cursor: r.cursor,
-                        job: r.job.raw(),
-                        batch: id.raw(),
-                        actor: r.actor.as_str().to_owned(),
-                        attempt: r.attempt,
-                        version: r.version.number(),
-                        accepted_at_ms: r.accepted_at.millis(),
-                        stored,
-                    })
-                })
-                .collect();
-            return Ok(Json(
-                json!({"results": out, "cursor": cursor, "done": done}),
-            ));
+            .map_err(|e| ApiError::internal("read the batch's archive", e))??
+        } else {
+            let rows = hub
+                .ledger
+                .results_page(id, after, limit, MAX_PAGE_BYTES as u64)
+                .await
+                .map_err(|e| ApiError::internal("read results", e))?;
+            let mut page = results::fill(
+                after,
+                limit as usize,
+                rows.results
+                    .iter()
+                    .map(|r| results::render(id.raw(), r).map(|d| (r.cursor, d))),
+            )
+            .map_err(unreadable)?;
+            page.cut |= rows.more;
+            page
+        };
+        if !page.docs.is_empty() || finished || tokio::time::Instant::now() >= deadline {
+            let done = finished && !page.cut;
+            if done {
+                // The trainer has read the batch to its end: retention may archive it.
+                if let Err(e) = hub.ledger.mark_delivered(id, now()).await {
+                    tracing::warn!(
+                        batch = id.raw(),
+                        "mark delivered: {}",
+                        starling_telemetry::error_chain(&e)
+                    );
+                }
+            }
+            return Ok((
+                [(header::CONTENT_TYPE, "application/json")],
+                page.body(done),
+            )
+                .into_response());
         }
         // Accepted results land in the ledger; poll it at a short interval until one does.
         tokio::time::sleep(Duration::from_millis(50)).await;
@@ -437,7 +448,7 @@ async fn cancel(
 ) -> Reply<Json<Value>> {
     authorize(&hub, &headers)?;
     let id = batch_id(&id)?;
-    let (_, finished) = status_json(&hub, id).await?;
+    let (_, finished, _) = status_json(&hub, id).await?;
     if finished {
         return Err(ApiError::new(
             StatusCode::CONFLICT,

@@ -165,6 +165,9 @@ pub enum Command {
         /// Ignore every stated link and send with plain BBR (for comparison).
         #[arg(long)]
         no_link_ceiling: bool,
+        /// Rewards by services, and retention of delivered results.
+        #[command(flatten)]
+        results: Box<ResultsArgs>,
     },
     /// Ask a running hub to publish a new checkpoint (a path on the hub's machine).
     Publish {
@@ -311,6 +314,30 @@ impl Trust {
     }
 }
 
+/// `serve`'s flags for rewards and results (`docs/api.md`).
+#[derive(clap::Args, Debug)]
+pub struct ResultsArgs {
+    /// A reward service groups may name as their verifier, as NAME=URL (repeatable):
+    /// the hub POSTs each such group's prompt, completions and answer to URL
+    /// (`http://host:port/path`) and stores the rewards it answers (docs/api.md).
+    #[arg(long = "reward-service", value_name = "NAME=URL")]
+    reward_services: Vec<String>,
+    /// How long one reward-service call may take (seconds); each call is tried 3 times.
+    #[arg(long, default_value_t = 10.0)]
+    reward_timeout: f64,
+    /// Archive batches the trainer has read to their end once they were delivered this
+    /// long ago (seconds): their results move to a file in --results-archive and their
+    /// rows leave the ledger.
+    #[arg(long)]
+    retain_age: Option<f64>,
+    /// Keep at most this many delivered batches in the ledger; older ones are archived.
+    #[arg(long)]
+    retain_batches: Option<u64>,
+    /// Where archived batches' results are written (default: STORE/results).
+    #[arg(long)]
+    results_archive: Option<PathBuf>,
+}
+
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Delta(cmd) => delta(cmd),
@@ -341,7 +368,15 @@ pub fn run(cli: Cli) -> Result<()> {
             actor_timeout,
             uniform_split,
             full_broadcast,
+            results,
         } => {
+            let ResultsArgs {
+                reward_services,
+                reward_timeout,
+                retain_age,
+                retain_batches,
+                results_archive,
+            } = *results;
             let secs = |name: &str, v: f64| {
                 if v.is_finite() && v > 0.0 && v < 1e7 {
                     Ok(std::time::Duration::from_secs_f64(v))
@@ -382,6 +417,24 @@ pub fn run(cli: Cli) -> Result<()> {
             if uniform_split {
                 ledger_config.split = starling_ledger::schedule::Split::Uniform;
             }
+            // Results are stored as JSON (about 3× their wire size): room for a group at the
+            // job protocol's 16 MiB limit; a larger one is refused as result_too_large.
+            ledger_config.max_result_bytes = 128 << 20;
+            let services = reward_services
+                .iter()
+                .map(|s| crate::reward_service::RewardService::parse(s))
+                .collect::<Result<Vec<_>, String>>()
+                .map_err(anyhow::Error::msg)?;
+            let reward_services = crate::reward_service::RewardServices::new(
+                services,
+                secs("reward-timeout", reward_timeout)?,
+            )
+            .map_err(anyhow::Error::msg)?;
+            let retention = starling_ledger::Retention {
+                age: retain_age.map(|a| secs("retain-age", a)).transpose()?,
+                keep: retain_batches,
+            };
+            let results_archive = results_archive.unwrap_or_else(|| store.join("results"));
             let ledger =
                 ledger.unwrap_or_else(|| format!("sqlite:{}", store.join("ledger.db").display()));
             let version = match init_version {
@@ -413,6 +466,9 @@ pub fn run(cli: Cli) -> Result<()> {
                 ledger_config,
                 schedule_tick: std::time::Duration::from_millis(100),
                 worker_limits,
+                reward_services,
+                retention,
+                results_archive,
             };
             runtime()?.block_on(crate::serve::serve(
                 cfg,

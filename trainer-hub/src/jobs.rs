@@ -13,6 +13,15 @@
 //! reference answer never leaves it, and rewards are computed here by the group's verifier
 //! (`rollouts::judge_result`), so an actor can neither see the answer nor forge a reward.
 //!
+//! Before the ledger judges a result, the hub checks what only it can: the result's shape
+//! against its group (`invalid_result`), that every log-probability is finite
+//! (`nonfinite_logprob`: refused, counted, and the group re-offered at once — a trainer could
+//! not read it), and that it can be stored and delivered (`result_too_large`: that group
+//! fails, named; the actor's other results are judged as usual). These refusals are counted
+//! in the ledger with its own, in the submit's transaction. A result too large for any
+//! message arrives alone in its `Submit` (the actor splits them); the hub reads its job id,
+//! drops the rest unread and refuses it the same way, and the connection goes on.
+//!
 //! The scheduler loop ([`run_scheduler`]) splits posted batches over the eligible actors
 //! (Algorithm 1, in the ledger) and sweeps expired leases back into the pool, every
 //! `tick`; it is owned by the serve task and stops with it.
@@ -24,17 +33,20 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use quinn::SendStream;
 use starling_ledger::{
-    ActorId, Digest, JobId, Ledger, ResultSubmission, ScheduleError, Session, Version,
+    ActorId, Digest, HubRefusal, JobId, Ledger, RefusalEffect, ResultSubmission, ScheduleError,
+    Session, SubmitCall, Version,
 };
-use starling_proto::msg::{Message, RefuseReason};
-use starling_proto::rollout::{JobResult, Verdict};
+use starling_proto::msg::{MAX_MESSAGE_BODY, Message, RefuseReason};
+use starling_proto::rollout::{JobResult, MAX_NEW_TOKENS, MAX_SAMPLES, Verdict};
 use starling_telemetry::Metrics;
-use starling_transport::framed::{MessageReader, send};
+use starling_transport::framed::{Incoming, MessageReader, send};
+use tokio::sync::Notify;
 
 use crate::board::{Board, now_ms};
 use crate::durable::now;
 use crate::limits::{Kind, RateLimiter, WorkerConnections, WorkerLimits};
-use crate::rollouts::{GroupSpec, judge_result};
+use crate::rollouts::{GroupSpec, NONFINITE_LOGPROB, RESULT_TOO_LARGE, judge_result};
+use crate::verify::Verifier;
 use tracing::Instrument;
 
 /// Most jobs one `Claim` gets.
@@ -51,6 +63,14 @@ pub(crate) struct WorkerContext {
     /// The live worker connections per certificate (shared by all connections).
     pub(crate) connections: Arc<WorkerConnections>,
     pub(crate) limits: WorkerLimits,
+    /// Woken when results were stored waiting for their reward service.
+    pub(crate) scorer: Arc<Notify>,
+}
+
+/// The largest oversized `Submit` the hub reads past (to refuse its result by name) instead
+/// of dropping the connection: the largest result any group could ever produce.
+fn max_oversized() -> u64 {
+    starling_proto::rollout::max_result_len(MAX_SAMPLES as u32, MAX_NEW_TOKENS as u32) + 16
 }
 
 /// Serves one actor's job connection until it closes.
@@ -165,7 +185,15 @@ async fn work(
     let ledger = &cx.ledger;
     let mut rates = RateLimiter::new(&cx.limits, std::time::Instant::now());
     // The actor closes the connection when it stops: any end of the stream is normal.
-    while let Ok(Some(m)) = reader.next().await {
+    while let Ok(Some(incoming)) = reader.next_or_oversized(max_oversized()).await {
+        let m = match incoming {
+            Incoming::Message(m) => m,
+            Incoming::Oversized { kind, len, head } => {
+                let reply = oversized(cx, actor, kind, len, &head).await?;
+                send(&mut tx, &reply).await?;
+                continue;
+            }
+        };
         if let Some(kind) = kind_of(&m)
             && let Err(limited) = rates.admit(kind, std::time::Instant::now())
         {
@@ -245,6 +273,86 @@ async fn claim(ledger: &Ledger, metrics: &Metrics, actor: &ActorId, max: u32) ->
     Ok(Message::Jobs { jobs })
 }
 
+/// The type byte of a `Submit` message.
+fn submit_type() -> u8 {
+    let mut b = Vec::new();
+    Message::Submit {
+        results: Vec::new(),
+    }
+    .encode(&mut b);
+    b[0]
+}
+
+/// Answers a message too large to read: a `Submit` (the actor sends a result that cannot fit
+/// a message alone) has its first job refused as `result_too_large` — counted, and that
+/// group failed, since no attempt could deliver it; anything else ends the connection.
+async fn oversized(
+    cx: &WorkerContext,
+    actor: &ActorId,
+    kind: u8,
+    len: u64,
+    head: &[u8],
+) -> Result<Message> {
+    let mut r = starling_proto::wire::Reader::new(head);
+    let job = (kind == submit_type())
+        .then(|| r.varint("result count").and_then(|_| r.varint("job id")))
+        .and_then(Result::ok);
+    let Some(job) = job else {
+        anyhow::bail!(
+            "a message of {len} bytes (type {kind}), over the {MAX_MESSAGE_BODY}-byte limit"
+        );
+    };
+    let id = JobId::from_raw(i64::try_from(job).unwrap_or(i64::MAX));
+    let refused = [HubRefusal {
+        job: id,
+        code: RESULT_TOO_LARGE,
+        effect: RefusalEffect::Fail,
+    }];
+    let call = SubmitCall {
+        refused: &refused,
+        ..SubmitCall::default()
+    };
+    cx.ledger
+        .submit_call(actor, call, now())
+        .await
+        .context("record a refusal")?;
+    let detail = format!(
+        "job {job}: the result is {len} bytes, over the {} MiB one message carries; the group fails",
+        MAX_MESSAGE_BODY >> 20
+    );
+    cx.metrics.refused(RESULT_TOO_LARGE);
+    tracing::warn!(job, code = RESULT_TOO_LARGE, "result refused: {detail}");
+    cx.board
+        .result_refused(actor.as_str(), RESULT_TOO_LARGE, &detail, now_ms());
+    if let Some(batch) = cx
+        .ledger
+        .job_payloads(&[id])
+        .await
+        .ok()
+        .and_then(|p| p.first().map(|p| p.batch.raw()))
+    {
+        note_if_finished(&cx.ledger, &cx.board, batch).await;
+    }
+    Ok(Message::Verdicts {
+        verdicts: vec![(
+            job,
+            Verdict::Refused {
+                code: RESULT_TOO_LARGE.to_owned(),
+                detail: bounded(detail),
+            },
+        )],
+    })
+}
+
+/// What a refusal the hub decides does to the group.
+fn effect_of(code: &str) -> RefusalEffect {
+    match code {
+        NONFINITE_LOGPROB => RefusalEffect::Reoffer,
+        RESULT_TOO_LARGE => RefusalEffect::Fail,
+        _ => RefusalEffect::KeepLease,
+    }
+}
+
 async fn submit(cx: &WorkerContext, actor: &ActorId, results: Vec<JobResult>) -> Result<Message> {
     let (ledger, metrics) = (&cx.ledger, &cx.metrics);
     let ids: Vec<JobId> = results
@@ -260,48 +368,96 @@ async fn submit(cx: &WorkerContext, actor: &ActorId, results: Vec<JobResult>) ->
         .into_iter()
         .filter_map(|p| Some((p.job, GroupSpec::parse(&p.prompt)?)))
         .collect();
+    let max_payload = ledger.config().max_result_bytes;
     let mut verdicts: Vec<Option<Verdict>> = vec![None; results.len()];
     let mut subs = Vec::new();
+    let mut unscored = Vec::new();
+    let mut refused = Vec::new();
     let mut placed = Vec::new();
     for (i, (r, id)) in results.iter().zip(&ids).enumerate() {
-        let refused = |code: &str, detail: String| Verdict::Refused {
-            code: code.to_owned(),
-            detail: bounded(detail),
+        let mut refuse = |code: &'static str, detail: String| {
+            refused.push(HubRefusal {
+                job: *id,
+                code,
+                effect: effect_of(code),
+            });
+            Some(Verdict::Refused {
+                code: code.to_owned(),
+                detail: bounded(detail),
+            })
         };
         let Some(spec) = specs.get(id) else {
-            verdicts[i] = Some(refused("unknown_job", format!("no job {}", r.job)));
+            verdicts[i] = Some(Verdict::Refused {
+                code: "unknown_job".into(),
+                detail: format!("no job {}", r.job),
+            });
             continue;
         };
         let version = match Version::new(r.version) {
             Ok(v) => v,
             Err(e) => {
-                verdicts[i] = Some(refused("invalid_result", e.to_string()));
+                verdicts[i] = refuse("invalid_result", e.to_string());
                 continue;
             }
         };
-        match judge_result(spec, r, &cx.text) {
-            Ok((stored, tokens)) => {
-                let rewards: Vec<f32> = stored.samples.iter().map(|s| s.reward).collect();
-                subs.push(ResultSubmission {
-                    job: *id,
-                    version,
-                    digest: Digest(r.digest),
-                    tokens,
-                    // Stored for information; τ is measured on the hub's clock.
-                    elapsed: Duration::from_micros(r.elapsed_us),
-                    payload: serde_json::to_vec(&stored).unwrap_or_default(),
-                });
-                placed.push((i, tokens, *id, rewards));
+        let (stored, tokens) = match judge_result(spec, r, &cx.text) {
+            Ok(judged) => judged,
+            Err(e) => {
+                let code = match e.code {
+                    NONFINITE_LOGPROB => NONFINITE_LOGPROB,
+                    _ => "invalid_result",
+                };
+                verdicts[i] = refuse(code, e.message);
+                continue;
             }
-            Err(e) => verdicts[i] = Some(refused(e.code, e.message)),
+        };
+        let payload = serde_json::to_vec(&stored).context("encode a result")?;
+        if payload.len() > max_payload {
+            verdicts[i] = refuse(
+                RESULT_TOO_LARGE,
+                format!(
+                    "job {}: the result is {} bytes stored, over the ledger's {max_payload}; the group fails",
+                    r.job,
+                    payload.len()
+                ),
+            );
+            continue;
         }
+        let service = Verifier::parse(&spec.verifier).is_none();
+        if service {
+            unscored.push(*id);
+        }
+        let rewards: Vec<f32> = if service {
+            Vec::new()
+        } else {
+            stored.samples.iter().map(|s| s.reward).collect()
+        };
+        subs.push(ResultSubmission {
+            job: *id,
+            version,
+            digest: Digest(r.digest),
+            tokens,
+            // Stored for information; τ is measured on the hub's clock.
+            elapsed: Duration::from_micros(r.elapsed_us),
+            payload,
+        });
+        placed.push((i, tokens, *id, rewards));
     }
+    let call = SubmitCall {
+        results: &subs,
+        unscored: &unscored,
+        refused: &refused,
+    };
     let outcomes = ledger
-        .submit(actor, &subs, now())
+        .submit_call(actor, call, now())
         .await
         .context("submit results")?;
     let at = now_ms();
     let mut touched = std::collections::BTreeSet::new();
+    for r in &refused {
+        touched.insert(batch_of.get(&r.job).copied().unwrap_or(-1));
+    }
+    let mut waiting = false;
     for (o, (i, tokens, job, rewards)) in outcomes.into_iter().zip(placed) {
         verdicts[i] = Some(match o.verdict {
             Ok(()) => {
@@ -310,6 +466,7 @@ async fn submit(cx: &WorkerContext, actor: &ActorId, results: Vec<JobResult>) ->
                 cx.board
                     .result_accepted(actor.as_str(), batch, &rewards, u64::from(tokens), at);
                 touched.insert(batch);
+                waiting |= unscored.contains(&job);
                 Verdict::Accepted
             }
             Err(why) => Verdict::Refused {
@@ -317,6 +474,9 @@ async fn submit(cx: &WorkerContext, actor: &ActorId, results: Vec<JobResult>) ->
                 detail: bounded(why.to_string()),
             },
         });
+    }
+    if waiting {
+        cx.scorer.notify_one();
     }
     let verdicts = results
         .iter()
@@ -340,8 +500,9 @@ async fn submit(cx: &WorkerContext, actor: &ActorId, results: Vec<JobResult>) ->
     Ok(Message::Verdicts { verdicts })
 }
 
-/// Tells the board when every job of `batch` is done or failed (once).
-async fn note_if_finished(ledger: &Ledger, board: &Board, batch: i64) {
+/// Tells the board when every job of `batch` is done or failed and every result readable
+/// (once).
+pub(crate) async fn note_if_finished(ledger: &Ledger, board: &Board, batch: i64) {
     if batch < 0 || board.batch_is_finished(batch) {
         return;
     }
@@ -349,7 +510,7 @@ async fn note_if_finished(ledger: &Ledger, board: &Board, batch: i64) {
         .batch_status(starling_ledger::BatchId::from_raw(batch))
         .await
     {
-        Ok(s) if s.jobs.posted + s.jobs.pending + s.jobs.leased == 0 => {
+        Ok(s) if s.finished() => {
             board.batch_finished(batch, now_ms());
         }
         Ok(_) => {}

@@ -5,13 +5,17 @@
 
 pub mod anchors;
 pub mod api;
+mod archive;
 mod board;
 pub mod cli;
 mod durable;
 mod jobs;
 pub mod keys;
 pub mod limits;
+mod results;
+pub mod reward_service;
 mod rollouts;
+mod scoring;
 pub mod serve;
 mod snapshot;
 mod status;

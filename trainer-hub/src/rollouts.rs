@@ -10,6 +10,7 @@
 use serde::{Deserialize, Serialize};
 use starling_proto::rollout::{FinishReason, JobResult, JobSpec, SamplingParams};
 
+use crate::reward_service::RewardServices;
 use crate::verify::Verifier;
 
 /// What the hub knows of the model, to validate, tokenize and decode.
@@ -133,9 +134,9 @@ pub(crate) struct GroupRequest {
     prompt: Option<String>,
     prompt_ids: Option<Vec<u32>>,
     n: u32,
-    verifier: String,
+    pub(crate) verifier: String,
     #[serde(default)]
-    answer: String,
+    pub(crate) answer: Option<String>,
     sampling: Option<SamplingPatch>,
 }
 
@@ -154,7 +155,9 @@ pub(crate) struct GroupSpec {
     pub(crate) n: u32,
     pub(crate) sampling: Sampling,
     pub(crate) verifier: String,
-    pub(crate) answer: String,
+    /// The reference answer, when the group has one (never sent to actors).
+    #[serde(default)]
+    pub(crate) answer: Option<String>,
 }
 
 /// Why a batch request is refused (the API's error code and sentence).
@@ -166,6 +169,59 @@ pub(crate) struct Invalid {
 
 fn invalid(code: &'static str, message: String) -> Invalid {
     Invalid { code, message }
+}
+
+/// Checks every group's verifier: a built-in one with the answer it needs, or a reward
+/// service this hub was configured with (`unknown_verifier` otherwise).
+pub(crate) fn check_rewards(req: &BatchRequest, services: &RewardServices) -> Result<(), Invalid> {
+    for (i, g) in req.groups.iter().enumerate() {
+        match Verifier::parse(&g.verifier) {
+            Some(v) => v
+                .check_answer(g.answer.as_deref())
+                .map_err(|m| invalid("invalid_batch", format!("group {i}: {m}")))?,
+            None if services.get(&g.verifier).is_some() => {}
+            None => {
+                let known: Vec<&str> = Verifier::NAMES
+                    .iter()
+                    .copied()
+                    .chain(services.names())
+                    .collect();
+                return Err(invalid(
+                    "unknown_verifier",
+                    format!(
+                        "group {i} names verifier {:?}; this hub knows {}",
+                        g.verifier,
+                        known.join(", ")
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Refuses groups whose result could never be delivered: `n` samples of `max_new_tokens`
+/// tokens must fit one job-protocol message (`proto::rollout::max_result_len`).
+pub(crate) fn check_deliverable(groups: &[GroupSpec]) -> Result<(), Invalid> {
+    for g in groups {
+        let need = starling_proto::rollout::max_result_len(g.n, g.sampling.max_new_tokens);
+        // A `Submit` of this one result: its count, then the result.
+        if need + 1 > starling_proto::msg::MAX_MESSAGE_BODY as u64 {
+            return Err(invalid(
+                "too_large",
+                format!(
+                    "group {}: {} samples of up to {} tokens may take {} MiB, more than the {} MiB \
+                     one job-protocol message carries; lower n or max_new_tokens, or split the group",
+                    g.group,
+                    g.n,
+                    g.sampling.max_new_tokens,
+                    need.div_ceil(1 << 20),
+                    starling_proto::msg::MAX_MESSAGE_BODY >> 20
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Checks a batch request against the model and expands it into group specs.
@@ -186,16 +242,6 @@ pub(crate) fn expand(req: &BatchRequest, model: &ModelLimits) -> Result<Vec<Grou
                 g.n,
                 starling_proto::rollout::MAX_SAMPLES
             )));
-        }
-        if Verifier::parse(&g.verifier).is_none() {
-            return Err(invalid(
-                "unknown_verifier",
-                format!(
-                    "group {i} names verifier {:?}; this hub knows {}",
-                    g.verifier,
-                    Verifier::NAMES.join(", ")
-                ),
-            ));
         }
         // Rendered and tokenized once, here: actors get token ids.
         let text_err = |e: starling_text::TextError| bad(e.to_string());
@@ -313,8 +359,16 @@ pub(crate) struct StoredResult {
     pub(crate) samples: Vec<StoredSample>,
 }
 
-/// Checks an actor's result against its group and scores it. `Err` is a refusal code and
-/// sentence (the lease stays; the group is re-offered if no valid result comes).
+/// The refusal of a result with a NaN or ±Inf log-probability.
+pub(crate) const NONFINITE_LOGPROB: &str = "nonfinite_logprob";
+/// The refusal of a result that cannot be stored or delivered.
+pub(crate) const RESULT_TOO_LARGE: &str = "result_too_large";
+
+/// Checks an actor's result against its group and scores it with a built-in verifier (a
+/// group scored by a reward service gets rewards 0 here, replaced once it is scored). `Err`
+/// is a refusal code and sentence: `invalid_result` (the lease stays; the group is re-offered
+/// if no valid result comes) or `nonfinite_logprob` (a trainer could not use the result; the
+/// group is re-offered at once).
 pub(crate) fn judge_result(
     spec: &GroupSpec,
     r: &JobResult,
@@ -348,6 +402,16 @@ pub(crate) fn judge_result(
         if s.finish == FinishReason::Aborted {
             return Err(bad(format!("sample {i} was aborted")));
         }
+        if let Some((t, lp)) = s.logprobs.iter().enumerate().find(|(_, p)| !p.is_finite()) {
+            return Err(invalid(
+                NONFINITE_LOGPROB,
+                format!(
+                    "job {}: sample {i} has log-probability {lp} at token {t}: the engine's \
+                     weights or sampling produced a non-finite value",
+                    r.job
+                ),
+            ));
+        }
         tokens = tokens.saturating_add(u32::try_from(s.tokens.len()).unwrap_or(u32::MAX));
         let decode_s = s.decode_us as f64 / 1e6;
         let text = model_text.decode(&s.tokens, &spec.sampling.stop_token_ids);
@@ -355,7 +419,7 @@ pub(crate) fn judge_result(
             tokens: s.tokens.clone(),
             logprobs: s.logprobs.clone(),
             finish: s.finish.as_str().to_owned(),
-            reward: verifier.reward_text(&text, &spec.answer),
+            reward: verifier.reward_text(&text, spec.answer.as_deref().unwrap_or("")),
             text,
             versions: s
                 .spans
@@ -414,7 +478,7 @@ mod tests {
         assert_eq!((g[1].sampling.seed, g[1].sampling.temperature), (9, 0.5));
         assert_eq!((g[1].group, g[1].n), (1, 1));
         let back = GroupSpec::parse(&g[0].to_bytes()).expect("round trip");
-        assert_eq!(back.answer, "ba");
+        assert_eq!(back.answer.as_deref(), Some("ba"));
     }
 
     #[test]
@@ -425,10 +489,6 @@ mod tests {
         assert_eq!(
             code(&g(r#"{"prompt": "a", "n": 0, "verifier": "none"}"#)),
             Some("invalid_batch")
-        );
-        assert_eq!(
-            code(&g(r#"{"prompt": "a", "n": 1, "verifier": "regex"}"#)),
-            Some("unknown_verifier")
         );
         assert_eq!(
             code(&g(r#"{"prompt": "", "n": 1, "verifier": "none"}"#)),
@@ -460,5 +520,113 @@ mod tests {
             serde_json::from_str::<BatchRequest>(r#"{"groups": [], "typo": 1}"#).is_err(),
             "unknown keys are refused"
         );
+    }
+
+    #[test]
+    fn verifiers_are_checked_against_the_built_ins_and_the_configured_services() {
+        let services = RewardServices::new(
+            vec![
+                crate::reward_service::RewardService::parse("judge=http://127.0.0.1:9/")
+                    .expect("service"),
+            ],
+            crate::reward_service::DEFAULT_TIMEOUT,
+        )
+        .expect("services");
+        let check = |body: &str| {
+            check_rewards(&req(&format!(r#"{{"groups": [{body}]}}"#)), &services)
+                .err()
+                .map(|e| (e.code, e.message))
+        };
+        assert_eq!(
+            check(r#"{"prompt": "a", "n": 1, "verifier": "judge"}"#),
+            None
+        );
+        assert_eq!(
+            check(r#"{"prompt": "a", "n": 1, "verifier": "math", "answer": "3/4"}"#),
+            None
+        );
+        assert_eq!(
+            check(r#"{"prompt": "a", "n": 1, "verifier": "none"}"#),
+            None
+        );
+        let (code, message) =
+            check(r#"{"prompt": "a", "n": 1, "verifier": "regex"}"#).expect("refused");
+        assert_eq!(code, "unknown_verifier");
+        assert!(
+            message.contains("math") && message.contains("judge"),
+            "{message}"
+        );
+        // A verifier asked for without the answer it needs (before: accepted, scored 0).
+        let (code, message) =
+            check(r#"{"prompt": "a", "n": 1, "verifier": "numeric"}"#).expect("refused");
+        assert_eq!(code, "invalid_batch");
+        assert!(
+            message.contains("group 0") && message.contains("answer"),
+            "{message}"
+        );
+        let (code, _) = check(r#"{"prompt": "a", "n": 1, "verifier": "math", "answer": "x"}"#)
+            .expect("refused");
+        assert_eq!(code, "invalid_batch");
+    }
+
+    #[test]
+    fn groups_that_cannot_fit_a_message_are_too_large() {
+        let big = ModelLimits {
+            context: 1 << 20,
+            ..model()
+        };
+        let groups = |n: u32, t: u32| {
+            expand(
+                &req(&format!(
+                    r#"{{"groups": [{{"prompt": "a", "n": {n}, "verifier": "none", "sampling": {{"max_new_tokens": {t}}}}}]}}"#
+                )),
+                &big,
+            )
+            .expect("valid")
+        };
+        assert!(check_deliverable(&groups(16, 65_536)).is_ok());
+        assert!(check_deliverable(&groups(1_024, 1_024)).is_ok());
+        let e = check_deliverable(&groups(32, 65_536)).expect_err("too large");
+        assert_eq!(e.code, "too_large");
+        assert!(e.message.contains("MiB"), "{}", e.message);
+    }
+
+    #[test]
+    fn non_finite_log_probabilities_are_refused_by_name() {
+        use starling_proto::rollout::{JobResult, Sample, VersionSpan};
+        let spec = expand(
+            &req(r#"{"groups": [{"prompt": "a", "n": 2, "verifier": "none", "sampling": {"max_new_tokens": 4}}]}"#),
+            &model(),
+        )
+        .expect("valid")
+        .remove(0);
+        let result = |lp: f32| JobResult {
+            job: 7,
+            attempt: 1,
+            version: 0,
+            digest: [0; 16],
+            elapsed_us: 1,
+            samples: vec![
+                Sample {
+                    tokens: vec![5, 6],
+                    logprobs: vec![-0.5, lp],
+                    finish: FinishReason::Length,
+                    spans: vec![VersionSpan {
+                        version: 0,
+                        start: 0,
+                        end: 2,
+                    }],
+                    ttft_us: 1,
+                    decode_us: 1,
+                };
+                2
+            ],
+        };
+        assert!(judge_result(&spec, &result(-1.0), &starling_text::ModelText::byte()).is_ok());
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let e = judge_result(&spec, &result(bad), &starling_text::ModelText::byte()).expect_err("refused");
+            assert_eq!(e.code, NONFINITE_LOGPROB);
+            assert!(e.message.contains("token 1"), "{}", e.message);
+        }
     }
 }

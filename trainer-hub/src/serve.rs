@@ -93,6 +93,12 @@ pub struct ServeConfig {
     pub schedule_tick: std::time::Duration,
     /// Per-actor limits on the job protocol.
     pub worker_limits: crate::limits::WorkerLimits,
+    /// The reward services groups may name as their verifier (`--reward-service`).
+    pub reward_services: crate::reward_service::RewardServices,
+    /// Which delivered batches are archived out of the ledger.
+    pub retention: starling_ledger::Retention,
+    /// Where archived batches' results are written.
+    pub results_archive: PathBuf,
 }
 
 #[derive(Debug)]
@@ -124,6 +130,10 @@ pub(crate) struct Hub {
     pub(crate) trainer_seed: [u8; 32],
     /// What prompts must fit (vocabulary, context).
     pub(crate) limits: ModelLimits,
+    /// The configured reward services.
+    pub(crate) rewards: Arc<crate::reward_service::RewardServices>,
+    /// Woken when results were stored waiting for their reward service.
+    pub(crate) scorer_wake: Arc<tokio::sync::Notify>,
     /// Cancelled when the hub stops: long-lived work (the scheduler, event streams, the HTTP
     /// server) ends on it.
     pub(crate) stop: CancellationToken,
@@ -229,6 +239,9 @@ impl Hub {
     }
 }
 
+/// How often retention looks for batches to archive.
+const RETENTION_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// How long a stopping hub waits for a publish in progress and for its connections to close.
 pub const SHUTDOWN_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
@@ -308,6 +321,8 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
         workers: crate::limits::WorkerConnections::new(cfg.worker_limits.connections),
         trainer_seed,
         limits,
+        rewards: Arc::new(cfg.reward_services.clone()),
+        scorer_wake: Arc::new(tokio::sync::Notify::new()),
         cfg,
         signing,
         stop: CancellationToken::new(),
@@ -320,6 +335,21 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
         hub.board.clone(),
         hub.cfg.schedule_tick,
     ));
+    hub.spawn_until_stopped(crate::scoring::run(crate::scoring::Scorer {
+        ledger: hub.ledger.clone(),
+        services: hub.rewards.clone(),
+        board: hub.board.clone(),
+        wake: hub.scorer_wake.clone(),
+        text: hub.limits.text.clone(),
+    }));
+    if hub.cfg.retention.enabled() {
+        hub.spawn_until_stopped(crate::archive::run(
+            hub.ledger.clone(),
+            hub.cfg.results_archive.clone(),
+            hub.cfg.retention,
+            RETENTION_EVERY,
+        ));
+    }
     if resumed_version(&hub).await == hub.cfg.init_version && !hub.anchors.has(hub.cfg.init_version)
     {
         // A full-checkpoint copy: in the background, so the hub serves at once (until it is
@@ -447,6 +477,7 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
                     board: hub.board.clone(),
                     connections: hub.workers.clone(),
                     limits: hub.cfg.worker_limits,
+                    scorer: hub.scorer_wake.clone(),
                 },
                 a.control,
                 reader,

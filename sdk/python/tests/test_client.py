@@ -212,6 +212,9 @@ def test_submit_and_stream_results(cluster):
     assert st.groups.total == 3 and st.groups.done == 3
     assert st.batch == batch.id and st.version == batch.version
     assert st.refused["stale"] == 0 and "invalid_result" in st.refused, st.refused
+    assert st.refused["nonfinite_logprob"] == 0 and st.refused["result_too_large"] == 0, st.refused
+    assert st.failures == {"attempts": 0, "reward_service": 0, "result_too_large": 0, "cancelled": 0}, st.failures
+    assert st.groups.scoring == 0 and st.archived is None
 
     # Resumable: after the first cursor, exactly the rest; after the last, nothing.
     rest = list(batch.results(after=cursors[0], wait_ms=0))
@@ -313,6 +316,11 @@ def test_bad_and_missing_token(cluster, tmp_path):
         ({"groups": [{"prompt": "a", "n": 1, "verifier": "none"}], "sampling": {"top_p": 0.0}}, "invalid_batch", 400),
         ({"groups": [{"prompt": "a", "n": 1, "verifier": "none"}], "sampling": {"temperature": -1.0}}, "invalid_batch", 400),
         ({"groups": [{"prompt": "a", "n": 1, "verifier": "regex", "answer": "1"}]}, "unknown_verifier", 400),
+        # A verifier that compares needs an answer it can read.
+        ({"groups": [{"prompt": "a", "n": 1, "verifier": "numeric"}]}, "invalid_batch", 400),
+        ({"groups": [{"prompt": "a", "n": 1, "verifier": "math", "answer": "many"}]}, "invalid_batch", 400),
+        # A group no job-protocol message could carry back.
+        ({"groups": [{"prompt": "a", "n": 1024, "verifier": "none", "sampling": {"max_new_tokens": 2000}}]}, "too_large", 413),
         # Above the job protocol's cap of 65536 new tokens (proto::rollout::MAX_NEW_TOKENS), which
         # the hub checks before the context: invalid_batch, not prompt_too_long.
         ({"groups": [{"prompt": "a", "n": 1, "verifier": "none"}], "sampling": {"max_new_tokens": 100000}}, "invalid_batch", 400),

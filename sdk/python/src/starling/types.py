@@ -243,6 +243,7 @@ class GroupCounts:
     posted: int = 0
     pending: int = 0
     leased: int = 0
+    scoring: int = 0
     done: int = 0
     failed: int = 0
 
@@ -259,7 +260,12 @@ REFUSAL_REASONS = (
     "cancelled",
     "job_failed",
     "invalid_result",
+    "nonfinite_logprob",
+    "result_too_large",
 )
+
+# Why groups of a batch failed (docs/api.md, "GET /v1/batches/{id}").
+FAILURE_REASONS = ("attempts", "reward_service", "result_too_large", "cancelled")
 
 
 @dataclass(frozen=True)
@@ -267,7 +273,11 @@ class BatchStatus:
     """``GET /v1/batches/{id}``. ``state`` is ``posted``, ``running``, ``done`` or
     ``cancelled``. ``refused`` counts the results the hub refused, by reason: every reason of
     :data:`REFUSAL_REASONS` is present (0 when the hub did not list it), and any reason a newer
-    hub adds is kept too."""
+    hub adds is kept too. ``failures`` counts the failed groups by reason the same way
+    (:data:`FAILURE_REASONS`). ``groups.scoring`` counts groups accepted and waiting for their
+    reward service (not readable yet). ``archived`` is the file retention moved the batch's
+    results to (``None`` while they are in the ledger); :meth:`Batch.results` reads them
+    either way."""
 
     batch: int
     version: int
@@ -275,7 +285,9 @@ class BatchStatus:
     max_staleness: int
     groups: GroupCounts
     refused: Dict[str, int] = field(default_factory=dict)
+    failures: Dict[str, int] = field(default_factory=dict)
     created_at_ms: Optional[int] = None
+    archived: Optional[str] = None
 
     @property
     def finished(self) -> bool:
@@ -287,8 +299,11 @@ class BatchStatus:
         g = j.get("groups") or {}
         known = {f.name for f in fields(GroupCounts)}
         refused = {r: 0 for r in REFUSAL_REASONS}
+        failures = {r: 0 for r in FAILURE_REASONS}
         try:
             refused.update({str(k): int(v) for k, v in (j.get("refused") or {}).items()})
+            failures.update({str(k): int(v) for k, v in (j.get("failures") or {}).items()})
+            archived = (j.get("archived") or {}).get("path")
             counts = GroupCounts(**{k: int(v) for k, v in g.items() if k in known})
         except (AttributeError, TypeError, ValueError):
             raise StarlingError("bad_response", f"the hub's batch status is malformed: {j!r:.200}") from None
@@ -299,7 +314,9 @@ class BatchStatus:
             max_staleness=int(j.get("max_staleness", 1)),
             groups=counts,
             refused=refused,
+            failures=failures,
             created_at_ms=j.get("created_at_ms"),
+            archived=None if archived is None else str(archived),
         )
 
 
