@@ -371,9 +371,10 @@ fn engine_args(spec: &Spec<'_>, a: &ActorSpec) -> Result<Vec<String>> {
     // The server's own command line (`sh -c`): the actor substitutes the directory it writes
     // its version to for {model}, starts it in its own process group and supervises it.
     let cmd = format!(
-        "VLLM_SERVER_DEV_MODE=1 PYTHONPATH={ext} VLLM_CPU_KVCACHE_SPACE=1 VLLM_LOGGING_LEVEL=WARNING \
+        "env VLLM_SERVER_DEV_MODE=1 PYTHONPATH={ext} VLLM_CPU_KVCACHE_SPACE=1 VLLM_LOGGING_LEVEL=WARNING \
          {py} -m vllm.entrypoints.openai.api_server --model {{model}} --host 127.0.0.1 --port {port} \
          --enforce-eager --dtype bfloat16 --max-model-len 1024 --max-num-seqs {seqs} --seed 0 \
+         --logprobs-mode processed_logprobs \
          --worker-extension-cls starling_vllm.extension.StarlingWorkerExtension",
         ext = v.extension.display(),
         py = v.python.display(),
