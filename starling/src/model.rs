@@ -202,6 +202,9 @@ fn run_requests(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Sequences `score` runs through the engine together.
+const SCORE_CHUNK: usize = 32;
+
 /// One `score` request: a weights file and the completions to score on it.
 #[derive(serde::Deserialize)]
 struct ScoreRequest {
@@ -235,11 +238,26 @@ fn score_requests(dir: &Path) -> anyhow::Result<()> {
                 let Some((_, model)) = loaded.as_ref() else {
                     bail!("no model");
                 };
-                let scored = req
-                    .items
-                    .iter()
-                    .map(|i| model.score(&i.prompt, &i.completion, i.temperature))
-                    .collect::<Result<Vec<_>, _>>()?;
+                // Items at one temperature in one forward pass each, in chunks that bound
+                // the logits held (rows × vocabulary).
+                let mut scored: Vec<Vec<f32>> = vec![Vec::new(); req.items.len()];
+                let mut temps: Vec<f32> = req.items.iter().map(|i| i.temperature).collect();
+                temps.sort_by(f32::total_cmp);
+                temps.dedup();
+                for t in temps {
+                    let of_t: Vec<usize> = (0..req.items.len())
+                        .filter(|&k| req.items[k].temperature.to_bits() == t.to_bits())
+                        .collect();
+                    for chunk in of_t.chunks(SCORE_CHUNK) {
+                        let seqs: Vec<(&[u32], &[u32])> = chunk
+                            .iter()
+                            .map(|&k| (req.items[k].prompt.as_slice(), req.items[k].completion.as_slice()))
+                            .collect();
+                        for (&k, lp) in chunk.iter().zip(model.score_many(&seqs, t)?) {
+                            scored[k] = lp;
+                        }
+                    }
+                }
                 // Serialized as f32 (the shortest text that reads back as the same f32), as
                 // the hub stores the actors' log-probabilities: equal values, equal text.
                 Ok(format!(
