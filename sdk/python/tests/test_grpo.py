@@ -151,3 +151,30 @@ def test_two_steps_on_the_real_model_with_every_sample_checked(material, tmp_pat
     finally:
         c.actor.stop()
         c.hub.stop()
+
+
+def test_a_shared_prompt_scores_as_the_whole_sequences_do():
+    """The prompt-sharing forward equals running each whole sequence, to float32 rounding,
+    with gradients through both."""
+    pytest.importorskip("transformers", reason="transformers is not installed (requirements-test.txt has it)")
+    from starling.grpo.policy import completion_logprobs, load_policy
+
+    model = load_policy(str(fetch_real_model()))
+    g = torch.Generator().manual_seed(0)
+    p1 = torch.randint(0, 49152, (11,), generator=g).tolist()
+    p2 = torch.randint(0, 49152, (5,), generator=g).tolist()
+    comps = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (7, 1, 4, 0, 9)]
+    seqs = [(p1, comps[0]), (p1, comps[1]), (p1, comps[2]), (p2, comps[3]), (p2, comps[4]), (p1, comps[2])]
+    shared = completion_logprobs(model, seqs, 0.7, chunk=2)
+    assert [len(x) for x in shared] == [7, 1, 4, 0, 9, 4]
+    with torch.no_grad():
+        for (p, c), got in zip(seqs, shared):
+            if not c:
+                continue
+            ids = torch.tensor([p + c[:-1]])
+            logits = model(input_ids=ids).logits[0, len(p) - 1 :].float()
+            want = torch.log_softmax(logits / 0.7, dim=-1).gather(1, torch.tensor(c).unsqueeze(1)).squeeze(1)
+            assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+    sum(x.sum() for x in shared).backward()
+    assert model.model.embed_tokens.weight.grad is not None
+    assert model.model.layers[0].self_attn.q_proj.weight.grad.abs().sum() > 0

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple
@@ -135,12 +136,15 @@ class CheckReport:
     per_engine: Dict[str, EngineAgreement] = field(default_factory=lambda: defaultdict(EngineAgreement))
     refused_groups: List[Tuple[int, str]] = field(default_factory=list)
     first_mismatch: Optional[str] = None
+    seconds_torch: float = 0.0
+    seconds_exact: float = 0.0
 
     def to_json(self) -> Dict[str, object]:
         return {
             "per_engine": {e: a.to_json(e) for e, a in sorted(self.per_engine.items())},
             "refused_groups": [{"group": g, "reason": r} for g, r in self.refused_groups],
             "first_mismatch": self.first_mismatch,
+            "seconds": {"torch": round(self.seconds_torch, 3), "exact": round(self.seconds_exact, 3)},
         }
 
 
@@ -197,8 +201,11 @@ class BehaviourCheck:
         # A span [start, end) of a sample is scored as the completion tokens[:end] after the
         # prompt, keeping the span's part.
         seqs = [(r.prompt_ids, s.tokens[:end]) for r, s, _, end in items]
+        t0 = time.monotonic()
         with torch.no_grad():
             recomputed = completion_logprobs(self.model, seqs, self.temperature)
+        t1 = time.monotonic()
+        report.seconds_torch += t1 - t0
         exact_items = [i for i, (r, _, _, _) in enumerate(items) if self.engines.get(r.actor) == "builtin"]
         exact_out: Dict[int, List[float]] = {}
         if self.exact is not None and exact_items:
@@ -207,6 +214,7 @@ class BehaviourCheck:
                 [(seqs[i][0], seqs[i][1], self.temperature) for i in exact_items],
             )
             exact_out = dict(zip(exact_items, answers, strict=True))
+        report.seconds_exact += time.monotonic() - t1
         for i, (r, s, start, end) in enumerate(items):
             engine = self.engines.get(r.actor, "unknown")
             agg = report.per_engine[engine]

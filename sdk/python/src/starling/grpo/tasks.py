@@ -55,11 +55,11 @@ class ArithmeticProblems:
             a, b = rng.randint(2, 9), rng.randint(2, 9)
             answer = a * b
         elif op == "-":
-            a = rng.randint(10, 60)
+            a = rng.randint(5, 20)
             b = rng.randint(1, a - 1)
             answer = a - b
         else:
-            a, b = rng.randint(2, 50), rng.randint(2, 50)
+            a, b = rng.randint(1, 20), rng.randint(1, 20)
             answer = a + b
         text = template.format(a=a, b=b, x=rng.choice(_NOUNS), name=rng.choice(_NAMES))
         return Problem([{"role": "user", "content": f"{text} {INSTRUCTION}"}], str(answer))
