@@ -260,6 +260,23 @@ pub(crate) fn run_mode(
         100.0 * summary["bytes"]["ratio"].as_f64().unwrap_or(f64::NAN),
         100.0 * summary["delta_density"].as_f64().unwrap_or(f64::NAN),
     );
+    if let Some(actors) = summary["share_vs_speed"].as_object() {
+        let line: Vec<String> = actors
+            .iter()
+            .map(|(a, v)| {
+                format!(
+                    "{a} {:.0}% of tokens at {:.0}% of the speed ({:.2}x)",
+                    100.0 * v["token_share"].as_f64().unwrap_or(f64::NAN),
+                    100.0 * v["speed_share"].as_f64().unwrap_or(f64::NAN),
+                    v["ratio"].as_f64().unwrap_or(f64::NAN)
+                )
+            })
+            .collect();
+        println!(
+            "   shares against speed (τ on the hub's clock): {}",
+            line.join("; ")
+        );
+    }
     Ok(summary)
 }
 
@@ -444,6 +461,30 @@ fn summarize(
         }
     }
     let total: u64 = per_actor.values().sum();
+    // Shares against speed: each actor's share of the tokens generated, over its share of the
+    // actors' summed throughput as the hub measured it (τ, tokens per second of wall time on
+    // the hub's clock). 1.0 is a split exactly in proportion to speed.
+    let mut tokens_of: BTreeMap<String, u64> = BTreeMap::new();
+    for r in steps {
+        for (a, k) in &r.per_actor_tokens {
+            *tokens_of.entry(a.clone()).or_default() += k;
+        }
+    }
+    let all_tokens: u64 = tokens_of.values().sum();
+    let tau_total: f64 = taus.values().sum();
+    let share_vs_speed: BTreeMap<String, Value> = taus
+        .iter()
+        .map(|(a, tau)| {
+            let token_share =
+                tokens_of.get(a).copied().unwrap_or(0) as f64 / all_tokens.max(1) as f64;
+            let speed_share = tau / tau_total;
+            (
+                a.clone(),
+                json!({"token_share": token_share, "speed_share": speed_share,
+                       "ratio": token_share / speed_share}),
+            )
+        })
+        .collect();
     let transfer: BTreeMap<&str, f64> = regions
         .iter()
         .map(|r| {
@@ -532,6 +573,7 @@ fn summarize(
         },
         "per_actor_share": per_actor.iter().map(|(a, k)| (a.clone(), *k as f64 / total.max(1) as f64)).collect::<BTreeMap<_, _>>(),
         "tau_at_end": taus,
+        "share_vs_speed": share_vs_speed,
         "makespans": makespans,
         "behaviour_check": {"per_engine": check, "refused_groups": refused},
         "wall_s": wall_s,
