@@ -324,7 +324,7 @@ impl Cluster {
             ..
         } = self;
         drop(watcher);
-        drop(procs);
+        crate::procs::stop_all(procs);
         drop(hub);
         let mut stats = BTreeMap::new();
         for (name, l) in links {
