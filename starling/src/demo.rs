@@ -240,6 +240,9 @@ pub(crate) fn run_mode(
         })?;
         addr
     };
+    let checkpoints = out.join("checkpoints");
+    std::fs::create_dir_all(&checkpoints)
+        .with_context(|| format!("create {}", checkpoints.display()))?;
     let mut hub_args: Vec<String> = vec!["serve".into()];
     if mode == Mode::FullBroadcast {
         hub_args.push("--full-broadcast".into());
@@ -256,6 +259,9 @@ pub(crate) fn run_mode(
                 path(&init),
                 "--store".into(),
                 path(&out.join("hub-store")),
+                // The in-process trainer writes its checkpoints there (below).
+                "--publish-dir".into(),
+                path(&checkpoints),
                 "--listen".into(),
                 quic.to_string(),
                 "--http".into(),
@@ -402,7 +408,7 @@ pub(crate) fn run_mode(
         samples_per_group: a.samples,
         lr: a.lr,
         seed: a.seed,
-        checkpoint_dir: out.join("checkpoints"),
+        checkpoint_dir: checkpoints.clone(),
         task: ReverseDigits::default(),
         ..TrainConfig::default()
     };
