@@ -157,6 +157,7 @@ pub struct Testbed {
 }
 
 /// The hub's `serve` command of a test bed rooted at `root`.
+#[allow(clippy::too_many_arguments)]
 fn hub_command(
     hub_bin: &str,
     root: &std::path::Path,

@@ -40,7 +40,7 @@ fn hostile(addr: &str, i: usize, go: &Barrier) -> String {
         "/v1/batches"
     };
     let chunked = i % 2 == 1;
-    let auth = if i % 3 == 0 {
+    let auth = if i.is_multiple_of(3) {
         "Authorization: Bearer trainer.t1.00000000\r\n"
     } else {
         ""

@@ -38,6 +38,8 @@ pub struct Cli {
     pub log: starling_telemetry::logging::LogArgs,
 }
 
+// Parsed once at start and matched once: the size of `Serve` costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Delta checkpoint tools.
@@ -383,7 +385,7 @@ pub struct HttpArgs {
 impl HttpArgs {
     fn limits(&self) -> Result<starling_telemetry::http::HttpLimits> {
         let secs = |name: &str, v: f64| {
-            if v.is_finite() && v >= 0.1 && v < 1e6 {
+            if v.is_finite() && (0.1..1e6).contains(&v) {
                 Ok(std::time::Duration::from_secs_f64(v))
             } else {
                 Err(anyhow::anyhow!(

@@ -845,7 +845,7 @@ async fn publish_locked(
     if !hub.pins().contains(&previous) {
         crate::snapshot::release(&hub.cfg.store, &previous);
     }
-    if hub.cfg.anchor_every > 0 && version % hub.cfg.anchor_every == 0 {
+    if hub.cfg.anchor_every > 0 && version.is_multiple_of(hub.cfg.anchor_every) {
         // In the background: the next publish need not wait for a full-checkpoint write.
         // From the hub's copy, pinned until the anchor is written (a publish meanwhile does
         // not release it; this task does, once it is no longer the newest).
