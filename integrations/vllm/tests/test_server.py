@@ -284,3 +284,26 @@ def test_fence_and_full_reload(server, ckpts, workdir, results):
     }
 
 
+def test_file_paths_outside_the_root_are_refused_and_change_nothing(server, ckpts, workdir, tmp_path_factory):
+    """The dev routes are unauthenticated: whoever reaches the port must not make vLLM read or
+    write a file outside its STARLING_VLLM_ROOT (the actor's store), by path or by a link."""
+    before = server.rpc("starling_status")
+    outside = tmp_path_factory.mktemp("outside")
+    assert not str(outside).startswith(str(server.root))
+    secret = outside / "patch.safetensors"
+    secret.write_bytes(b"\x08" + b"\x00" * 7 + b"{}      ")
+    link = workdir / "link-out.safetensors"
+    link.unlink(missing_ok=True)
+    link.symlink_to(secret)
+    for path in ["/etc/hostname", str(outside / "absent.safetensors"), str(link),
+                 str(workdir / ".." / outside.name / "patch.safetensors")]:
+        r = server.rpc("starling_apply", path)
+        assert not r["ok"] and not r["fenced"] and "outside" in r["error"], (path, r)
+        r = server.rpc("starling_load_full", path, MODEL_ID, "0")
+        assert not r["ok"] and not r["fenced"] and "outside" in r["error"], (path, r)
+    # Nor written: a read-back names its output file.
+    r = server.rpc("starling_read_back", "", str(outside / "stolen.safetensors"))
+    assert not r["ok"] and "outside" in r["error"], r
+    assert not (outside / "stolen.safetensors").exists()
+    after = server.rpc("starling_status")
+    assert (after["version"], after["digest"], after["fenced"]) == (before["version"], before["digest"], before["fenced"])
