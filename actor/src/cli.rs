@@ -86,7 +86,9 @@ struct Args {
     /// With `--engine vllm`: every this many seconds while no generation runs (and at the
     /// first commit after it), vLLM digests all its parameters and the actor compares the
     /// digest with the version it proved; a mismatch fences vLLM and reloads the committed
-    /// version. O(model) in vLLM (~0.1 µs per parameter on a CPU); 0 turns it off.
+    /// version. O(model) in vLLM (~0.1 µs per parameter on a CPU), so the interval also
+    /// grows to 20 times the last check's duration (at most 5% of vLLM's time); 0 turns it
+    /// off.
     #[arg(long, default_value_t = 60.0, env = "STARLING_ACTOR_VLLM_VERIFY_EVERY")]
     vllm_verify_every: f64,
     /// A label for this actor's hardware, reported to the hub.
