@@ -134,6 +134,12 @@ pub(crate) struct RealArgs {
     /// PyTorch threads of the trainer (default: PyTorch's, one per core).
     #[arg(long, requires = "model")]
     pub(crate) trainer_threads: Option<u32>,
+    /// The trainer's training set: this many seeded problems, dealt in a new order each pass
+    /// (0: a new problem every time). Default: one quarter of the run's prompts (groups x
+    /// steps / 4), so that the first and the last quarter of the steps see the same problems
+    /// and the reward's rise measures learning, not the problems the seed dealt.
+    #[arg(long, requires = "model")]
+    pub(crate) problems: Option<usize>,
 }
 
 impl DemoArgs {
