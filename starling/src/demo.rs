@@ -39,7 +39,7 @@ pub(crate) struct DemoArgs {
     #[arg(long, default_value = "starling-demo")]
     pub(crate) out: PathBuf,
     /// RL steps (each: a batch of rollouts, one optimizer step, one published version)
-    /// [default: 60; with --model 12].
+    /// [default: 60; with --model 16].
     #[arg(long)]
     steps: Option<u32>,
     /// Prompt groups per batch [default: 32; with --model 8].
@@ -147,7 +147,7 @@ impl DemoArgs {
         self.real.model.is_some()
     }
     pub(crate) fn steps(&self) -> u32 {
-        self.steps.unwrap_or(if self.real() { 12 } else { 60 })
+        self.steps.unwrap_or(if self.real() { 16 } else { 60 })
     }
     pub(crate) fn groups(&self) -> usize {
         self.groups.unwrap_or(if self.real() { 8 } else { 32 })
