@@ -124,11 +124,29 @@ impl EncodedPart {
         let mut best_index = Best::default();
         // The base-conditioned mask scans the whole range once; it is the usual winner.
         if allowed_i(IndexCodec::ExpClassGapsRc) && len <= u64::from(u32::MAX) {
-            best_index.offer(IndexCodec::ExpClassGapsRc, || {
-                codec::index::encode(IndexCodec::ExpClassGapsRc, &diff.positions, len, level, old)
+            best_index.offer(IndexCodec::ExpClassGapsRc, || match &diff.class_totals {
+                // A ranked diff already counted the classes: no second pass over the base.
+                Some(totals) if diff.ranks.len() == diff.len() => {
+                    codec::index::encode_exp_class_gaps_ranked(&diff.old, &diff.ranks, totals)
+                }
+                _ => codec::index::encode(
+                    IndexCodec::ExpClassGapsRc,
+                    &diff.positions,
+                    len,
+                    level,
+                    old,
+                ),
             });
         }
-        if allowed_i(IndexCodec::RiceGaps) {
+        // Rice gaps code close to the order-0 entropy of the mask; the exponent-class codec
+        // is usually ~0.7× that. Try Rice only where the classes told little (or the part
+        // is too small for the contexts to learn).
+        if allowed_i(IndexCodec::RiceGaps)
+            && (all
+                || n < SMALL_PART_CHANGES
+                || best_index.is_empty()
+                || best_index.beaten_by(mask_order0_bytes(n, len) * 9 / 10))
+        {
             best_index.offer(IndexCodec::RiceGaps, || {
                 codec::index::encode(IndexCodec::RiceGaps, &diff.positions, len, level, old)
             });
@@ -159,7 +177,15 @@ impl EncodedPart {
                 codec::value::encode(ValueCodec::UlpStepRc, &diff.new, &diff.old, level)
             });
         }
-        if allowed_v(ValueCodec::UlpResidualZstd) {
+        // zstd's literals cost at least their order-0 entropy: the byte tokens of the ULP
+        // residual cannot beat a range-coded step already below it (matches aside, which
+        // steps of independent weights do not have).
+        if allowed_v(ValueCodec::UlpResidualZstd)
+            && (all
+                || n < SMALL_PART_CHANGES
+                || best_value.is_empty()
+                || best_value.beaten_by(codec::value::step_order0_bytes(&diff.old, &diff.new)))
+        {
             best_value.offer(ValueCodec::UlpResidualZstd, || {
                 codec::value::encode(ValueCodec::UlpResidualZstd, &diff.new, &diff.old, level)
             });
@@ -360,6 +386,21 @@ impl EncodedPart {
             PartPayload::Dense { codec, .. } => 1 << (16 + *codec as u32),
         }
     }
+}
+
+/// Below this many changes in a part, every candidate is tried: the adaptive codecs' learning
+/// costs more than the size estimates that skip candidates account for.
+const SMALL_PART_CHANGES: u64 = 4096;
+
+/// The order-0 entropy, in bytes (rounded down), of a mask of `n` changes among `len`
+/// elements.
+fn mask_order0_bytes(n: u64, len: u64) -> usize {
+    if n == 0 || n >= len {
+        return 0;
+    }
+    let p = n as f64 / len as f64;
+    let bits = -(n as f64) * p.log2() - (len - n) as f64 * (1.0 - p).log2();
+    (bits / 8.0) as usize
 }
 
 /// The smallest candidate seen so far.

@@ -111,6 +111,23 @@ impl StepModel {
     }
 }
 
+/// A lower bound, in bytes, of what the byte tokens of [`ValueCodec::UlpResidualZstd`] cost
+/// under any order-0 coder: the entropy of the ULP steps with every step of 15 or more
+/// counted as one symbol (merging symbols only lowers an entropy).
+pub fn step_order0_bytes(old: &[u16], new: &[u16]) -> usize {
+    let mut hist = [0u64; 16];
+    for (&o, &n) in old.iter().zip(new) {
+        hist[usize::from(ulp_step_zigzag(o, n).min(15))] += 1;
+    }
+    let total = old.len() as f64;
+    let bits: f64 = hist
+        .iter()
+        .filter(|&&h| h > 0)
+        .map(|&h| -(h as f64) * (h as f64 / total).log2())
+        .sum();
+    (bits / 8.0) as usize
+}
+
 /// Encodes `new` (the values at the changed positions; `old` holds the base values there).
 pub fn encode(codec: ValueCodec, new: &[u16], old: &[u16], zstd_level: i32) -> Vec<u8> {
     debug_assert_eq!(new.len(), old.len());
