@@ -57,6 +57,9 @@ struct Args {
     /// (for profilers).
     #[arg(long)]
     profile_stage: Option<usize>,
+    /// The codec set the profile modes use: `default` or `v1` (the first release's codecs).
+    #[arg(long, default_value = "default")]
+    profile_codecs: String,
     /// Only measure encoded sizes (they do not depend on timing); skip the speed tables.
     #[arg(long)]
     sizes_only: bool,
@@ -95,12 +98,17 @@ fn main() -> Result<()> {
         let (old, new) = pair(&spec, lr, args.seed, args.cache_dir.as_deref())?;
         let ts = flat_pairs(&old, &new);
         let hdr = header(&old);
+        let profile_cfg = match args.profile_codecs.as_str() {
+            "v1" => v1_config(),
+            "default" => EncoderConfig::default(),
+            other => anyhow::bail!("unknown --profile-codecs {other} (default, v1)"),
+        };
         if let Some(n) = args.profile_encode {
             let c = cpu_seconds();
             let t = Instant::now();
             let mut bytes = 0;
             for _ in 0..n {
-                bytes += encode_in_memory(hdr.clone(), EncoderConfig::default(), &ts, None)
+                bytes += encode_in_memory(hdr.clone(), profile_cfg.clone(), &ts, None)
                     .0
                     .len();
             }
@@ -111,7 +119,7 @@ fn main() -> Result<()> {
             );
         }
         if let Some(n) = args.profile_stage {
-            let (bytes, _) = encode_in_memory(hdr.clone(), EncoderConfig::default(), &ts, None);
+            let (bytes, _) = encode_in_memory(hdr.clone(), profile_cfg.clone(), &ts, None);
             let delta = read_delta(&bytes, &TrustPolicy::AnySigner)?;
             let w =
                 VersionedWeights::new("bench", old.clone(), 1, hdr.pre_digest.unwrap_or_default());

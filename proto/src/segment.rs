@@ -369,6 +369,53 @@ impl EncodedPart {
         })
     }
 
+    /// Decodes against the base values of exactly this part's range into the changed
+    /// positions (relative to the part start), their new bits and their old bits — what
+    /// staging keeps — reading each old value once. A dense part's changes are the elements
+    /// whose bits differ.
+    pub fn decode_changes(&self, base: &[u16]) -> Result<SparseChanges, DecodeError> {
+        if base.len() as u64 != self.len {
+            return Err(DecodeError::malformed(
+                "part",
+                format!(
+                    "base range has {} elements, part covers {}",
+                    base.len(),
+                    self.len
+                ),
+            ));
+        }
+        match &self.payload {
+            PartPayload::Sparse {
+                index,
+                value,
+                index_bytes,
+                value_bytes,
+            } => {
+                let positions =
+                    codec::index::decode(*index, index_bytes, self.changes, self.len, Some(base))?;
+                let old: Vec<u16> = positions.iter().map(|&p| base[p as usize]).collect();
+                let new = codec::value::decode(*value, value_bytes, positions.len(), Some(&old))?;
+                Ok(SparseChanges {
+                    positions,
+                    new,
+                    old,
+                })
+            }
+            PartPayload::Dense { codec, bytes } => {
+                let values = codec::dense::decode(*codec, bytes, self.len as usize, Some(base))?;
+                let mut c = SparseChanges::default();
+                for (i, (&o, n)) in base.iter().zip(values).enumerate() {
+                    if o != n {
+                        c.positions.push(i as u64);
+                        c.new.push(n);
+                        c.old.push(o);
+                    }
+                }
+                Ok(c)
+            }
+        }
+    }
+
     /// The codec names, for inspection.
     pub fn codec_names(&self) -> (&'static str, &'static str) {
         match &self.payload {
@@ -439,6 +486,15 @@ fn payload_len(p: &PartPayload) -> usize {
         } => index_bytes.len() + value_bytes.len(),
         PartPayload::Dense { bytes, .. } => bytes.len(),
     }
+}
+
+/// The changes of one part as [`EncodedPart::decode_changes`] returns them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SparseChanges {
+    /// Positions relative to the part start, increasing.
+    pub positions: Vec<u64>,
+    pub new: Vec<u16>,
+    pub old: Vec<u16>,
 }
 
 /// Decoded absolute new bits of one part.

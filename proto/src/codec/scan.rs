@@ -31,6 +31,10 @@ pub(crate) const TRACKED: usize = 12;
 const LANES: usize = 32;
 /// Vector steps between re-choosing the window (when too many elements fell outside it).
 const RECENTER_STEPS: usize = 1024;
+/// Elements per block of the countdown.
+const BLOCK: usize = 64;
+/// Countdown blocks between re-choosing the window.
+const RECENTER_BLOCKS: usize = RECENTER_STEPS / 2;
 
 /// The exponent class of a base value (`docs/format.md`), by arithmetic.
 #[inline]
@@ -229,17 +233,17 @@ fn countdown_scalar<E>(
 
 /// Position of the `r`-th (from 0) set bit of `m`, which has more than `r` set bits.
 #[inline(always)]
-fn select(mut m: u32, r: u32) -> u32 {
+fn select64(mut m: u64, r: u32) -> u32 {
     for _ in 0..r {
         m &= m - 1;
     }
     m.trailing_zeros()
 }
 
-/// Bits of a 32-lane mask strictly above lane `p`.
+/// Bits of a 64-lane mask strictly above lane `p` (`p < 64`).
 #[inline(always)]
-fn above(p: u32) -> u32 {
-    !(((2u64 << p) - 1) as u32)
+fn above64(p: u32) -> u64 {
+    u64::MAX.checked_shl(p + 1).unwrap_or(0)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -253,8 +257,8 @@ mod v3 {
     use pulp::x86::V3;
 
     use super::{
-        Changes, EXP_CLASSES, LANES, RECENTER_STEPS, RankOut, TRACKED, above, countdown_scalar,
-        initial_window, rank_scalar, select, stretch_window,
+        BLOCK, Changes, EXP_CLASSES, LANES, RECENTER_BLOCKS, RECENTER_STEPS, RankOut, TRACKED,
+        above64, countdown_scalar, initial_window, rank_scalar, select64, stretch_window,
     };
 
     #[inline(always)]
@@ -499,79 +503,93 @@ mod v3 {
         rem: &mut [u32; EXP_CLASSES],
         change: &mut impl FnMut(u64, usize) -> Result<u32, E>,
     ) -> Result<(), E> {
-        let (steps, _) = pulp::as_arrays::<LANES, u16>(base);
+        // Blocks of 64 elements: one population count and one comparison per window class
+        // per block decide that most classes reach no change in it.
+        let (blocks, _) = pulp::as_arrays::<BLOCK, u16>(base);
         let mut lo = initial_window(base);
         let mut cls: [__m256i; TRACKED] = core::array::from_fn(|t| splat8(simd, lo + t));
         let (mut lo_v, k_v) = (splat8(simd, lo), splat8(simd, TRACKED));
+        // The window classes' counts, in a local array the loop can keep in registers.
+        let mut wrem: [u32; TRACKED] = core::array::from_fn(|t| rem[lo + t]);
         let mut outside_n = 0usize;
-        for (s, step) in steps.iter().enumerate() {
-            let i = s * LANES;
-            let (a, b) = halves(step);
-            let v = classes(simd, load(a), load(b));
-            let off = outside(simd, v, lo_v, k_v);
-            if off != 0 {
-                // Rare: count this step one element at a time (exact for every class).
-                outside_n += off.count_ones() as usize;
-                countdown_scalar(step, i as u64, rem, change)?;
-            } else {
-                let mut masks = [0u32; TRACKED];
-                let mut crossing = 0u32;
-                for t in 0..TRACKED {
-                    let m = lanes_eq(simd, v, cls[t]);
-                    let n = m.count_ones();
-                    let r = rem[lo + t];
-                    if n > r {
-                        masks[t] = m;
-                        crossing |= 1 << t;
-                    } else {
-                        rem[lo + t] = r - n;
-                    }
+        for (s, block) in blocks.iter().enumerate() {
+            let i = s * BLOCK;
+            let (h0, h1) = block.split_at(LANES);
+            let (a, b) = halves(h0);
+            let v0 = classes(simd, load(a), load(b));
+            let (a, b) = halves(h1);
+            let v1 = classes(simd, load(a), load(b));
+            let off = u64::from(outside(simd, v0, lo_v, k_v))
+                | u64::from(outside(simd, v1, lo_v, k_v)) << 32;
+            let mut masks = [0u64; TRACKED];
+            let mut crossing = 0u32;
+            for t in 0..TRACKED {
+                let m = u64::from(lanes_eq(simd, v0, cls[t]))
+                    | u64::from(lanes_eq(simd, v1, cls[t])) << 32;
+                let n = m.count_ones();
+                let r = wrem[t];
+                // A branch, not a select: it is almost never taken at RL densities, and
+                // written branch-free the compiler turns this loop into slow vector code.
+                if n > r {
+                    // A crossing class keeps its count until its change is reached below.
+                    masks[t] = m;
+                    crossing |= 1 << t;
+                } else {
+                    wrem[t] = r - n;
                 }
-                if crossing != 0 {
-                    // One or more classes reach a change in this step: take them in
-                    // position order, asking for each change's next gap as it comes.
-                    let mut pos = [LANES as u32; TRACKED];
-                    let mut m = crossing;
-                    while m != 0 {
-                        let t = m.trailing_zeros() as usize;
-                        m &= m - 1;
-                        pos[t] = select(masks[t], rem[lo + t]);
-                    }
-                    while crossing != 0 {
-                        let mut t = 0;
-                        let mut best = LANES as u32;
-                        let mut m = crossing;
-                        while m != 0 {
-                            let u = m.trailing_zeros() as usize;
-                            m &= m - 1;
-                            if pos[u] < best {
-                                best = pos[u];
-                                t = u;
-                            }
-                        }
-                        let g = change(i as u64 + u64::from(best), lo + t)?;
-                        masks[t] &= above(best);
-                        let n = masks[t].count_ones();
+            }
+            if crossing as u64 | off == 0 {
+                continue;
+            }
+            // Events in position order: each crossing class's next change, and every element
+            // outside the window (counted down one by one).
+            outside_n += off.count_ones() as usize;
+            let mut events = off;
+            let mut c = crossing;
+            while c != 0 {
+                let t = c.trailing_zeros() as usize;
+                c &= c - 1;
+                events |= 1 << select64(masks[t], wrem[t]);
+            }
+            let bytes: [u8; BLOCK] = pulp::cast([v0, v1]);
+            while events != 0 {
+                let p = events.trailing_zeros();
+                events &= events - 1;
+                let class = usize::from(bytes[p as usize]);
+                let at = i as u64 + u64::from(p);
+                match class.checked_sub(lo) {
+                    Some(t) if t < TRACKED => {
+                        let g = change(at, class)?;
+                        let m = masks[t] & above64(p);
+                        masks[t] = m;
+                        let n = m.count_ones();
                         if n > g {
-                            rem[lo + t] = g;
-                            pos[t] = select(masks[t], g);
+                            wrem[t] = g;
+                            events |= 1 << select64(m, g);
                         } else {
-                            rem[lo + t] = g - n;
-                            crossing &= !(1 << t);
+                            wrem[t] = g - n;
                         }
+                    }
+                    _ => {
+                        let r = rem[class];
+                        rem[class] = if r != 0 { r - 1 } else { change(at, class)? };
                     }
                 }
             }
-            if (s + 1) % RECENTER_STEPS == 0 {
-                if outside_n * 32 > RECENTER_STEPS * LANES {
-                    lo = stretch_window(&base[(s + 1 - RECENTER_STEPS) * LANES..i + LANES]);
+            if (s + 1) % RECENTER_BLOCKS == 0 {
+                if outside_n * 32 > RECENTER_BLOCKS * BLOCK {
+                    let stretch = &base[(s + 1 - RECENTER_BLOCKS) * BLOCK..i + BLOCK];
+                    rem[lo..lo + TRACKED].copy_from_slice(&wrem);
+                    lo = stretch_window(stretch);
+                    wrem = core::array::from_fn(|t| rem[lo + t]);
                     cls = core::array::from_fn(|t| splat8(simd, lo + t));
                     lo_v = splat8(simd, lo);
                 }
                 outside_n = 0;
             }
         }
-        let tail = steps.len() * LANES;
+        rem[lo..lo + TRACKED].copy_from_slice(&wrem);
+        let tail = blocks.len() * BLOCK;
         countdown_scalar(&base[tail..], tail as u64, rem, change)
     }
 }
@@ -739,6 +757,102 @@ mod tests {
                 .map(|(i, _)| i as u64)
                 .collect();
             check(&base, &positions);
+        }
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+
+    /// `cargo test --release -p starling-proto scan_speed -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn scan_speed() {
+        let n = 1 << 22;
+        let mut s = 88172645463325252u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let base: Vec<u16> = (0..n)
+            .map(|_| {
+                let g: f32 = (0..4)
+                    .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+                    .sum();
+                crate::bf16::f32_to_bf16(g * 0.03)
+            })
+            .collect();
+        for per_mille in [3u64, 10, 20, 50] {
+            let positions: Vec<u64> = (0..n as u64)
+                .filter(|_| next() % 1000 < per_mille)
+                .collect();
+            let mut ranks = Vec::new();
+            let totals = ranks_at(&base, &positions, &mut ranks);
+            let mut gaps: Vec<Vec<u32>> = vec![Vec::new(); EXP_CLASSES];
+            let mut last = [0u32; EXP_CLASSES];
+            for (&p, &r) in positions.iter().zip(&ranks) {
+                let c = usize::from(class_of(base[p as usize]));
+                gaps[c].push(r - last[c]);
+                last[c] = r + 1;
+            }
+            for c in 0..EXP_CLASSES {
+                gaps[c].push(totals[c] - last[c]);
+                gaps[c].reverse();
+            }
+            // This thread's CPU time (the machine is shared: wall time includes waiting).
+            let cpu = || -> f64 {
+                // A yield makes the kernel account the running slice first.
+                std::thread::yield_now();
+                std::fs::read_to_string("/proc/thread-self/schedstat")
+                    .ok()
+                    .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok())
+                    .map_or_else(
+                        || {
+                            std::time::SystemTime::now()
+                                .duration_since(std::time::UNIX_EPOCH)
+                                .map_or(0.0, |d| d.as_secs_f64())
+                        },
+                        |ns| ns / 1e9,
+                    )
+            };
+            let best = |f: &mut dyn FnMut()| {
+                let mut b = f64::MAX;
+                for _ in 0..7 {
+                    let t = cpu();
+                    f();
+                    b = b.min(cpu() - t);
+                }
+                b * 1e9 / n as f64
+            };
+            let run = |scalar: bool| {
+                let mut g = gaps.clone();
+                let mut rem = [0u32; EXP_CLASSES];
+                for c in 0..EXP_CLASSES {
+                    rem[c] = g[c].pop().unwrap_or(0);
+                }
+                let mut f = |_p: u64, c: usize| g[c].pop().ok_or(());
+                if scalar {
+                    countdown_scalar(&base, 0, &mut rem, &mut f)
+                } else {
+                    countdown(&base, &mut rem, &mut f)
+                }
+                .expect("consistent");
+            };
+            let (td, ts) = (best(&mut || run(false)), best(&mut || run(true)));
+            let mut r = Vec::new();
+            let tr = best(&mut || {
+                r.clear();
+                ranks_at(&base, &positions, &mut r);
+            });
+            println!(
+                "density {:.1}%: countdown {td:.3} ns/elem (scalar {ts:.3}), ranks {tr:.3} ns/elem; per change: countdown {:.1} ns, ranks {:.1} ns",
+                per_mille as f64 / 10.0,
+                td * n as f64 / positions.len() as f64,
+                tr * n as f64 / positions.len() as f64,
+            );
         }
     }
 }

@@ -98,7 +98,8 @@ impl StepModel {
     fn decode(&mut self, d: &mut RangeDecoder<'_>, base: u16) -> Result<u16, DecodeError> {
         let ctx = &mut self.ctx[Self::context(base)];
         if d.bit(&mut ctx.unit) {
-            return Ok(if d.bit(&mut ctx.up) { 2 } else { 1 });
+            // Up or down is a coin toss for the CPU: arithmetic, not a branch.
+            return Ok(1 + u16::from(d.bit(&mut ctx.up)));
         }
         match self.other.decode(d) {
             0 => Ok(0),
