@@ -81,6 +81,19 @@ impl Default for CodecChoice {
 }
 
 impl CodecChoice {
+    /// The codecs of the first release (Rice/LEB128/bitmap positions, ULP residual + zstd
+    /// or raw values, the dense forms): ~1.5× the bytes of [`CodecChoice::default`] at RL
+    /// densities, for a fraction of its CPU per change (no range coder, no per-element class
+    /// count). What a sender picks when the link is fast and the CPU is the bottleneck, or
+    /// to reach readers from before the exponent-class codecs.
+    pub fn fast() -> Self {
+        Self {
+            index: IndexCodec::V1.to_vec(),
+            value: ValueCodec::V1.to_vec(),
+            ..Self::default()
+        }
+    }
+
     /// Exactly one sparse form, no dense fallback (for tests and baselines).
     pub fn only(index: IndexCodec, value: ValueCodec) -> Self {
         Self {
