@@ -101,11 +101,17 @@ impl Proc {
     /// Starts `starling ROLE ARGS…` with stdout and stderr appended to `log`.
     pub(crate) fn start(name: &str, role: &str, args: &[String], log: &Path) -> Result<Self> {
         let exe = std::env::current_exe().context("locate the starling executable")?;
+        let mut cmd = Command::new(exe);
+        cmd.arg(role).args(args);
+        Self::spawn(name, cmd, log)
+    }
+
+    /// Starts `cmd` (another program: the Python trainer) with stdout and stderr appended to
+    /// `log`.
+    pub(crate) fn spawn(name: &str, mut cmd: Command, log: &Path) -> Result<Self> {
         let out = File::create(log).with_context(|| format!("create {}", log.display()))?;
         let err = out.try_clone().context("duplicate a log handle")?;
-        let child = Command::new(exe)
-            .arg(role)
-            .args(args)
+        let child = cmd
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -117,6 +123,11 @@ impl Proc {
             log: log.to_owned(),
             child,
         })
+    }
+
+    /// The exit status, once the process has exited.
+    pub(crate) fn exited(&mut self) -> Result<Option<std::process::ExitStatus>> {
+        self.child.try_wait().context("poll a child")
     }
 
     /// Fails with the end of the log if the process has exited.

@@ -127,6 +127,11 @@ impl HubClient {
         self.json("GET", &format!("/v1/batches/{batch}"), None)
     }
 
+    /// `GET /v1/status`: the run as the hub sees it (actors with their τ, batches, …).
+    pub fn run_status(&self) -> Result<Value, HubError> {
+        self.json("GET", "/v1/status", None)
+    }
+
     /// `GET /v1/versions`.
     pub fn versions(&self) -> Result<Value, HubError> {
         self.json("GET", "/v1/versions", None)

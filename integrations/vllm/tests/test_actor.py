@@ -88,7 +88,7 @@ class Cluster:
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}",
             "--port", str(self.vllm_port), "--host", "127.0.0.1", "--skip-tokenizer-init",
             "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "8",
-            "--seed", "0", "--worker-extension-cls", EXTENSION,
+            "--seed", "0", "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", EXTENSION,
         ])
         env = dict(os.environ)
         env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")

@@ -143,6 +143,8 @@ class Server:
             "--model", self.model_dir, "--port", str(self.port), "--host", "127.0.0.1",
             "--enforce-eager", "--dtype", "bfloat16",
             "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--seed", "0",
+            # Log-probabilities after the temperature, as Starling defines them (docs/vllm.md).
+            "--logprobs-mode", "processed_logprobs",
         ]
         if not tokenizer:
             cmd += ["--skip-tokenizer-init"]

@@ -190,6 +190,15 @@ class Client:
         j = self._request("GET", "/v1/versions")
         return _parse("GET /v1/versions", j, lambda j: [Version.from_json(v) for v in j.get("versions", [])])
 
+    def status(self) -> Dict[str, Any]:
+        """The run as the hub sees it (``GET /v1/status``, ``docs/observability.md``): versions,
+        regions, actors (with their ``engine``), batches, faults — the dashboard's data, as a
+        dict."""
+        j = self._request("GET", "/v1/status")
+        if not isinstance(j, dict):
+            raise StarlingError("bad_response", f"GET /v1/status answered {j!r:.200}")
+        return j
+
     def latest_version(self) -> int:
         """The newest published version number."""
         j = self._request("GET", "/v1/versions")
