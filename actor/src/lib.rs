@@ -553,7 +553,12 @@ impl Pipeline<'_> {
     /// restarted); until that succeeds the engine's fingerprint does not match and the worker
     /// takes no work. A failure is retried at the next check.
     fn reload_engine_if_lost(&mut self) {
-        if !self.engine.as_ref().is_some_and(|e| e.needs_reload()) {
+        // Blocking: a vLLM engine may ask its server to digest the model (`--vllm-verify-every`).
+        let lost = self
+            .engine
+            .as_ref()
+            .is_some_and(|e| tokio::task::block_in_place(|| e.needs_reload()));
+        if !lost {
             return;
         }
         tracing::warn!(

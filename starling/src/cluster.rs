@@ -111,6 +111,11 @@ impl Cluster {
             })?;
             addr
         };
+        // The trainer (in process or the SDK's) writes its checkpoints there, and the hub
+        // publishes only paths under a --publish-dir.
+        let checkpoints = out.join("checkpoints");
+        std::fs::create_dir_all(&checkpoints)
+            .with_context(|| format!("create {}", checkpoints.display()))?;
         let mut hub_args: Vec<String> = vec!["serve".into()];
         if spec.mode == Mode::FullBroadcast {
             hub_args.push("--full-broadcast".into());
@@ -123,6 +128,8 @@ impl Cluster {
             path(spec.init),
             "--store".into(),
             path(&out.join("hub-store")),
+            "--publish-dir".into(),
+            path(&checkpoints),
             "--listen".into(),
             quic.to_string(),
             "--http".into(),
@@ -324,7 +331,7 @@ impl Cluster {
             ..
         } = self;
         drop(watcher);
-        drop(procs);
+        crate::procs::stop_all(procs);
         drop(hub);
         let mut stats = BTreeMap::new();
         for (name, l) in links {

@@ -11,6 +11,7 @@ mod board;
 pub mod cli;
 pub mod codecs;
 mod durable;
+pub mod ingest;
 mod jobs;
 pub mod keys;
 pub mod limits;

@@ -104,9 +104,12 @@ impl HubClient {
         }
     }
 
-    /// Publishes the checkpoint at `path` (which the hub reads) as the next version.
+    /// Publishes the checkpoint at `path` (which the hub reads) as the next version. The
+    /// trainer publishes one version per step, so a step that left the weights as they were
+    /// (no informative sample) is still a version: `allow: ["unchanged"]` (the hub refuses a
+    /// checkpoint equal to the latest version by default, `docs/api.md`).
     pub fn publish(&self, path: &std::path::Path, step: u64) -> Result<Published, HubError> {
-        let body = serde_json::json!({"path": path, "step": step});
+        let body = serde_json::json!({"path": path, "step": step, "allow": ["unchanged"]});
         self.json("POST", "/v1/versions", Some(&body))
     }
 

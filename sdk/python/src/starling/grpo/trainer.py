@@ -166,7 +166,9 @@ class GrpoTrainer:
             raise RuntimeError(f"non-finite weights after step {step} in {bad[0]} ({len(bad)} tensors): not publishing")
         name = f"step-{step:08d}.safetensors"
         published_at_ms = time.time() * 1000
-        v = self.client.publish(state, step=step, name=name)
+        # One version per step, also for a step that changed no weight (no group had a
+        # gradient): the hub refuses an unchanged checkpoint unless allowed.
+        v = self.client.publish(state, step=step, name=name, allow=("unchanged",))
         path = os.path.join(os.path.abspath(self.s.checkpoint_dir), name)
         self.versions.add(v.version, state, path)
         return v, published_at_ms, path
