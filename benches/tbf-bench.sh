@@ -344,7 +344,7 @@ run_case() { # case rep
     mkdir -p "$run"
     start hub "$NS_HUB" "$HUB" serve --listen $HUB_IP:7443 --model-id tiny --cluster "$cluster" \
         --store "$run/hub-store" --init "$step0" --stripes "$stripes" "${hub_extra[@]}" \
-        --codecs "$codecs" --http 127.0.0.1:9100
+        --codecs "$codecs" --http 127.0.0.1:9100 --publish-dir "$ckpt"
     start_watch hub "$NS_HUB" 9100 /metrics
     wait_for hub "$run/hub.watch" 'up 1$' 600 >/dev/null
     start relay "$NS_RELAY" "$RELAY" --model-id tiny --listen $RELAY_LAN_IP:7444 \
