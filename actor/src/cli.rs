@@ -77,6 +77,20 @@ struct Args {
     /// With `--engine vllm --vllm-cmd`: the longest vLLM may take to start (seconds).
     #[arg(long, default_value_t = 900)]
     vllm_start_timeout_s: u64,
+    /// With `--engine vllm`: allow a vLLM server that is not on loopback. Its dev routes
+    /// (/collective_rpc, /pause) carry no authentication: anyone who reaches them can swap
+    /// its weights. Without this, --vllm-url must be a loopback address and a started server
+    /// is bound to it.
+    #[arg(long, env = "STARLING_ACTOR_VLLM_ALLOW_REMOTE")]
+    vllm_allow_remote: bool,
+    /// With `--engine vllm`: every this many seconds while no generation runs (and at the
+    /// first commit after it), vLLM digests all its parameters and the actor compares the
+    /// digest with the version it proved; a mismatch fences vLLM and reloads the committed
+    /// version. O(model) in vLLM (~0.1 µs per parameter on a CPU), so the interval also
+    /// grows to 20 times the last check's duration (at most 5% of vLLM's time); 0 turns it
+    /// off.
+    #[arg(long, default_value_t = 60.0, env = "STARLING_ACTOR_VLLM_VERIFY_EVERY")]
+    vllm_verify_every: f64,
     /// A label for this actor's hardware, reported to the hub.
     #[arg(long, default_value = "cpu", env = "STARLING_ACTOR_HARDWARE")]
     hardware: String,
@@ -126,6 +140,9 @@ where
         cmd: a.vllm_cmd.clone(),
         apply_mode: a.vllm_apply.clone(),
         start_timeout: std::time::Duration::from_secs(a.vllm_start_timeout_s),
+        allow_remote: a.vllm_allow_remote,
+        verify_every: (a.vllm_verify_every.is_finite() && a.vllm_verify_every > 0.0)
+            .then(|| std::time::Duration::from_secs_f64(a.vllm_verify_every.min(1e9))),
     });
     let engine = match a.engine.as_str() {
         "none" => None,

@@ -184,7 +184,13 @@ impl Shell for Pipeline<'_> {
     /// restarted); until that succeeds the engine's fingerprint does not match and the worker
     /// takes no work. A failure is retried at the next check.
     async fn tick(&mut self, _feed: &mut Feed) {
-        if !self.engine.as_ref().is_some_and(|e| e.needs_reload()) {
+        // Blocking: a vLLM engine may ask its server to digest the model (`--vllm-verify-every`;
+        // the check spaces itself at least 20× its own last duration).
+        let lost = self
+            .engine
+            .as_ref()
+            .is_some_and(|e| tokio::task::block_in_place(|| e.needs_reload()));
+        if !lost {
             return;
         }
         let version = self.state.version();

@@ -26,7 +26,7 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use starling_checkpoint::deltafile::Model;
 use starling_checkpoint::safetensors::Checkpoint;
-use starling_proto::apply::full_digest;
+use starling_proto::apply::{UndoLog, full_digest};
 use starling_proto::digest::StateDigest;
 use starling_telemetry::Metrics;
 use tokio::sync::watch;
@@ -74,10 +74,23 @@ impl std::fmt::Debug for SharedDir<'_> {
 }
 
 impl SharedDir<'_> {
-    fn activate(&self, weights: &Model, version: u64, digest: StateDigest) -> Result<()> {
+    /// Loads `weights` as `version` into the engine. With the version before it (`prev`), the
+    /// engine is offered the change between the two, as the delta pipeline offers the commit's
+    /// undo log: an engine that keeps its own copy of the weights (vLLM) then follows sparsely
+    /// here too, so that the baseline differs from delta mode only in how weights arrive.
+    fn activate(
+        &self,
+        weights: &Model,
+        version: u64,
+        digest: StateDigest,
+        prev: Option<(&Model, u64, StateDigest)>,
+    ) -> Result<()> {
         let bytes = digest.to_bytes();
         if let Some(engine) = &self.engine {
-            tokio::task::block_in_place(|| engine.load(weights, version, bytes, None))?;
+            tokio::task::block_in_place(|| {
+                let change = prev.and_then(|(old, v, d)| UndoLog::between(v, d, old, weights));
+                engine.load(weights, version, bytes, change.as_ref())
+            })?;
         }
         self.status.send_modify(|s| {
             s.active = Some((version, bytes));
@@ -96,8 +109,8 @@ impl SharedDir<'_> {
             Checkpoint::open(self.init).with_context(|| format!("open {}", self.init.display()))?;
         let mut version = c.version().unwrap_or(0);
         drop(c);
-        let (weights, digest) = read_version(self.init, self.model_id)?;
-        self.activate(&weights, version, digest)?;
+        let (mut weights, mut digest) = read_version(self.init, self.model_id)?;
+        self.activate(&weights, version, digest, None)?;
         let mut failures = 0u32;
         loop {
             let next = self.dir.join(version_file_name(version + 1));
@@ -109,10 +122,16 @@ impl SharedDir<'_> {
             let path = next.clone();
             let read = tokio::task::spawn_blocking(move || read_version(&path, &model_id)).await?;
             match read {
-                Ok((weights, digest)) => {
+                Ok((next_weights, next_digest)) => {
                     failures = 0;
+                    self.activate(
+                        &next_weights,
+                        version + 1,
+                        next_digest,
+                        Some((&weights, version, digest)),
+                    )?;
                     version += 1;
-                    self.activate(&weights, version, digest)?;
+                    (weights, digest) = (next_weights, next_digest);
                 }
                 Err(e) => {
                     failures += 1;

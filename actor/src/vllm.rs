@@ -21,6 +21,16 @@
 //!   actor's weights before the worker takes work again. With `--vllm-url` alone it attaches
 //!   to a running server and, if that holds another version, loads the actor's in full.
 //!
+//! - **Who can reach it.** vLLM's dev routes carry no authentication, so the server stays on
+//!   loopback: `--vllm-url` must be a loopback address and a started server is given `--host`
+//!   of that address when its command names none (another host is refused), unless
+//!   `--vllm-allow-remote`. The extension reads and writes files only under `STORE/vllm`
+//!   (`STARLING_VLLM_ROOT`, set for the server the actor starts).
+//! - **Kept honest.** Every `--vllm-verify-every` seconds while no generation runs, and at the
+//!   first commit after that interval, the actor has vLLM digest all its parameters
+//!   (`starling_fingerprint`) and compares with the version it proved; a mismatch (weights
+//!   changed behind its back) fences the engine and reloads the committed version.
+//!
 //! Every failure becomes a sentence that says what to fix: no server at the address, a server
 //! without `VLLM_SERVER_DEV_MODE=1` (its dev routes answer 404), a server without the
 //! extension, a model whose parameters do not map, a patch for another model or base.
@@ -55,6 +65,43 @@ pub struct VllmSettings {
     pub apply_mode: String,
     /// The longest a started server may take to answer `/health`.
     pub start_timeout: Duration,
+    /// Allow a server that is not on loopback (its dev routes are unauthenticated).
+    pub allow_remote: bool,
+    /// How often vLLM's whole digest is checked against the proven version (none: never).
+    pub verify_every: Option<Duration>,
+}
+
+/// The environment variable naming the only directory the extension reads and writes files in.
+const ROOT_ENV: &str = "STARLING_VLLM_ROOT";
+
+/// The host of `host:port` (brackets of an IPv6 address removed).
+fn host_of(addr: &str) -> &str {
+    let host = match addr.rsplit_once(':') {
+        Some((h, port)) if port.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => addr,
+    };
+    host.trim_start_matches('[').trim_end_matches(']')
+}
+
+fn is_loopback(host: &str) -> bool {
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The value of `--host` in a command line, if it names one.
+fn host_arg(cmd: &str) -> Option<&str> {
+    let mut words = cmd.split_whitespace();
+    while let Some(w) = words.next() {
+        if w == "--host" {
+            return words.next();
+        }
+        if let Some(v) = w.strip_prefix("--host=") {
+            return Some(v);
+        }
+    }
+    None
 }
 
 /// One part of what a commit wrote: flat positions in a tensor and the new bits there.
@@ -98,7 +145,17 @@ pub struct VllmEngine {
     proven: Mutex<Option<Fingerprint>>,
     /// Taken for reading by `generate`, for writing by `load`.
     swap: RwLock<()>,
+    /// When vLLM's whole digest was last found equal to the proven version's.
+    verified_at: Mutex<Instant>,
+    /// What the last periodic check took: the next is due no sooner than
+    /// [`VERIFY_DUTY`] times that, so checking costs at most 1/VERIFY_DUTY of the engine's
+    /// time whatever the model's size (a whole digest is O(model): ~14 s for 135 M
+    /// parameters on 2 CPU cores, minutes for a 70B model digested on the host).
+    verify_cost: Mutex<Duration>,
 }
+
+/// The periodic digest check takes at most 1/20 of vLLM's time.
+const VERIFY_DUTY: u32 = 20;
 
 impl VllmEngine {
     /// An engine for the model of `model_config` (HF `config.json`, copied beside the weights
@@ -132,6 +189,24 @@ impl VllmEngine {
                 }
             }
         }
+        let host = host_of(&settings.addr);
+        if !settings.allow_remote && !is_loopback(host) {
+            bail!(
+                "--vllm-url {} is not a loopback address: vLLM's dev routes (/collective_rpc, \
+                 /pause) carry no authentication, so the actor keeps vLLM on 127.0.0.1 beside \
+                 it; pass --vllm-allow-remote only if that network is yours alone",
+                settings.addr
+            );
+        }
+        if let Some(h) = settings.cmd.as_deref().and_then(host_arg)
+            && !settings.allow_remote
+            && !is_loopback(h)
+        {
+            bail!(
+                "--vllm-cmd binds vLLM to --host {h}: its dev routes carry no authentication; \
+                 leave --host out (the actor binds it to {host}) or pass --vllm-allow-remote"
+            );
+        }
         if !["auto", "scatter", "loader"].contains(&settings.apply_mode.as_str()) {
             bail!(
                 "--vllm-apply must be auto, scatter or loader, not {:?}",
@@ -147,6 +222,8 @@ impl VllmEngine {
             held: Mutex::new(Held::default()),
             proven: Mutex::new(None),
             swap: RwLock::new(()),
+            verified_at: Mutex::new(Instant::now()),
+            verify_cost: Mutex::new(Duration::ZERO),
         })
     }
 
@@ -303,13 +380,18 @@ impl VllmEngine {
                 self.settings.addr
             );
         };
-        let line = cmd.replace("{model}", &self.model_dir().display().to_string());
+        let mut line = cmd.replace("{model}", &self.model_dir().display().to_string());
+        if host_arg(&line).is_none() {
+            // vLLM listens on every interface by default: not its unauthenticated dev routes.
+            line.push_str(&format!(" --host {}", host_of(&self.settings.addr)));
+        }
         let log = std::fs::File::create(self.dir.join("vllm.log")).context("create vllm.log")?;
         let err = log.try_clone().context("vllm.log")?;
         tracing::info!(command = %line, "starting vLLM");
         let mut child = Command::new("sh")
             .arg("-c")
             .arg(format!("exec {line}"))
+            .env(ROOT_ENV, &self.dir)
             // Its own process group: vLLM runs its engine in child processes, and stopping
             // the server means stopping all of them.
             .process_group(0)
@@ -390,8 +472,17 @@ impl VllmEngine {
             };
             self.load_full(&path, version, digest)?;
         }
+        // Attach and the full load both digested the whole model.
+        self.whole_digest_checked();
         self.set_proven(Some(Fingerprint { version, digest }));
         Ok(())
+    }
+
+    fn whole_digest_checked(&self) {
+        *self
+            .verified_at
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Instant::now();
     }
 
     /// `starling_load_full` of a materialized checkpoint, checked against `digest`.
@@ -502,6 +593,49 @@ impl VllmEngine {
                 resumed.body.trim()
             );
         }
+        Ok(())
+    }
+
+    /// Whether the periodic check of vLLM's whole digest is due.
+    fn verify_due(&self) -> bool {
+        self.settings.verify_every.is_some_and(|every| {
+            let cost = *self
+                .verify_cost
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            self.verified_at
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .elapsed()
+                >= every.max(cost * VERIFY_DUTY)
+        })
+    }
+
+    /// Has vLLM digest all its parameters and compares with the proven version's digest
+    /// (O(model) in vLLM). Call with no generation running (the swap lock held).
+    fn verify(&self, proven: Fingerprint) -> Result<()> {
+        let t = Instant::now();
+        let r = self.rpc("starling_fingerprint", &[&self.model_id])?;
+        let got = Self::digest_of(&r)?;
+        self.whole_digest_checked();
+        *self
+            .verify_cost
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = t.elapsed();
+        if got != proven.digest {
+            bail!(
+                "vLLM's parameters hash to {}, not version {}'s {}: its weights changed behind \
+                 the actor's back",
+                hex(&got),
+                proven.version,
+                hex(&proven.digest)
+            );
+        }
+        tracing::debug!(
+            version = proven.version,
+            ms = t.elapsed().as_millis() as u64,
+            "vLLM's digest checked"
+        );
         Ok(())
     }
 
@@ -662,9 +796,18 @@ impl Engine for VllmEngine {
         // Fenced from here until vLLM proves it holds `version`.
         self.set_proven(None);
         let t = Instant::now();
+        let fp = Fingerprint { version, digest };
         let sparse = self
             .write_patch(change, version, digest)
-            .and_then(|path| self.apply_patch(&path, digest));
+            .and_then(|path| self.apply_patch(&path, digest))
+            // The periodic whole check, when due, before the version takes any work.
+            .and_then(|()| {
+                if self.verify_due() {
+                    self.verify(fp)
+                } else {
+                    Ok(())
+                }
+            });
         match sparse {
             Ok(()) => {
                 tracing::info!(
@@ -673,7 +816,7 @@ impl Engine for VllmEngine {
                     ms = t.elapsed().as_millis() as u64,
                     "version live in vLLM"
                 );
-                self.set_proven(Some(Fingerprint { version, digest }));
+                self.set_proven(Some(fp));
                 Ok(())
             }
             Err(e) => {
@@ -686,6 +829,7 @@ impl Engine for VllmEngine {
                     .and_then(|path| self.load_full(&path, version, digest));
                 match full {
                     Ok(()) => {
+                        self.whole_digest_checked();
                         self.set_proven(Some(Fingerprint { version, digest }));
                         Ok(())
                     }
@@ -755,7 +899,23 @@ impl Engine for VllmEngine {
             self.set_proven(None);
             return true;
         }
-        self.proven().is_none() && held.served.is_some()
+        let Some(proven) = self.proven() else {
+            return held.served.is_some();
+        };
+        // The periodic check, only while no generation runs (a load or a generation holds
+        // the swap lock; the check waits for the next idle moment).
+        if self.verify_due()
+            && let Ok(_idle) = self.swap.try_write()
+            && let Err(e) = self.verify(proven)
+        {
+            tracing::error!(
+                version = proven.version,
+                "fencing vLLM and reloading the committed version: {e:#}"
+            );
+            self.set_proven(None);
+            return true;
+        }
+        false
     }
 }
 
@@ -777,5 +937,84 @@ mod tests {
         assert_eq!(parse_digest(&hex(&d)).expect("hex"), d);
         assert!(parse_digest("0123").is_err());
         assert!(parse_digest(&"zz".repeat(16)).is_err());
+    }
+
+    #[test]
+    fn hosts_and_loopback_are_read_as_the_actor_will_connect() {
+        assert_eq!(host_of("127.0.0.1:8000"), "127.0.0.1");
+        assert_eq!(host_of("[::1]:8000"), "::1");
+        assert_eq!(host_of("localhost"), "localhost");
+        assert_eq!(host_of("10.0.0.7:80"), "10.0.0.7");
+        for h in ["127.0.0.1", "127.3.2.1", "::1", "localhost"] {
+            assert!(is_loopback(h), "{h}");
+        }
+        for h in [
+            "0.0.0.0",
+            "::",
+            "10.0.0.7",
+            "example.com",
+            "localhost.evil.example",
+        ] {
+            assert!(!is_loopback(h), "{h}");
+        }
+        assert_eq!(
+            host_arg("vllm serve --host 0.0.0.0 --port 1"),
+            Some("0.0.0.0")
+        );
+        assert_eq!(host_arg("vllm serve --host=::1"), Some("::1"));
+        assert_eq!(host_arg("vllm serve --hostname x --port 1"), None);
+        assert_eq!(host_arg("vllm serve --host"), None);
+    }
+
+    fn settings(addr: &str, cmd: Option<&str>, allow_remote: bool) -> VllmSettings {
+        VllmSettings {
+            addr: addr.to_owned(),
+            cmd: cmd.map(str::to_owned),
+            apply_mode: "auto".to_owned(),
+            start_timeout: Duration::from_secs(1),
+            allow_remote,
+            verify_every: None,
+        }
+    }
+
+    #[test]
+    fn a_server_off_loopback_is_refused_unless_allowed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let config = dir.path().join("config.json");
+        let tiny = serde_json::json!({
+            "model_type": "qwen3", "vocab_size": 64, "hidden_size": 16,
+            "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": 8, "max_position_embeddings": 64,
+            "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": true
+        });
+        std::fs::write(&config, tiny.to_string()).expect("write config");
+        let new = |s| VllmEngine::new(s, &config, "m", dir.path(), 4);
+        let err = |s| match new(s) {
+            Ok(_) => String::new(),
+            Err(e) => format!("{e:#}"),
+        };
+        new(settings(
+            "127.0.0.1:8000",
+            Some("vllm serve --port 8000"),
+            false,
+        ))
+        .expect("loopback, no --host");
+        new(settings("[::1]:8000", Some("vllm serve --host ::1"), false)).expect("::1");
+        assert!(err(settings("10.0.0.7:8000", None, false)).contains("not a loopback address"));
+        assert!(err(settings("0.0.0.0:8000", None, false)).contains("not a loopback address"));
+        assert!(
+            err(settings(
+                "127.0.0.1:8000",
+                Some("vllm serve --host 0.0.0.0"),
+                false
+            ))
+            .contains("--host 0.0.0.0")
+        );
+        new(settings(
+            "10.0.0.7:8000",
+            Some("vllm serve --host 0.0.0.0"),
+            true,
+        ))
+        .expect("allowed remote");
     }
 }

@@ -5,6 +5,7 @@
 //! - [`writer`]: write safetensors atomically (temporary file, fsync, rename);
 //! - [`deltafile`]: diff two checkpoints into a `.sdc` (streaming, bounded memory), read
 //!   a `.sdc` frame by frame, apply one to a checkpoint;
+//! - [`scan`]: whole-checkpoint checks before publishing (NaN/±Inf by tensor, any change);
 //! - [`workload`]: the deterministic generator of RL-like consecutive checkpoints.
 
 #[cfg(target_endian = "big")]
@@ -14,5 +15,6 @@ compile_error!(
 
 pub mod deltafile;
 pub mod safetensors;
+pub mod scan;
 pub mod workload;
 pub mod writer;

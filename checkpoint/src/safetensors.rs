@@ -12,6 +12,14 @@
 //! A mapped file must not change while it is open: Starling treats every published checkpoint
 //! as immutable (a trainer writes a new file and renames it into place; it never rewrites one
 //! in place), which the hub's snapshot-by-path already relies on.
+//!
+//! Opening never blocks on what is not a regular file (a FIFO, a device: opened non-blocking
+//! and refused), and [`Checkpoint::open_confined`] lets a caller refuse a file by where it
+//! really is (symbolic links resolved, from the open descriptor) before a byte of it is read.
+//! A directory is one checkpoint: sharded with `model.safetensors.index.json`, or holding
+//! `model.safetensors`, or exactly one `*.safetensors` file; a directory of several
+//! checkpoints without an index is refused by name instead of being read as one model with
+//! every tensor twice.
 
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -46,6 +54,57 @@ pub enum CheckpointError {
     NoWeights { path: PathBuf },
     #[error("checkpoints differ in layout: {0}")]
     LayoutMismatch(String),
+    #[error(
+        "{path} holds {} checkpoint files ({}) and no model.safetensors.index.json: name one \
+         file, or write the index of a sharded checkpoint",
+        files.len(),
+        list_some(files, 4)
+    )]
+    SeveralCheckpoints { path: PathBuf, files: Vec<String> },
+    #[error("{path} is not a regular file")]
+    NotAFile { path: PathBuf },
+    #[error("{path} is outside the directories it may be read from")]
+    NotAllowed { path: PathBuf },
+}
+
+/// The first `n` of `items`, comma-separated, and how many more.
+fn list_some(items: &[String], n: usize) -> String {
+    let mut s = items.iter().take(n).cloned().collect::<Vec<_>>().join(", ");
+    if items.len() > n {
+        s.push_str(&format!(" and {} more", items.len() - n));
+    }
+    s
+}
+
+/// Decides whether a file may be read, from its real path (symbolic links resolved).
+pub type Gate<'a> = &'a dyn Fn(&Path) -> bool;
+
+/// Opens `path` for reading without blocking on a FIFO or a device, checks it against `gate`
+/// (by the path of the open descriptor, so a link swapped in after a check cannot redirect
+/// the read) and requires a regular file.
+fn open_file(path: &Path, gate: Option<Gate<'_>>) -> Result<File, CheckpointError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(io_err(path))?;
+    if let Some(gate) = gate {
+        use std::os::fd::AsRawFd;
+        let real = std::fs::read_link(format!("/proc/self/fd/{}", file.as_raw_fd()));
+        if !real.is_ok_and(|r| gate(&r)) {
+            return Err(CheckpointError::NotAllowed {
+                path: path.to_owned(),
+            });
+        }
+    }
+    let meta = file.metadata().map_err(io_err(path))?;
+    if !meta.is_file() {
+        return Err(CheckpointError::NotAFile {
+            path: path.to_owned(),
+        });
+    }
+    Ok(file)
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> CheckpointError + '_ {
@@ -93,6 +152,10 @@ impl TensorInfo {
 #[derive(Debug)]
 pub struct Checkpoint {
     files: Vec<(PathBuf, File)>,
+    /// Per file: the length its header declares (8 + header + the end of its last tensor).
+    declared: Vec<u64>,
+    /// A sharded checkpoint's index: its file name and bytes.
+    index: Option<(String, Vec<u8>)>,
     /// One read-only mapping per file (`None`: empty, or the mapping failed).
     maps: Vec<Option<memmap2::Mmap>>,
     tensors: Vec<TensorInfo>,
@@ -101,12 +164,25 @@ pub struct Checkpoint {
 
 impl Checkpoint {
     /// Opens a `.safetensors` file, or a directory with `model.safetensors.index.json`
-    /// (sharded), `model.safetensors`, or exactly the `*.safetensors` files in it.
+    /// (sharded), `model.safetensors`, or exactly one `*.safetensors` file.
     pub fn open(path: &Path) -> Result<Self, CheckpointError> {
+        Self::open_with(path, None)
+    }
+
+    /// As [`Checkpoint::open`], reading only files whose real path `gate` accepts: each is
+    /// opened, checked by the path of its open descriptor, and only then read.
+    pub fn open_confined(path: &Path, gate: Gate<'_>) -> Result<Self, CheckpointError> {
+        Self::open_with(path, Some(gate))
+    }
+
+    fn open_with(path: &Path, gate: Option<Gate<'_>>) -> Result<Self, CheckpointError> {
+        let mut index = None;
         let files: Vec<PathBuf> = if path.is_dir() {
-            let index = path.join("model.safetensors.index.json");
-            if index.exists() {
-                shards_from_index(&index)?
+            let index_path = path.join(INDEX_FILE);
+            if index_path.exists() {
+                let (shards, bytes) = shards_from_index(&index_path, gate)?;
+                index = Some((INDEX_FILE.to_owned(), bytes));
+                shards
             } else if path.join("model.safetensors").exists() {
                 vec![path.join("model.safetensors")]
             } else {
@@ -116,25 +192,42 @@ impl Checkpoint {
                     .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
                     .collect();
                 v.sort();
-                if v.is_empty() {
-                    return Err(CheckpointError::NoWeights {
-                        path: path.to_owned(),
-                    });
+                match v.len() {
+                    0 => {
+                        return Err(CheckpointError::NoWeights {
+                            path: path.to_owned(),
+                        });
+                    }
+                    1 => v,
+                    _ => {
+                        return Err(CheckpointError::SeveralCheckpoints {
+                            path: path.to_owned(),
+                            files: v
+                                .iter()
+                                .map(|p| {
+                                    p.file_name()
+                                        .map(|n| n.to_string_lossy().into_owned())
+                                        .unwrap_or_default()
+                                })
+                                .collect(),
+                        });
+                    }
                 }
-                v
             }
         } else {
             vec![path.to_owned()]
         };
         let mut opened = Vec::with_capacity(files.len());
         let mut maps = Vec::with_capacity(files.len());
+        let mut declared = Vec::with_capacity(files.len());
         let mut tensors = Vec::new();
         let mut version = None;
         for (i, f) in files.into_iter().enumerate() {
-            let file = File::open(&f).map_err(io_err(&f))?;
-            let (t, v) = parse_header(&f, &file, i)?;
+            let file = open_file(&f, gate)?;
+            let (t, v, end) = parse_header(&f, &file, i)?;
             tensors.extend(t);
             version = version.or(v);
+            declared.push(end);
             // SAFETY: published checkpoints are immutable files (module docs); every offset
             // read through the map was validated against the file's size by `parse_header`,
             // and reads are bounds-checked again in `bf16_range`.
@@ -151,10 +244,44 @@ impl Checkpoint {
         }
         Ok(Self {
             files: opened,
+            declared,
+            index,
             maps,
             tensors,
             version,
         })
+    }
+
+    /// Each file of the checkpoint: its path, the open file it is read from, and the length its
+    /// header declares (8 + header + the end of its last tensor).
+    pub fn files(&self) -> impl Iterator<Item = (&Path, &File, u64)> {
+        self.files
+            .iter()
+            .zip(&self.declared)
+            .map(|((p, f), &d)| (p.as_path(), f, d))
+    }
+
+    /// A sharded checkpoint's index (`model.safetensors.index.json`): its file name and the
+    /// bytes read when the checkpoint was opened.
+    pub fn index(&self) -> Option<(&str, &[u8])> {
+        self.index.as_ref().map(|(n, b)| (n.as_str(), b.as_slice()))
+    }
+
+    /// Checks that every file is exactly as long as its header declares: nothing after the
+    /// last tensor (a copy of the checkpoint moves exactly the bytes its tensors need).
+    pub fn check_lengths(&self) -> Result<(), CheckpointError> {
+        for (path, file, declared) in self.files() {
+            let len = file.metadata().map_err(io_err(path))?.len();
+            if len != declared {
+                return Err(CheckpointError::Invalid {
+                    path: path.to_owned(),
+                    detail: format!(
+                        "{len} bytes, but its header and tensors account for {declared}"
+                    ),
+                });
+            }
+        }
+        Ok(())
     }
 
     /// The Starling version recorded in the file's `__metadata__` (`starling_version`),
@@ -266,26 +393,65 @@ impl Checkpoint {
             .collect()
     }
 
-    /// Checks that `other` has exactly the same tensor names and shapes.
+    /// The tensors' names and shapes.
+    pub fn layout(&self) -> Layout {
+        self.tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.shape.clone()))
+            .collect()
+    }
+
+    /// Checks that `other` has exactly the same tensor names and shapes; a difference is named
+    /// (the tensors `other` lacks and has in excess, or the first shape that differs).
     pub fn check_same_layout(&self, other: &Checkpoint) -> Result<(), CheckpointError> {
-        if self.tensors.len() != other.tensors.len() {
-            return Err(CheckpointError::LayoutMismatch(format!(
-                "{} tensors vs {}",
-                self.tensors.len(),
-                other.tensors.len()
-            )));
-        }
-        for (a, b) in self.tensors.iter().zip(&other.tensors) {
-            if a.name != b.name {
-                return Err(CheckpointError::LayoutMismatch(format!(
-                    "tensor {} vs {}",
-                    a.name, b.name
-                )));
+        other.check_layout(&self.layout())
+    }
+
+    /// Checks that this checkpoint has exactly the tensors of `expected`, with their shapes;
+    /// a difference is named (the tensors missing here, those here in excess, or the first
+    /// shape that differs).
+    pub fn check_layout(&self, expected: &Layout) -> Result<(), CheckpointError> {
+        let theirs: BTreeMap<&str, &[u64]> = self
+            .tensors
+            .iter()
+            .map(|t| (t.name.as_str(), t.shape.as_slice()))
+            .collect();
+        let missing: Vec<String> = expected
+            .keys()
+            .filter(|n| !theirs.contains_key(n.as_str()))
+            .cloned()
+            .collect();
+        let extra: Vec<String> = theirs
+            .keys()
+            .filter(|n| !expected.contains_key(**n))
+            .map(|n| (*n).to_owned())
+            .collect();
+        if !missing.is_empty() || !extra.is_empty() {
+            let plural = |n: usize| if n == 1 { "" } else { "s" };
+            let mut parts = Vec::new();
+            if !missing.is_empty() {
+                parts.push(format!(
+                    "{} tensor{} of the model missing: {}",
+                    missing.len(),
+                    plural(missing.len()),
+                    list_some(&missing, 8)
+                ));
             }
-            if a.shape != b.shape {
+            if !extra.is_empty() {
+                parts.push(format!(
+                    "{} tensor{} not in the model: {}",
+                    extra.len(),
+                    plural(extra.len()),
+                    list_some(&extra, 8)
+                ));
+            }
+            return Err(CheckpointError::LayoutMismatch(parts.join("; ")));
+        }
+        for (name, shape) in expected {
+            let here = theirs.get(name.as_str()).copied().unwrap_or_default();
+            if shape.as_slice() != here {
                 return Err(CheckpointError::LayoutMismatch(format!(
-                    "tensor {} has shape {:?} vs {:?}",
-                    a.name, a.shape, b.shape
+                    "tensor {name} has shape {here:?}, the model's is {shape:?}"
                 )));
             }
         }
@@ -293,13 +459,34 @@ impl Checkpoint {
     }
 }
 
-fn shards_from_index(index: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
-    let text = std::fs::read_to_string(index).map_err(io_err(index))?;
+/// Tensor names and shapes, by name.
+pub type Layout = BTreeMap<String, Vec<u64>>;
+
+/// The index file of a sharded checkpoint.
+const INDEX_FILE: &str = "model.safetensors.index.json";
+
+/// The largest index file read.
+const MAX_INDEX: u64 = 64 << 20;
+
+fn shards_from_index(
+    index: &Path,
+    gate: Option<Gate<'_>>,
+) -> Result<(Vec<PathBuf>, Vec<u8>), CheckpointError> {
+    use std::io::Read;
     let invalid = |detail: String| CheckpointError::Invalid {
         path: index.to_owned(),
         detail,
     };
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| invalid(e.to_string()))?;
+    let mut bytes = Vec::new();
+    open_file(index, gate)?
+        .take(MAX_INDEX + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io_err(index))?;
+    if bytes.len() as u64 > MAX_INDEX {
+        return Err(invalid(format!("larger than {MAX_INDEX} bytes")));
+    }
+    let v: serde_json::Value =
+        serde_json::from_slice(&bytes).map_err(|e| invalid(e.to_string()))?;
     let map = v
         .get("weight_map")
         .and_then(|m| m.as_object())
@@ -319,10 +506,11 @@ fn shards_from_index(index: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
             return Err(invalid(format!("shard name {s} leaves the directory")));
         }
     }
-    Ok(shards.into_iter().map(|s| dir.join(s)).collect())
+    Ok((shards.into_iter().map(|s| dir.join(s)).collect(), bytes))
 }
 
-type Header = (Vec<TensorInfo>, Option<u64>);
+/// A file's tensors, its Starling version, and the length its header declares.
+type Header = (Vec<TensorInfo>, Option<u64>, u64);
 
 fn parse_header(path: &Path, file: &File, file_idx: usize) -> Result<Header, CheckpointError> {
     let invalid = |detail: String| CheckpointError::Invalid {
@@ -349,6 +537,7 @@ fn parse_header(path: &Path, file: &File, file_idx: usize) -> Result<Header, Che
     let data_start = 8 + header_len;
     let mut out = Vec::with_capacity(obj.len());
     let mut version = None;
+    let mut end = data_start;
     for (name, info) in obj {
         if name == "__metadata__" {
             version = info
@@ -403,6 +592,7 @@ fn parse_header(path: &Path, file: &File, file_idx: usize) -> Result<Header, Che
                 "{name}: data_offsets {offs:?} do not match its shape or the file"
             )));
         }
+        end = end.max(data_start + offs.1);
         out.push(TensorInfo {
             name: name.clone(),
             dtype,
@@ -411,5 +601,5 @@ fn parse_header(path: &Path, file: &File, file_idx: usize) -> Result<Header, Che
             offset: data_start + offs.0,
         });
     }
-    Ok((out, version))
+    Ok((out, version, end))
 }

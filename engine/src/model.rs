@@ -329,6 +329,87 @@ impl Model {
             .collect())
     }
 
+    /// [`Model::score`] of several `(prompt, completion)` pairs at one temperature, with the
+    /// work shared: each distinct prompt runs once (a GRPO group's samples share theirs), and
+    /// the completions run together, each from a copy of its prompt's cache, in one matrix
+    /// product per weight. Each row's arithmetic does not depend on the other rows, and a
+    /// copied cache holds the very values the prompt produced, so the result equals
+    /// [`Model::score`] of each pair, bit for bit.
+    pub fn score_many(
+        &self,
+        seqs: &[(&[u32], &[u32])],
+        temperature: f32,
+    ) -> Result<Vec<Vec<f32>>, InputError> {
+        crate::sampling::check_temperature(temperature)?;
+        for (prompt, completion) in seqs {
+            self.check_tokens(prompt, completion, 0)?;
+        }
+        let live: Vec<usize> = (0..seqs.len()).filter(|&i| !seqs[i].1.is_empty()).collect();
+        // Pass 1: every distinct prompt once; the logits after its last token score the
+        // first completion token of each of its sequences.
+        let mut prompts: Vec<&[u32]> = Vec::new();
+        let mut prompt_of: Vec<usize> = Vec::with_capacity(live.len());
+        for &i in &live {
+            let p = seqs[i].0;
+            let at = prompts.iter().position(|q| *q == p).unwrap_or_else(|| {
+                prompts.push(p);
+                prompts.len() - 1
+            });
+            prompt_of.push(at);
+        }
+        let mut prompt_caches: Vec<KvCache> = prompts
+            .iter()
+            .map(|p| KvCache::new(&self.config, p.len()))
+            .collect();
+        let mut items: Vec<(usize, u32)> = Vec::new();
+        let mut want: Vec<usize> = Vec::new();
+        for (ci, p) in prompts.iter().enumerate() {
+            items.extend(p.iter().map(|&t| (ci, t)));
+            want.push(items.len() - 1);
+        }
+        let mut refs: Vec<&mut KvCache> = prompt_caches.iter_mut().collect();
+        let first = self.forward(&mut refs, &items, &want);
+        // Pass 2: every completion but its last token, from a copy of its prompt's cache.
+        let mut caches: Vec<KvCache> = Vec::with_capacity(live.len());
+        items.clear();
+        want.clear();
+        for (ci, (&i, &pi)) in live.iter().zip(&prompt_of).enumerate() {
+            let completion = seqs[i].1;
+            caches.push(prompt_caches[pi].clone());
+            let start = items.len();
+            items.extend(completion[..completion.len() - 1].iter().map(|&t| (ci, t)));
+            want.extend(start..items.len());
+        }
+        let mut refs: Vec<&mut KvCache> = caches.iter_mut().collect();
+        let rest = if items.is_empty() {
+            Vec::new()
+        } else {
+            self.forward(&mut refs, &items, &want)
+        };
+        let v = self.config.vocab_size;
+        let mut out = vec![Vec::new(); seqs.len()];
+        let mut row = 0;
+        for (&i, &pi) in live.iter().zip(&prompt_of) {
+            let completion = seqs[i].1;
+            let mut lps = Vec::with_capacity(completion.len());
+            lps.push(crate::sampling::token_logprob(
+                &first[pi * v..(pi + 1) * v],
+                temperature,
+                completion[0],
+            ));
+            for &tok in &completion[1..] {
+                lps.push(crate::sampling::token_logprob(
+                    &rest[row * v..(row + 1) * v],
+                    temperature,
+                    tok,
+                ));
+                row += 1;
+            }
+            out[i] = lps;
+        }
+        Ok(out)
+    }
+
     /// Runs the decoder over `items`: each `(cache, token)` appends `token` to
     /// `caches[cache]` at its next position (several items may extend one cache, in
     /// order). Returns the logits (`want.len() × vocab`) after the items listed in `want`

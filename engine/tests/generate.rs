@@ -130,6 +130,28 @@ fn score_equals_generate_logprobs_bit_for_bit() {
             );
         }
     }
+    // All of them scored together: the same bits as one at a time.
+    for temperature in [0.0, 0.7, 1.0] {
+        let out = model
+            .generate(&reqs, GenerateOptions { max_batch: 8 })
+            .expect("generate");
+        let mut seqs: Vec<(&[u32], &[u32])> = reqs
+            .iter()
+            .zip(&out)
+            .map(|(r, o)| (r.prompt.as_slice(), o.tokens.as_slice()))
+            .collect();
+        // A prompt shared by several completions (a GRPO group), one of a single token.
+        seqs.push((&reqs[0].prompt, &out[1].tokens));
+        seqs.push((&reqs[0].prompt, &out[2].tokens[..1]));
+        seqs.push((&reqs[0].prompt, &[])); // an empty completion scores as nothing
+        let many = model.score_many(&seqs, temperature).expect("score_many");
+        assert_eq!(many.len(), seqs.len());
+        assert!(many[seqs.len() - 1].is_empty());
+        for ((prompt, completion), got) in seqs.iter().zip(&many) {
+            let one = model.score(prompt, completion, temperature).expect("score");
+            assert_eq!(bits(got), bits(&one), "temperature {temperature}");
+        }
+    }
     // Every temperature against every top-k / top-p setting on one prompt.
     for temperature in [0.0, 0.7, 1.0] {
         for (top_k, top_p) in [(0, 1.0), (5, 1.0), (0, 0.5), (10, 0.9)] {

@@ -52,8 +52,7 @@ pub use invariants::{InvariantError, InvariantViolation};
 pub use model::{
     ActorAssignment, ActorInfo, Assignment, BatchInfo, ClaimedJob, ExpireReport, FAIL_ATTEMPTS,
     FAIL_CANCELLED, HubRefusal, JobCounts, JobState, JobView, ProgressReport, RefusalEffect,
-    Rejection, ReleaseReport, ResultSubmission, SubmitCall, SubmitOutcome, Unscored,
-    VersionState,
+    Rejection, ReleaseReport, ResultSubmission, SubmitCall, SubmitOutcome, Unscored, VersionState,
 };
 pub use retention::Retention;
 pub use run::{AcceptedResult, Archive, BatchStatus, JobPayload, ResultsPage, VersionRecord};

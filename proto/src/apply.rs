@@ -459,6 +459,47 @@ impl UndoLog {
             .iter()
             .map(|p| (p.tensor.as_str(), p.positions.as_slice(), p.new.as_slice()))
     }
+
+    /// The change from `old` (version `version`, digest `digest`) to `new`, as a commit
+    /// between them would have written it: one part per tensor whose bits differ. For a
+    /// receiver that gets whole checkpoints (the no-transfer baseline) and an engine that
+    /// follows sparsely. `None` when the two do not hold the same tensors at the same lengths.
+    pub fn between(
+        version: u64,
+        digest: StateDigest,
+        old: &BTreeMap<String, Vec<u16>>,
+        new: &BTreeMap<String, Vec<u16>>,
+    ) -> Option<Self> {
+        if old.len() != new.len() {
+            return None;
+        }
+        let mut parts = Vec::new();
+        for ((name, a), (name_b, b)) in old.iter().zip(new) {
+            if name != name_b || a.len() != b.len() {
+                return None;
+            }
+            let positions: Vec<u64> = (0..a.len())
+                .filter(|&i| a[i] != b[i])
+                .map(|i| i as u64)
+                .collect();
+            if positions.is_empty() {
+                continue;
+            }
+            let new_bits = positions.iter().map(|&i| b[i as usize]).collect();
+            let old_bits = positions.iter().map(|&i| a[i as usize]).collect();
+            parts.push(StagedPart {
+                tensor: name.clone(),
+                positions,
+                new: new_bits,
+                old: old_bits,
+            });
+        }
+        Some(Self {
+            version,
+            digest,
+            parts,
+        })
+    }
 }
 
 impl<W: Weights> VersionedWeights<W> {

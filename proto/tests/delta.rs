@@ -339,3 +339,62 @@ fn commit_refuses_a_sealed_delta_after_the_base_moved() {
     assert_eq!(w.weights(), &old);
     assert_eq!((w.version(), w.digest()), (1, pre));
 }
+
+/// The written changes of an undo log, gathered per tensor in position order.
+fn written_by_tensor(log: &starling_proto::apply::UndoLog) -> BTreeMap<String, Vec<(u64, u16)>> {
+    let mut out: BTreeMap<String, Vec<(u64, u16)>> = BTreeMap::new();
+    for (tensor, positions, new) in log.written() {
+        let entry = out.entry(tensor.to_owned()).or_default();
+        entry.extend(positions.iter().copied().zip(new.iter().copied()));
+    }
+    for changes in out.values_mut() {
+        changes.sort_unstable();
+    }
+    out
+}
+
+#[test]
+fn a_change_computed_from_two_checkpoints_is_what_a_commit_writes() {
+    let (old, new) = sample_pair();
+    let (bytes, _) = encode(&old, &new, small_cfg(), None, 4);
+    let digest = full_digest("m", &old, &names(&old));
+    let mut w = VersionedWeights::new("m", old.clone(), 4, digest);
+    let mut st = w.stager();
+    let mut pos = FILE_HEADER_LEN;
+    while pos < bytes.len() {
+        let f = parse_frame(&bytes[pos..]).expect("frame");
+        pos += f.total_len();
+        st.stage_frame(f, w.weights()).expect("stages");
+    }
+    let committed = w
+        .commit(st.seal(&TrustPolicy::AnySigner).expect("seals"))
+        .expect("commits");
+
+    let between =
+        starling_proto::apply::UndoLog::between(4, digest, &old, &new).expect("same tensors");
+    assert_eq!(between.base(), (4, digest));
+    assert_eq!(between.changes(), committed.changes());
+    assert_eq!(written_by_tensor(&between), written_by_tensor(&committed));
+    // Scattering what it wrote onto the old weights gives the new ones.
+    let mut scattered = old.clone();
+    for (tensor, positions, bits) in between.written() {
+        let t = scattered.get_mut(tensor).expect("tensor");
+        for (&i, &b) in positions.iter().zip(bits) {
+            t[i as usize] = b;
+        }
+    }
+    assert_eq!(scattered, new);
+
+    // Different tensors or lengths: no sparse change to offer.
+    let mut renamed = new.clone();
+    let t0 = renamed.remove("t0").expect("t0");
+    renamed.insert("u0".into(), t0);
+    assert!(starling_proto::apply::UndoLog::between(4, digest, &old, &renamed).is_none());
+    let mut shorter = new.clone();
+    shorter.get_mut("t1").expect("t1").pop();
+    assert!(starling_proto::apply::UndoLog::between(4, digest, &old, &shorter).is_none());
+    assert_eq!(
+        starling_proto::apply::UndoLog::between(4, digest, &old, &old).map(|l| l.changes()),
+        Some(0)
+    );
+}

@@ -2,6 +2,7 @@
 # Run the Python SDK's tests (sdk/python/tests) against the real Starling binaries.
 #
 #   sdk/python/run_tests.sh [pytest args...]
+#   sdk/python/run_tests.sh --print-python     # only make the venv, and print its python
 #
 # Creates (or reuses) a virtualenv /var/tmp/starling-sdk-venv-<hash>, where <hash> covers
 # pyproject.toml, requirements-test.txt and torch-excludes.txt; installs requirements-test.txt
@@ -120,6 +121,13 @@ else
         flock -s 9
     fi
     prune_other_venvs "$root"
+fi
+
+# `run_tests.sh --print-python`: make the venv ready and print its interpreter (scripts/
+# real-run.sh runs the GRPO trainer with it where vLLM's venv cannot be made).
+if [[ "${1:-}" == --print-python ]]; then
+    echo "$py"
+    exit 0
 fi
 
 log="$(mktemp)"

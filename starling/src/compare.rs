@@ -164,7 +164,7 @@ pub(crate) fn run(a: &DemoArgs, regions: &[Region], init: &Bf16Tensors, out: &Pa
     );
     println!(
         "   delta density at lr {}: {:.1}% of weights changed per step",
-        a.lr,
+        a.lr(),
         100.0 * density
     );
     let report = json!({

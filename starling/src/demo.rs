@@ -13,7 +13,6 @@
 //!    process.
 
 use std::collections::BTreeMap;
-use std::net::{SocketAddr, TcpListener, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -28,10 +27,10 @@ use starling_trainer::{HubClient, Policy, ReverseDigits, StepReport, TrainConfig
 
 use starling_netem::ProxyStats;
 
-use crate::links::{Region, demo_regions, override_rates};
+pub(crate) use crate::cluster::Mode;
+use crate::cluster::{Cluster, Spec};
+use crate::links::{Region, demo_regions, override_rates, real_regions};
 use crate::plot::{Panel, Series, render_png};
-use crate::procs::{Proc, run_once};
-use crate::watch::Watcher;
 
 /// `starling demo`'s options.
 #[derive(Args, Debug, Clone)]
@@ -39,18 +38,20 @@ pub(crate) struct DemoArgs {
     /// Output directory (created; must not exist).
     #[arg(long, default_value = "starling-demo")]
     pub(crate) out: PathBuf,
-    /// RL steps (each: a batch of rollouts, one optimizer step, one published version).
-    #[arg(long, default_value_t = 60)]
-    pub(crate) steps: u32,
-    /// Prompt groups per batch.
-    #[arg(long, default_value_t = 32)]
-    pub(crate) groups: usize,
-    /// Samples per group.
-    #[arg(short = 'n', long, default_value_t = 8)]
-    pub(crate) samples: u32,
-    /// The trainer's AdamW learning rate.
-    #[arg(long, default_value_t = 3e-3)]
-    pub(crate) lr: f64,
+    /// RL steps (each: a batch of rollouts, one optimizer step, one published version)
+    /// [default: 60; with --model 12].
+    #[arg(long)]
+    steps: Option<u32>,
+    /// Prompt groups per batch [default: 32; with --model 8].
+    #[arg(long)]
+    groups: Option<usize>,
+    /// Samples per group [default: 8; with --model 4].
+    #[arg(short = 'n', long)]
+    samples: Option<u32>,
+    /// The trainer's AdamW learning rate [default: 3e-3 for the demo's toy model; with
+    /// --model 3e-6, an RL fine-tune's].
+    #[arg(long)]
+    lr: Option<f64>,
     /// Supervised warm-start steps before RL (stand-in for pre-training).
     #[arg(long, default_value_t = 60)]
     pub(crate) warm_steps: u32,
@@ -84,33 +85,73 @@ pub(crate) struct DemoArgs {
     /// The hub's HTTP port (0: any free port).
     #[arg(long, default_value_t = 0)]
     pub(crate) http_port: u16,
+    /// The real run: a pretrained model's directory (`scripts/fetch-model.sh` prints one)
+    /// trained by the SDK's PyTorch GRPO trainer (docs/real-run.md).
+    #[command(flatten)]
+    pub(crate) real: RealArgs,
 }
 
-/// How weights reach the actors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Mode {
-    /// Deltas through the relays (Starling).
-    Delta,
-    /// Every version from a shared directory: no bytes on any link.
-    NoTransfer,
-    /// Full BF16 checkpoints through the relays.
-    FullBroadcast,
+/// `starling demo --model DIR`'s options (docs/real-run.md).
+#[derive(Args, Debug, Clone)]
+pub(crate) struct RealArgs {
+    /// Train this model directory (Hugging Face layout: config.json, model.safetensors,
+    /// tokenizer) with the SDK's PyTorch GRPO trainer instead of the built-in toy model.
+    #[arg(long)]
+    pub(crate) model: Option<PathBuf>,
+    /// A Python with torch and transformers (and vLLM's CPU build for --vllm).
+    #[arg(
+        long,
+        env = "STARLING_PYTHON",
+        default_value = "python3",
+        requires = "model"
+    )]
+    pub(crate) python: PathBuf,
+    /// Add a vLLM actor to the near region (it starts its own vLLM server with --python).
+    #[arg(long, requires = "model")]
+    pub(crate) vllm: bool,
+    /// The quick demo's links (eu 200 Mbit/s, ap 50 Mbit/s) instead of links where a full
+    /// checkpoint takes as long as an 8B model's over 0.5-1 Gbit/s (eu 17, ap 8 Mbit/s).
+    #[arg(long, requires = "model")]
+    pub(crate) fast_links: bool,
+    /// With --compare: the runs, in the order each round runs them.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "delta,no-transfer,full-broadcast,full-broadcast-exclusive",
+        requires = "model"
+    )]
+    pub(crate) modes: Vec<String>,
+    /// With --compare: steps of the full-broadcast runs (each version waits for a full
+    /// checkpoint to cross the links: minutes per step).
+    #[arg(long, default_value_t = 4, requires = "model")]
+    pub(crate) full_steps: u32,
+    /// Completion tokens per sample at most.
+    #[arg(long, default_value_t = 48, requires = "model")]
+    pub(crate) max_new_tokens: u32,
+    /// Sampling temperature.
+    #[arg(long, default_value_t = 0.7, requires = "model")]
+    pub(crate) temperature: f64,
+    /// PyTorch threads of the trainer (default: PyTorch's, one per core).
+    #[arg(long, requires = "model")]
+    pub(crate) trainer_threads: Option<u32>,
 }
 
-impl Mode {
-    pub(crate) const ALL: [Mode; 3] = [Mode::Delta, Mode::NoTransfer, Mode::FullBroadcast];
-
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Mode::Delta => "delta",
-            Mode::NoTransfer => "no-transfer",
-            Mode::FullBroadcast => "full-broadcast",
-        }
+impl DemoArgs {
+    fn real(&self) -> bool {
+        self.real.model.is_some()
     }
-}
-
-struct Cluster {
-    dir: PathBuf,
+    pub(crate) fn steps(&self) -> u32 {
+        self.steps.unwrap_or(if self.real() { 12 } else { 60 })
+    }
+    pub(crate) fn groups(&self) -> usize {
+        self.groups.unwrap_or(if self.real() { 8 } else { 32 })
+    }
+    pub(crate) fn samples(&self) -> u32 {
+        self.samples.unwrap_or(if self.real() { 4 } else { 8 })
+    }
+    pub(crate) fn lr(&self) -> f64 {
+        self.lr.unwrap_or(if self.real() { 3e-6 } else { 3e-3 })
+    }
 }
 
 /// Runs the demo (or, with `--compare`, every mode in turn).
@@ -127,13 +168,19 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
             a.engine_slowdown
         );
     }
-    let mut regions = demo_regions();
+    let mut regions = match &a.real.model {
+        Some(_) => real_regions(a.real.fast_links, a.real.vllm),
+        None => demo_regions(),
+    };
     override_rates(&mut regions, &a.link_mbit)?;
     std::fs::create_dir_all(&a.out).with_context(|| format!("create {}", a.out.display()))?;
     let out = a
         .out
         .canonicalize()
         .with_context(|| format!("resolve {}", a.out.display()))?;
+    if a.real.model.is_some() {
+        return crate::real::run(a, &regions, &out);
+    }
 
     // 1. The initial policy: a supervised warm start from random weights, cast to BF16 (the
     //    checkpoint RL starts from, as a real post-training run starts from a BF16 release).
@@ -141,9 +188,9 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
     println!(
         "== Starling demo: GRPO on digit reversal with a {:.2} M-parameter Qwen3 ({} steps, {} groups x {} samples)",
         config.parameter_count() as f64 / 1e6,
-        a.steps,
-        a.groups,
-        a.samples
+        a.steps(),
+        a.groups(),
+        a.samples()
     );
     let policy = Policy::from_bf16(config.clone(), &random_bf16(&config, a.seed))?;
     let t = Instant::now();
@@ -226,169 +273,19 @@ pub(crate) fn run_mode(
     println!("== mode {} (output in {})", mode.name(), out.display());
 
     // 2. Cluster, hub, regions.
-    let cluster = make_cluster(out, regions)?;
-    let quic = free_udp_port()?;
-    let http = if a.http_port == 0 {
-        free_tcp_port()?
-    } else {
-        let addr: SocketAddr = ([127, 0, 0, 1], a.http_port).into();
-        TcpListener::bind(addr).with_context(|| {
-            format!(
-                "port {} is in use: pass --http-port with a free port, or 0",
-                a.http_port
-            )
-        })?;
-        addr
+    let spec = Spec {
+        mode,
+        regions,
+        init: &init,
+        hub_args: Vec::new(),
+        http_port: a.http_port,
+        seed: a.seed,
+        engine_slowdown: a.engine_slowdown,
+        vllm: None,
     };
-    let mut hub_args: Vec<String> = vec!["serve".into()];
-    if mode == Mode::FullBroadcast {
-        hub_args.push("--full-broadcast".into());
-    }
-    let mut hub = Proc::start(
-        "hub",
-        "hub",
-        &[
-            hub_args,
-            vec![
-                "--cluster".into(),
-                path(&cluster.dir),
-                "--init".into(),
-                path(&init),
-                "--store".into(),
-                path(&out.join("hub-store")),
-                "--listen".into(),
-                quic.to_string(),
-                "--http".into(),
-                http.to_string(),
-            ],
-        ]
-        .concat(),
-        &out.join("logs/hub.log"),
-    )?;
-    let token = std::fs::read_to_string(cluster.dir.join("trainer/token"))
-        .context("read the trainer's token")?
-        .trim()
-        .to_owned();
-    let client = HubClient::new(http.to_string(), token);
-    wait_for_hub(&client, &mut hub)?;
-    println!(
-        "   hub: QUIC {quic}, HTTP http://{http} (logs in {})",
-        out.join("logs").display()
-    );
-    println!("   dashboard: http://{http}/ (status: http://{http}/v1/status)");
-
-    // In no-transfer mode the trainer links each published checkpoint here and the actors
-    // read it (a shared filesystem).
-    let shared = out.join("shared-weights");
-    if mode == Mode::NoTransfer {
-        std::fs::create_dir_all(&shared).with_context(|| format!("create {}", shared.display()))?;
-    }
-    let mut links = Vec::new();
-    let mut procs = Vec::new();
-    let mut actor_http = Vec::new();
-    let mut region_actors: BTreeMap<&str, Vec<String>> = BTreeMap::new();
-    for (i, r) in regions.iter().enumerate() {
-        let link = r.start_link(quic, a.seed * 100 + i as u64 * 2)?;
-        let wan = link.local_addr();
-        links.push((r.name, link));
-        let relay_addr = free_udp_port()?;
-        if mode != Mode::NoTransfer {
-            procs.push(Proc::start(
-                &format!("relay {}", r.name),
-                "relay",
-                &[
-                    "--credentials".into(),
-                    path(&cluster.dir.join(format!("relay-{}", r.name))),
-                    "--hub".into(),
-                    wan.to_string(),
-                    "--listen".into(),
-                    relay_addr.to_string(),
-                    "--region".into(),
-                    r.name.into(),
-                    "--wan-mbit".into(),
-                    r.rate_mbit.to_string(),
-                    "--wan-rtt-ms".into(),
-                    r.rtt_ms.to_string(),
-                    "--cache".into(),
-                    path(&out.join(format!("regions/{}/relay-cache", r.name))),
-                ],
-                &out.join(format!("logs/relay-{}.log", r.name)),
-            )?);
-        }
-        for (name, speed) in &r.actors {
-            let metrics = free_tcp_port()?;
-            actor_http.push((name.to_string(), metrics));
-            region_actors
-                .entry(r.name)
-                .or_default()
-                .push(name.to_string());
-            let weights_from: Vec<String> = if mode == Mode::NoTransfer {
-                vec!["--weights-dir".into(), path(&shared)]
-            } else {
-                vec!["--relay".into(), format!("{}@{relay_addr}", r.name)]
-            };
-            procs.push(Proc::start(
-                name,
-                "actor",
-                &[
-                    weights_from,
-                    vec![
-                        "--credentials".into(),
-                        path(&cluster.dir.join(name)),
-                        "--hub".into(),
-                        wan.to_string(),
-                        "--init".into(),
-                        path(&init),
-                        "--store".into(),
-                        path(&out.join(format!("regions/{}/{name}", r.name))),
-                        "--region".into(),
-                        r.name.into(),
-                        "--engine".into(),
-                        "builtin".into(),
-                        "--engine-slowdown".into(),
-                        format!("{}", a.engine_slowdown * 3.0 / f64::from(*speed)),
-                        "--http".into(),
-                        metrics.to_string(),
-                    ],
-                ]
-                .concat(),
-                &out.join(format!("logs/{name}.log")),
-            )?);
-        }
-        println!(
-            "   region {}: link {} Mbit/s, RTT {} ms, loss {}%; actors {}{}",
-            r.name,
-            r.rate_mbit,
-            r.rtt_ms,
-            r.loss * 100.0,
-            r.actors
-                .iter()
-                .map(|(n, s)| format!("{n} (speed {s})"))
-                .collect::<Vec<_>>()
-                .join(", "),
-            if mode == Mode::NoTransfer {
-                "; weights from the shared directory, no relay"
-            } else {
-                ""
-            }
-        );
-    }
-    let watcher = Watcher::start(actor_http, Duration::from_millis(20));
-    let all: Vec<String> = region_actors.values().flatten().cloned().collect();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while watcher.all_reached(&all).is_none() || !watcher.workers_connected(&all) {
-        hub.check_alive()?;
-        for p in &mut procs {
-            p.check_alive()?;
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "the actors did not all load version 0 and register with the hub within 60 s; see the logs in {}",
-                out.join("logs").display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let mut cluster = Cluster::start(&spec, out)?;
+    let client = HubClient::new(cluster.http.to_string(), cluster.token.clone());
+    cluster.wait_ready(Duration::from_secs(60))?;
     println!("   every actor holds version 0 and is registered for work; training\n");
     println!(
         "{:>4} {:>4} {:>7} {:>6} {:>9} {:>7} {:>9} {:>9} {:>8}  per-actor share",
@@ -397,10 +294,10 @@ pub(crate) fn run_mode(
 
     // 3. Train.
     let cfg = TrainConfig {
-        steps: a.steps,
-        groups_per_batch: a.groups,
-        samples_per_group: a.samples,
-        lr: a.lr,
+        steps: a.steps(),
+        groups_per_batch: a.groups(),
+        samples_per_group: a.samples(),
+        lr: a.lr(),
         seed: a.seed,
         checkpoint_dir: out.join("checkpoints"),
         task: ReverseDigits::default(),
@@ -415,7 +312,7 @@ pub(crate) fn run_mode(
         published_at.insert(r.published.version, started);
         if mode == Mode::NoTransfer {
             // The version exists once the hub has numbered it: share the finished file.
-            let to = shared.join(version_file_name(r.published.version));
+            let to = cluster.shared.join(version_file_name(r.published.version));
             if let Err(e) = std::fs::hard_link(&r.checkpoint, &to) {
                 link_error.get_or_insert(format!(
                     "link {} to {}: {e}",
@@ -426,7 +323,7 @@ pub(crate) fn run_mode(
         }
         // The previous version has had a whole step to land: report its arrival per region.
         let prev = r.published.version.saturating_sub(1);
-        let arrival = region_arrival(&watcher, &region_actors, &published_at, prev);
+        let arrival = arrival_of(&cluster, &published_at, prev);
         let share = share_line(&r.per_actor);
         println!(
             "{:>4} {:>4} {:>7.3} {:>5.0}% {:>7.1}kB {:>6.1}% {:>9} {:>9} {:>8.0}  {share}",
@@ -448,33 +345,13 @@ pub(crate) fn run_mode(
 
     // The last version's arrival.
     let last = reports.last().map(|r| r.published.version).unwrap_or(0);
-    let wait_until = Instant::now() + Duration::from_secs(30);
-    while watcher.all_reached(&all).is_none_or(|v| v < last) && Instant::now() < wait_until {
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    cluster.wait_all_reach(last, Duration::from_secs(30));
     let mut arrivals: BTreeMap<u64, BTreeMap<String, Option<f64>>> = BTreeMap::new();
     for v in 1..=last {
-        arrivals.insert(
-            v,
-            region_arrival(&watcher, &region_actors, &published_at, v),
-        );
+        arrivals.insert(v, arrival_of(&cluster, &published_at, v));
     }
     let wall_s = t_start.elapsed().as_secs_f64();
-    drop(watcher);
-    drop(procs);
-    drop(hub);
-    let mut link_stats: BTreeMap<&str, ProxyStats> = BTreeMap::new();
-    for (name, l) in links {
-        match l.shutdown() {
-            Ok(s) => {
-                link_stats.insert(name, s);
-            }
-            Err(e) => println!(
-                "   link {name}: no statistics ({:#})",
-                anyhow::Error::new(e)
-            ),
-        }
-    }
+    let link_stats = cluster.stop();
 
     // 4. Summary and plot.
     let summary = summarize(
@@ -493,42 +370,23 @@ pub(crate) fn run_mode(
         .context("write summary.json")?;
     let png = out.join("summary.png");
     render_png(&panels(&reports, &arrivals), "step", 900, 720, &png)?;
-    for (name, s) in &link_stats {
-        println!(
-            "   link {name}: {:.1} kB to the region, {:.1} kB to the hub, {} + {} datagrams lost",
-            s.down.delivered_bytes as f64 / 1e3,
-            s.up.delivered_bytes as f64 / 1e3,
-            s.down.dropped_loss + s.down.dropped_queue,
-            s.up.dropped_loss + s.up.dropped_queue
-        );
-    }
     Ok(summary)
 }
 
-/// Seconds from each region's publish to its last actor holding `version`.
-fn region_arrival(
-    watcher: &Watcher,
-    regions: &BTreeMap<&str, Vec<String>>,
+/// Seconds from `version`'s publish to the last actor of each region holding it.
+fn arrival_of(
+    cluster: &Cluster,
     published_at: &BTreeMap<u64, Instant>,
     version: u64,
 ) -> BTreeMap<String, Option<f64>> {
-    let Some(&t0) = published_at.get(&version) else {
-        return regions.keys().map(|r| (r.to_string(), None)).collect();
-    };
-    regions
-        .iter()
-        .map(|(name, actors)| {
-            let last = actors
-                .iter()
-                .map(|a| watcher.reached(a, version))
-                .collect::<Option<Vec<Instant>>>()
-                .and_then(|v| v.into_iter().max());
-            (
-                name.to_string(),
-                last.map(|t| t.saturating_duration_since(t0).as_secs_f64()),
-            )
-        })
-        .collect()
+    match published_at.get(&version) {
+        Some(&t0) => cluster.region_arrival(t0, version),
+        None => cluster
+            .region_actors
+            .keys()
+            .map(|r| (r.to_string(), None))
+            .collect(),
+    }
 }
 
 fn share_line(per_actor: &BTreeMap<String, usize>) -> String {
@@ -613,12 +471,12 @@ fn summarize(
         "mode": mode.name(),
         "model": {"parameters": config.parameter_count(), "bf16_bytes": full_bf16_bytes, "config": config},
         "task": "digit reversal (char_match reward)",
-        "settings": {"steps": a.steps, "groups": a.groups, "samples_per_group": a.samples,
-                     "lr": a.lr, "warm_steps": a.warm_steps, "seed": a.seed, "max_staleness": 1,
+        "settings": {"steps": a.steps(), "groups": a.groups(), "samples_per_group": a.samples(),
+                     "lr": a.lr(), "warm_steps": a.warm_steps, "seed": a.seed, "max_staleness": 1,
                      "engine_slowdown": a.engine_slowdown},
         "regions": regions.iter().map(|r| json!({
             "name": r.name, "rate_mbit": r.rate_mbit, "rtt_ms": r.rtt_ms, "loss": r.loss,
-            "actors": r.actors.iter().map(|(n, s)| json!({"name": n, "speed": s})).collect::<Vec<_>>(),
+            "actors": r.actors.iter().map(|a| json!({"name": a.name, "speed": a.speed, "vllm": a.vllm})).collect::<Vec<_>>(),
         })).collect::<Vec<_>>(),
         "reward": {"first": first, "last": last, "averaged_over_steps": k},
         "bytes": {"deltas": deltas, "per_step": deltas as f64 / reports.len().max(1) as f64,
@@ -698,64 +556,4 @@ fn panels(
             series: transfer,
         },
     ]
-}
-
-fn make_cluster(out: &Path, regions: &[Region]) -> Result<Cluster> {
-    let dir = out.join("cluster");
-    run_once("hub", &["init".into(), "--dir".into(), path(&dir)])?;
-    let issue = |role: &str, name: &str, to: &str| {
-        run_once(
-            "hub",
-            &[
-                "issue".into(),
-                "--dir".into(),
-                path(&dir),
-                "--role".into(),
-                role.into(),
-                "--name".into(),
-                name.into(),
-                "-o".into(),
-                path(&dir.join(to)),
-            ],
-        )
-    };
-    issue("trainer", "trainer", "trainer")?;
-    for r in regions {
-        issue("relay", r.name, &format!("relay-{}", r.name))?;
-        for (a, _) in &r.actors {
-            issue("actor", a, a)?;
-        }
-    }
-    Ok(Cluster { dir })
-}
-
-fn wait_for_hub(client: &HubClient, hub: &mut Proc) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        if client.versions().is_ok() {
-            return Ok(());
-        }
-        hub.check_alive()?;
-        if Instant::now() > deadline {
-            bail!(
-                "the hub did not answer on HTTP within 60 s; see {}",
-                hub.log.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
-fn free_udp_port() -> Result<SocketAddr> {
-    let s = UdpSocket::bind("127.0.0.1:0").context("find a free UDP port")?;
-    s.local_addr().context("find a free UDP port")
-}
-
-fn free_tcp_port() -> Result<SocketAddr> {
-    let s = TcpListener::bind("127.0.0.1:0").context("find a free TCP port")?;
-    s.local_addr().context("find a free TCP port")
-}
-
-fn path(p: &Path) -> String {
-    p.display().to_string()
 }

@@ -18,9 +18,30 @@ pub(crate) struct Region {
     pub(crate) rtt_ms: u64,
     /// Loss probability per packet, each direction (0.001 = 0.1%).
     pub(crate) loss: f64,
-    /// The region's actors: (name, speed). Speed 3 runs the engine at full speed, speed 1 three
-    /// times slower.
-    pub(crate) actors: Vec<(&'static str, u32)>,
+    /// The region's actors.
+    pub(crate) actors: Vec<ActorSpec>,
+}
+
+/// One actor of a region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ActorSpec {
+    pub(crate) name: &'static str,
+    /// Nominal speed: 3 runs the built-in engine at full speed, 1 three times slower
+    /// (`--engine-slowdown 3/speed`, times the run's own slowdown).
+    pub(crate) speed: u32,
+    /// Generates with a vLLM server the actor starts (`--engine vllm`) instead of the built-in
+    /// engine; `speed` does not apply to it.
+    pub(crate) vllm: bool,
+}
+
+impl ActorSpec {
+    pub(crate) const fn builtin(name: &'static str, speed: u32) -> Self {
+        Self {
+            name,
+            speed,
+            vllm: false,
+        }
+    }
 }
 
 /// The demo's two regions: a near one and a far, lossy, slower one; actors at speeds 1:2:3.
@@ -31,14 +52,48 @@ pub(crate) fn demo_regions() -> Vec<Region> {
             rate_mbit: 200.0,
             rtt_ms: 40,
             loss: 0.0,
-            actors: vec![("eu-a1", 3), ("eu-a2", 1)],
+            actors: vec![
+                ActorSpec::builtin("eu-a1", 3),
+                ActorSpec::builtin("eu-a2", 1),
+            ],
         },
         Region {
             name: "ap",
             rate_mbit: 50.0,
             rtt_ms: 150,
             loss: 0.001,
-            actors: vec![("ap-a1", 2)],
+            actors: vec![ActorSpec::builtin("ap-a1", 2)],
+        },
+    ]
+}
+
+/// The real-model run's regions (`starling demo --model`): links where a full checkpoint of
+/// a 135 M-parameter model (269 MB) takes as long as an 8B model's 16 GB over 0.5–1 Gbit/s
+/// (the regime the papers measure), or with `fast`, the quick demo's own links. `eu` holds a
+/// built-in engine actor and, with `vllm`, a vLLM actor; `ap` a built-in engine actor.
+pub(crate) fn real_regions(fast: bool, vllm: bool) -> Vec<Region> {
+    let mut eu = vec![ActorSpec::builtin("eu-a1", 3)];
+    if vllm {
+        eu.push(ActorSpec {
+            name: "eu-v1",
+            speed: 3,
+            vllm: true,
+        });
+    }
+    vec![
+        Region {
+            name: "eu",
+            rate_mbit: if fast { 200.0 } else { 17.0 },
+            rtt_ms: 40,
+            loss: 0.0,
+            actors: eu,
+        },
+        Region {
+            name: "ap",
+            rate_mbit: if fast { 50.0 } else { 8.0 },
+            rtt_ms: 150,
+            loss: 0.001,
+            actors: vec![ActorSpec::builtin("ap-a1", 3)],
         },
     ]
 }

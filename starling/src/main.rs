@@ -11,12 +11,14 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod cluster;
 mod compare;
 mod demo;
 mod links;
 mod model;
 mod plot;
 mod procs;
+mod real;
 mod watch;
 
 #[derive(Parser, Debug)]

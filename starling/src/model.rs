@@ -6,7 +6,10 @@
 //!   hub and the built-in engine do, one JSON request per line (the cross-checks against
 //!   transformers and vLLM in `integrations/vllm/tests/test_model.py` drive it);
 //! - `bench` measures the built-in engine's generation speed on a model directory with chat
-//!   prompts (`docs/benchmarks.md`).
+//!   prompts (`docs/benchmarks.md`);
+//! - `score` recomputes completions' log-probabilities with the built-in engine on the weights
+//!   of a given version, bit for bit what an actor's engine reported for them: a trainer
+//!   outside Rust (the SDK's GRPO trainer) checks builtin-generated samples exactly with it.
 
 use std::collections::BTreeMap;
 use std::io::{BufRead, Write};
@@ -35,6 +38,12 @@ pub(crate) enum ModelCmd {
     /// The built-in engine's generation speed on a model directory: chat prompts, batches of
     /// 16, 32 and 64 sequences, temperature 1, short completions.
     Bench(BenchArgs),
+    /// Read JSON requests from stdin, one per line — {"weights": FILE, "items": [{"prompt":
+    /// [ids], "completion": [ids], "temperature": T}, …]} — and answer each on stdout with
+    /// {"logprobs": [[…], …]}: every completion token's log-probability under the weights in
+    /// FILE (a safetensors checkpoint of the model directory's layout), computed by the
+    /// built-in engine exactly as it computes them while generating, or an "error".
+    Score(RunArgs),
 }
 
 #[derive(Args, Debug)]
@@ -75,6 +84,7 @@ pub(crate) fn run(cmd: ModelCmd) -> anyhow::Result<()> {
         ModelCmd::Import(a) => import(&a),
         ModelCmd::Run(a) => run_requests(&a.model),
         ModelCmd::Bench(a) => bench(&a),
+        ModelCmd::Score(a) => score_requests(&a.model),
     }
 }
 
@@ -104,10 +114,16 @@ fn import(a: &ImportArgs) -> anyhow::Result<()> {
 /// Loads the built-in engine from a model directory (BF16, F16 or F32 safetensors; cast to
 /// BF16 as PyTorch does).
 fn load_model(dir: &Path) -> anyhow::Result<Model> {
+    load_weights(dir, dir)
+}
+
+/// Loads the built-in engine with the model directory's config and the weights in
+/// `weights` (a safetensors file or a directory of them).
+fn load_weights(dir: &Path, weights: &Path) -> anyhow::Result<Model> {
     let config = ModelConfig::from_file(&dir.join("config.json"))
         .with_context(|| format!("read {}", dir.join("config.json").display()))?;
-    let ckpt = starling_checkpoint::safetensors::Checkpoint::open(dir)
-        .with_context(|| format!("open the weights in {}", dir.display()))?;
+    let ckpt = starling_checkpoint::safetensors::Checkpoint::open(weights)
+        .with_context(|| format!("open the weights in {}", weights.display()))?;
     let weights: BTreeMap<String, Vec<u16>> = ckpt.read_all().context("read the weights")?;
     let shapes: BTreeMap<String, Vec<usize>> = config.tensor_shapes().into_iter().collect();
     let lookup = |name: &str| -> Option<(&[usize], &[u16])> {
@@ -179,6 +195,77 @@ fn run_requests(dir: &Path) -> anyhow::Result<()> {
             .context("a request is not JSON")
             .and_then(|req| answer(&text, &mut model, dir, &req))
             .unwrap_or_else(|e| json!({"error": format!("{e:#}")}));
+        let mut w = stdout.lock();
+        writeln!(w, "{out}").context("write stdout")?;
+        w.flush().context("write stdout")?;
+    }
+    Ok(())
+}
+
+/// Sequences `score` runs through the engine together.
+const SCORE_CHUNK: usize = 32;
+
+/// One `score` request: a weights file and the completions to score on it.
+#[derive(serde::Deserialize)]
+struct ScoreRequest {
+    weights: PathBuf,
+    items: Vec<ScoreItem>,
+}
+
+#[derive(serde::Deserialize)]
+struct ScoreItem {
+    prompt: Vec<u32>,
+    completion: Vec<u32>,
+    temperature: f32,
+}
+
+fn score_requests(dir: &Path) -> anyhow::Result<()> {
+    // The weights of the last request's file: a trainer sends a version's samples together.
+    let mut loaded: Option<(PathBuf, Model)> = None;
+    let stdout = std::io::stdout();
+    for line in std::io::stdin().lock().lines() {
+        let line = line.context("read stdin")?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let out = serde_json::from_str::<ScoreRequest>(&line)
+            .context("a request is not {\"weights\": FILE, \"items\": [{prompt, completion, temperature}]}")
+            .and_then(|req| {
+                if loaded.as_ref().is_none_or(|(p, _)| *p != req.weights) {
+                    loaded = None;
+                    loaded = Some((req.weights.clone(), load_weights(dir, &req.weights)?));
+                }
+                let Some((_, model)) = loaded.as_ref() else {
+                    bail!("no model");
+                };
+                // Items at one temperature in one forward pass each, in chunks that bound
+                // the logits held (rows × vocabulary).
+                let mut scored: Vec<Vec<f32>> = vec![Vec::new(); req.items.len()];
+                let mut temps: Vec<f32> = req.items.iter().map(|i| i.temperature).collect();
+                temps.sort_by(f32::total_cmp);
+                temps.dedup();
+                for t in temps {
+                    let of_t: Vec<usize> = (0..req.items.len())
+                        .filter(|&k| req.items[k].temperature.to_bits() == t.to_bits())
+                        .collect();
+                    for chunk in of_t.chunks(SCORE_CHUNK) {
+                        let seqs: Vec<(&[u32], &[u32])> = chunk
+                            .iter()
+                            .map(|&k| (req.items[k].prompt.as_slice(), req.items[k].completion.as_slice()))
+                            .collect();
+                        for (&k, lp) in chunk.iter().zip(model.score_many(&seqs, t)?) {
+                            scored[k] = lp;
+                        }
+                    }
+                }
+                // Serialized as f32 (the shortest text that reads back as the same f32), as
+                // the hub stores the actors' log-probabilities: equal values, equal text.
+                Ok(format!(
+                    "{{\"logprobs\":{}}}",
+                    serde_json::to_string(&scored).context("serialize")?
+                ))
+            })
+            .unwrap_or_else(|e| json!({"error": format!("{e:#}")}).to_string());
         let mut w = stdout.lock();
         writeln!(w, "{out}").context("write stdout")?;
         w.flush().context("write stdout")?;

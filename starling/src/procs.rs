@@ -1,5 +1,7 @@
 //! The demo's child processes: each role runs as `starling <role> …` (this executable), its
-//! output appended to a log file in the run's directory, killed when its owner is dropped.
+//! output appended to a log file in the run's directory, stopped when its owner is dropped
+//! (SIGTERM, a grace period, then SIGKILL: an actor stops its vLLM server on SIGTERM, and a
+//! SIGKILLed one would leave the server's processes running).
 //!
 //! A demo stopped by a signal runs no destructor, so every live child is also in a registry
 //! that [`stop_children_on_signal`] uses: on SIGTERM or SIGINT the demo passes SIGTERM on to
@@ -101,11 +103,17 @@ impl Proc {
     /// Starts `starling ROLE ARGS…` with stdout and stderr appended to `log`.
     pub(crate) fn start(name: &str, role: &str, args: &[String], log: &Path) -> Result<Self> {
         let exe = std::env::current_exe().context("locate the starling executable")?;
+        let mut cmd = Command::new(exe);
+        cmd.arg(role).args(args);
+        Self::spawn(name, cmd, log)
+    }
+
+    /// Starts `cmd` (another program: the Python trainer) with stdout and stderr appended to
+    /// `log`.
+    pub(crate) fn spawn(name: &str, mut cmd: Command, log: &Path) -> Result<Self> {
         let out = File::create(log).with_context(|| format!("create {}", log.display()))?;
         let err = out.try_clone().context("duplicate a log handle")?;
-        let child = Command::new(exe)
-            .arg(role)
-            .args(args)
+        let child = cmd
             .stdin(Stdio::null())
             .stdout(out)
             .stderr(err)
@@ -117,6 +125,11 @@ impl Proc {
             log: log.to_owned(),
             child,
         })
+    }
+
+    /// The exit status, once the process has exited.
+    pub(crate) fn exited(&mut self) -> Result<Option<std::process::ExitStatus>> {
+        self.child.try_wait().context("poll a child")
     }
 
     /// Fails with the end of the log if the process has exited.
@@ -134,8 +147,36 @@ impl Proc {
     }
 }
 
+impl Proc {
+    /// Asks the process to stop (SIGTERM) without waiting: a role drains and stops what it
+    /// started itself (an actor its vLLM server, whose engine processes a SIGKILLed actor
+    /// would leave running).
+    pub(crate) fn terminate(&self) {
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+        }
+    }
+}
+
+/// Stops every process of `procs` at once: SIGTERM to all, then each is waited for (and
+/// SIGKILLed after [`CHILD_GRACE`]) as it is dropped.
+pub(crate) fn stop_all(procs: Vec<Proc>) {
+    for p in &procs {
+        p.terminate();
+    }
+    drop(procs);
+}
+
 impl Drop for Proc {
+    /// SIGTERM, up to [`CHILD_GRACE`] to exit, then SIGKILL; reaped either way.
     fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            self.terminate();
+            let deadline = Instant::now() + CHILD_GRACE;
+            while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
         // Best effort: the child may already be gone.
         let _ = self.child.kill();
         let _ = self.child.wait();

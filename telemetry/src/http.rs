@@ -12,6 +12,21 @@
 //! private network, apart from the data plane (QUIC with mutual TLS). Scrapes encode the
 //! current values on request; nothing is cached or sampled in the background, so the server
 //! owns no task besides its accept loop and its connections.
+//!
+//! What one client can cost is bounded ([`HttpLimits`], `docs/api.md` § Bounds): at most
+//! `max_connections` connections are served at once (one more is answered `503
+//! too_many_connections` and closed); a request's line and headers must arrive within
+//! `header_timeout` of the connection opening or of the previous response (so an idle
+//! keep-alive connection closes after it too) and fit `max_header_bytes`; a request must be
+//! answered — its body read, its handler run — within `request_timeout` (`408 timeout`
+//! otherwise), except on the routes a binary names as long-running; a response its client
+//! stops reading for `write_timeout` ends the connection. Bodies are never read by this layer:
+//! each route reads its own, after its own checks.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use std::future::Future;
 use std::io;
@@ -23,7 +38,10 @@ use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use tokio::net::TcpListener;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Semaphore, watch};
+use tokio::task::JoinSet;
 
 use crate::Metrics;
 
@@ -51,6 +69,43 @@ pub async fn bind(addr: SocketAddr) -> io::Result<(TcpListener, SocketAddr)> {
     let local = listener.local_addr()?;
     Ok((listener, local))
 }
+
+/// What one HTTP client can hold and for how long (see the module docs).
+#[derive(Debug, Clone)]
+pub struct HttpLimits {
+    /// Connections served at once; one more is answered 503 and closed.
+    pub max_connections: usize,
+    /// The request line and headers must arrive within this of the connection opening or of
+    /// the previous response: the header timeout and the keep-alive idle timeout.
+    pub header_timeout: Duration,
+    /// The largest request line and headers.
+    pub max_header_bytes: usize,
+    /// A request must be answered (body read, handler run, response started) within this.
+    pub request_timeout: Duration,
+    /// A response the client does not read for this long ends the connection.
+    pub write_timeout: Duration,
+    /// `(method, path)` of routes whose answer legitimately takes longer than
+    /// `request_timeout` (the hub's publish, which answers once a whole checkpoint is
+    /// encoded and recorded). They bound reading their bodies themselves.
+    pub untimed: Vec<(axum::http::Method, String)>,
+}
+
+impl Default for HttpLimits {
+    fn default() -> Self {
+        HttpLimits {
+            max_connections: 256,
+            header_timeout: Duration::from_secs(10),
+            max_header_bytes: 64 << 10,
+            request_timeout: Duration::from_secs(60),
+            write_timeout: Duration::from_secs(30),
+            untimed: Vec::new(),
+        }
+    }
+}
+
+/// Connections being refused at once beyond [`HttpLimits::max_connections`] (each gets its
+/// 503 within a second); past this they are closed without an answer.
+const MAX_REFUSING: usize = 64;
 
 /// The routes [`serve`] answers: `GET /metrics`, `GET /healthz` and `extra`'s routes. Any
 /// other path is a JSON 404, another method on a known path a JSON 405.
@@ -91,8 +146,8 @@ async fn refuse_oversized(
     }
 }
 
-/// Serves [`router`]`(metrics, extra)` on `listener` until the process exits or the task is
-/// aborted. Returns only if the listener fails.
+/// Serves [`router`]`(metrics, extra)` on `listener` with the default [`HttpLimits`] until
+/// the process exits or the task is aborted. Returns only if the listener fails.
 ///
 /// # Panics
 ///
@@ -110,9 +165,240 @@ pub async fn serve_until(
     extra: Router,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> io::Result<()> {
-    axum::serve(listener, router(metrics, extra))
-        .with_graceful_shutdown(shutdown)
-        .await
+    serve_with(listener, metrics, extra, HttpLimits::default(), shutdown).await
+}
+
+/// As [`serve_until`], within `limits`.
+pub async fn serve_with(
+    listener: TcpListener,
+    metrics: Metrics,
+    extra: Router,
+    limits: HttpLimits,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> io::Result<()> {
+    let limits = Arc::new(limits);
+    let app = router(metrics, extra).layer(axum::middleware::from_fn_with_state(
+        limits.clone(),
+        request_timeout,
+    ));
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.header_timeout)
+        .max_header_size(limits.max_header_bytes)
+        .keep_alive(true);
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
+    let (stop_tx, stop_rx) = watch::channel(false);
+    // Every connection is a task of this set: none outlives the server.
+    let mut connections = JoinSet::new();
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, _peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of file descriptors and the like: the listener itself is fine.
+                    tracing::warn!("accepting an HTTP connection: {e}");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            if let Ok(permit) = refusing.clone().try_acquire_owned() {
+                let max = limits.max_connections;
+                connections.spawn(async move {
+                    refuse_connection(stream, max).await;
+                    drop(permit);
+                });
+            }
+            continue;
+        };
+        let io = hyper_util::rt::TokioIo::new(WriteStall::new(stream, limits.write_timeout));
+        let service = hyper_util::service::TowerToHyperService::new(app.clone());
+        let conn = builder.serve_connection(io, service);
+        let mut stop = stop_rx.clone();
+        connections.spawn(async move {
+            let _slot = slot;
+            tokio::pin!(conn);
+            let served = tokio::select! {
+                r = conn.as_mut() => r,
+                _ = stop.changed() => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = served {
+                tracing::debug!("HTTP connection ended: {e}");
+            }
+        });
+    }
+    drop(listener);
+    let _ = stop_tx.send(true);
+    while connections.join_next().await.is_some() {}
+    Ok(())
+}
+
+/// The answer of a connection beyond [`HttpLimits::max_connections`]: a JSON 503, written
+/// without reading the request, then the connection is closed (within about a second).
+async fn refuse_connection(mut stream: TcpStream, max: usize) {
+    let body = serde_json::json!({
+        "code": "too_many_connections",
+        "message": format!("this server serves at most {max} connections at once; retry later"),
+    })
+    .to_string();
+    let head = format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\nretry-after: 1\r\n\r\n",
+        body.len()
+    );
+    let _ = tokio::time::timeout(Duration::from_secs(1), async {
+        stream.write_all(head.as_bytes()).await?;
+        stream.write_all(body.as_bytes()).await?;
+        stream.shutdown().await?;
+        // Read (and drop) what the client sent, briefly, so that closing does not reset the
+        // connection before the client reads the answer.
+        let mut sink = [0u8; 4096];
+        let mut left = 64usize << 10;
+        while left > 0 {
+            let n = tokio::io::AsyncReadExt::read(&mut stream, &mut sink).await?;
+            if n == 0 {
+                break;
+            }
+            left = left.saturating_sub(n);
+        }
+        io::Result::Ok(())
+    })
+    .await;
+}
+
+/// Answers `408 timeout` for a request not answered within [`HttpLimits::request_timeout`]
+/// (its handler is dropped), except on the routes named in [`HttpLimits::untimed`].
+async fn request_timeout(
+    axum::extract::State(limits): axum::extract::State<Arc<HttpLimits>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let untimed = limits
+        .untimed
+        .iter()
+        .any(|(m, p)| m == request.method() && p == request.uri().path());
+    if untimed {
+        return next.run(request).await;
+    }
+    match tokio::time::timeout(limits.request_timeout, next.run(request)).await {
+        Ok(r) => r,
+        Err(_) => {
+            let mut r = json_error(
+                StatusCode::REQUEST_TIMEOUT,
+                "timeout",
+                format!(
+                    "the request was not answered within {} s (its body too slow, or the server \
+                     too busy)",
+                    limits.request_timeout.as_secs_f64()
+                ),
+            );
+            r.headers_mut().insert(
+                header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+            r
+        }
+    }
+}
+
+/// A stream whose writes fail (`TimedOut`) once one has waited `limit` without progress: a
+/// client that stops reading a response cannot hold its connection and the response's
+/// memory forever.
+#[derive(Debug)]
+struct WriteStall<T> {
+    inner: T,
+    limit: Duration,
+    stalled: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<T> WriteStall<T> {
+    fn new(inner: T, limit: Duration) -> Self {
+        WriteStall {
+            inner,
+            limit,
+            stalled: None,
+        }
+    }
+
+    /// Maps a pending write to `TimedOut` once it has been pending for `limit`.
+    fn guard<R>(&mut self, cx: &mut Context<'_>, p: Poll<io::Result<R>>) -> Poll<io::Result<R>> {
+        match p {
+            Poll::Ready(r) => {
+                self.stalled = None;
+                Poll::Ready(r)
+            }
+            Poll::Pending => {
+                let limit = self.limit;
+                let timer = self
+                    .stalled
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep(limit)));
+                if timer.as_mut().poll(cx).is_ready() {
+                    Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::TimedOut,
+                        "the client did not read the response",
+                    )))
+                } else {
+                    Poll::Pending
+                }
+            }
+        }
+    }
+}
+
+impl<T: AsyncRead + Unpin> AsyncRead for WriteStall<T> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_read(cx, buf)
+    }
+}
+
+impl<T: AsyncWrite + Unpin> AsyncWrite for WriteStall<T> {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let p = Pin::new(&mut this.inner).poll_write(cx, buf);
+        this.guard(cx, p)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let p = Pin::new(&mut this.inner).poll_write_vectored(cx, bufs);
+        this.guard(cx, p)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let p = Pin::new(&mut this.inner).poll_flush(cx);
+        this.guard(cx, p)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let p = Pin::new(&mut this.inner).poll_shutdown(cx);
+        this.guard(cx, p)
+    }
 }
 
 async fn scrape(State(metrics): State<Metrics>, headers: HeaderMap) -> impl IntoResponse {

@@ -259,3 +259,156 @@ async fn serve_until_returns_after_shutdown() {
         "listener is closed after shutdown"
     );
 }
+
+/// A server with `limits` and `extra` routes, stopped (aborted) when dropped.
+async fn start_limited(limits: http::HttpLimits, extra: Router) -> Server {
+    let (listener, addr) = http::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
+        .await
+        .expect("bind");
+    let task = tokio::spawn(http::serve_with(
+        listener,
+        Metrics::new(Component::Hub),
+        extra,
+        limits,
+        std::future::pending(),
+    ));
+    Server { addr, task }
+}
+
+/// Reads until the peer closes the connection (or resets it); returns what arrived and how
+/// long that took.
+async fn read_until_closed(stream: &mut TcpStream) -> (Vec<u8>, Duration) {
+    let started = std::time::Instant::now();
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 1 << 16];
+    loop {
+        match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => return (got, started.elapsed()),
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_request_whose_headers_never_finish_is_closed_after_the_header_timeout() {
+    let limits = http::HttpLimits {
+        header_timeout: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let server = start_limited(limits, Router::new()).await;
+    // Half a request, then silence (a slowloris client).
+    let mut s = TcpStream::connect(server.addr).await.expect("connect");
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .expect("write");
+    let (_, took) = tokio::time::timeout(Duration::from_secs(20), read_until_closed(&mut s))
+        .await
+        .expect("the server closes the connection");
+    assert!(took >= Duration::from_millis(800), "closed after {took:?}");
+
+    // An idle keep-alive connection is closed by the same timeout after its response.
+    let mut s = TcpStream::connect(server.addr).await.expect("connect");
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    let (got, _) = tokio::time::timeout(Duration::from_secs(20), read_until_closed(&mut s))
+        .await
+        .expect("the idle connection is closed");
+    assert!(
+        String::from_utf8_lossy(&got).starts_with("HTTP/1.1 200"),
+        "the request itself was answered"
+    );
+}
+
+#[tokio::test]
+async fn connections_beyond_the_cap_get_503_and_the_others_are_served() {
+    let limits = http::HttpLimits {
+        max_connections: 2,
+        header_timeout: Duration::from_secs(60),
+        ..Default::default()
+    };
+    let server = start_limited(limits, Router::new()).await;
+    // Two connections hold both slots (idle, within their header timeout).
+    let held_a = TcpStream::connect(server.addr).await.expect("connect");
+    let held_b = TcpStream::connect(server.addr).await.expect("connect");
+    // The accept loop takes them in order; give it a moment to register both.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = request(server.addr, "GET", "/healthz", "").await;
+    assert_eq!(r.status, 503, "{r:?}");
+    assert!(r.body.contains("too_many_connections"), "{}", r.body);
+    // A slot freed is a slot served.
+    drop(held_a);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = request(server.addr, "GET", "/healthz", "").await;
+        if r.status == 200 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no slot came free: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(held_b);
+}
+
+#[tokio::test]
+async fn a_body_slower_than_the_request_timeout_is_answered_408_unless_the_route_is_untimed() {
+    let limits = http::HttpLimits {
+        request_timeout: Duration::from_secs(1),
+        untimed: vec![(axum::http::Method::POST, "/slow-ok".to_owned())],
+        ..Default::default()
+    };
+    let extra = Router::new()
+        .route("/echo", post(|body: String| async move { body }))
+        .route(
+            "/slow-ok",
+            post(|| async {
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                "done"
+            }),
+        );
+    let server = start_limited(limits, extra).await;
+    let mut s = TcpStream::connect(server.addr).await.expect("connect");
+    s.write_all(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n0123456789")
+        .await
+        .expect("write");
+    let (got, took) = tokio::time::timeout(Duration::from_secs(20), read_until_closed(&mut s))
+        .await
+        .expect("answered");
+    let text = String::from_utf8_lossy(&got);
+    assert!(text.starts_with("HTTP/1.1 408"), "{text}");
+    assert!(text.contains("\"timeout\""), "{text}");
+    assert!(
+        took >= Duration::from_millis(800),
+        "answered after {took:?}"
+    );
+    // A route named untimed may take longer than the request timeout.
+    let r = request(server.addr, "POST", "/slow-ok", "").await;
+    assert_eq!((r.status, r.body.as_str()), (200, "done"));
+}
+
+#[tokio::test]
+async fn a_client_that_stops_reading_a_response_loses_its_connection() {
+    const BODY: usize = 64 << 20;
+    let limits = http::HttpLimits {
+        write_timeout: Duration::from_secs(1),
+        ..Default::default()
+    };
+    let extra = Router::new().route("/big", axum::routing::get(|| async { vec![b'x'; BODY] }));
+    let server = start_limited(limits, extra).await;
+    let mut s = TcpStream::connect(server.addr).await.expect("connect");
+    s.write_all(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .expect("write");
+    // Read nothing for a while: the server's writes stall on full socket buffers.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    let (got, _) = tokio::time::timeout(Duration::from_secs(20), read_until_closed(&mut s))
+        .await
+        .expect("the connection ends");
+    assert!(
+        got.len() < BODY,
+        "the whole {BODY}-byte response was kept for a client that did not read it"
+    );
+}

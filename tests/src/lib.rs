@@ -13,6 +13,11 @@ use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir};
 use starling_proto::apply::full_digest;
 
+/// The environment variable `starling-fault-hub` (never `starling-hub`) reads: the version
+/// whose first transmission it corrupts (`starling_transport::fanout::inject_corruption`).
+/// A [`Testbed`] whose hub environment names it runs `starling-fault-hub` as its hub.
+pub const CORRUPT_VERSION_VAR: &str = "STARLING_TEST_CORRUPT_VERSION";
+
 /// A workspace binary next to this test's executable (built by `cargo test --workspace`).
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test executable");
@@ -144,18 +149,26 @@ pub struct Testbed {
     hub_args: Vec<String>,
     hub_env: Vec<(String, String)>,
     hub_pid: u32,
+    /// `starling-hub`, or `starling-fault-hub` when the hub's environment arms a fault.
+    hub_bin: &'static str,
+    /// The hub's `--publish-dir`s: every directory holding a step (not the root, which holds
+    /// the cluster's keys).
+    pub publish_dirs: Vec<PathBuf>,
 }
 
 /// The hub's `serve` command of a test bed rooted at `root`.
+#[allow(clippy::too_many_arguments)]
 fn hub_command(
+    hub_bin: &str,
     root: &std::path::Path,
-    init: &std::path::Path,
+    init: Option<&std::path::Path>,
     listen: &str,
     http: &str,
     args: &[String],
     env: &[(String, String)],
+    publish: &[PathBuf],
 ) -> Command {
-    let mut hub = Command::new(bin("starling-hub"));
+    let mut hub = Command::new(bin(hub_bin));
     hub.args([
         "serve",
         "--listen",
@@ -167,10 +180,14 @@ fn hub_command(
     .arg(root.join("cluster"))
     .arg("--store")
     .arg(root.join("hub-store"))
-    .arg("--init")
-    .arg(init)
     .args(["--http", http])
     .args(args);
+    for d in publish {
+        hub.arg("--publish-dir").arg(d);
+    }
+    if let Some(init) = init {
+        hub.arg("--init").arg(init);
+    }
     for (k, v) in env {
         hub.env(k, v);
     }
@@ -240,13 +257,29 @@ impl Testbed {
             .iter()
             .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
             .collect();
+        let mut publish_dirs: Vec<PathBuf> = Vec::new();
+        for s in &steps {
+            if let Some(d) = s
+                .parent()
+                .filter(|d| !publish_dirs.iter().any(|p| d.starts_with(p)))
+            {
+                publish_dirs.push(d.to_owned());
+            }
+        }
+        let hub_bin = if hub_env.iter().any(|(k, _)| k == CORRUPT_VERSION_VAR) {
+            "starling-fault-hub"
+        } else {
+            "starling-hub"
+        };
         let mut hub = hub_command(
+            hub_bin,
             &root,
-            &steps[0],
+            Some(&steps[0]),
             "127.0.0.1:0",
             "127.0.0.1:0",
             &hub_args,
             &hub_env,
+            &publish_dirs,
         );
         let (hub_out, hub_log) = spawn_with_log(&mut procs, &mut hub);
         let hub_http = wait_for(&hub_out, "http on ", deadline)
@@ -271,6 +304,8 @@ impl Testbed {
             procs,
             hub_args,
             hub_env,
+            hub_bin,
+            publish_dirs,
         }
     }
 
@@ -279,12 +314,14 @@ impl Testbed {
     /// Its output replaces `hub_out` and `hub_log`.
     pub fn restart_hub(&mut self) {
         let mut hub = hub_command(
+            self.hub_bin,
             &self.root,
-            &self.steps[0],
+            Some(&self.steps[0]),
             &self.hub_addr,
             &self.hub_http,
             &self.hub_args,
             &self.hub_env,
+            &self.publish_dirs,
         );
         let (out, log) = spawn_with_log(&mut self.procs, &mut hub);
         self.hub_pid = self.procs.0.last().map(|c| c.id()).unwrap_or(0);
@@ -293,18 +330,58 @@ impl Testbed {
         self.hub_log = log;
     }
 
+    /// As [`Testbed::restart_hub`], with `extra` added to the hub's environment (its binary
+    /// stays the one it was: `starling-hub` unless the test bed was made with a fault armed).
+    pub fn restart_hub_with_env(&mut self, extra: &[(&str, &str)]) {
+        self.hub_env.extend(
+            extra
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned())),
+        );
+        self.restart_hub();
+    }
+
     /// The hub's command with `init` as `--init` (for a start that must be refused).
     pub fn hub_command_with_init(&self, init: &std::path::Path, extra: &[&str]) -> Command {
         let mut args = self.hub_args.clone();
         args.extend(extra.iter().map(|a| (*a).to_owned()));
         hub_command(
+            self.hub_bin,
             &self.root,
-            init,
+            Some(init),
             &self.hub_addr,
             &self.hub_http,
             &args,
             &self.hub_env,
+            &self.publish_dirs,
         )
+    }
+
+    /// The hub's command without `--init` (a restart once the ledger holds the run).
+    pub fn hub_command_without_init(&self, extra: &[&str]) -> Command {
+        let mut args = self.hub_args.clone();
+        args.extend(extra.iter().map(|a| (*a).to_owned()));
+        hub_command(
+            self.hub_bin,
+            &self.root,
+            None,
+            &self.hub_addr,
+            &self.hub_http,
+            &args,
+            &self.hub_env,
+            &self.publish_dirs,
+        )
+    }
+
+    /// Starts `cmd` as the hub (a command from [`Testbed::hub_command_with_init`] or
+    /// [`Testbed::hub_command_without_init`]) and waits until it listens; its output replaces
+    /// `hub_out` and `hub_log`.
+    pub fn start_hub(&mut self, mut cmd: Command) {
+        let (out, log) = spawn_with_log(&mut self.procs, &mut cmd);
+        self.hub_pid = self.procs.0.last().map(|c| c.id()).unwrap_or(0);
+        wait_for(&out, "listening on ", self.deadline);
+        self.hub_out = out;
+        self.hub_log = log;
     }
 
     /// A relay connected straight to the hub; returns its address and stdout lines.
@@ -529,6 +606,11 @@ impl Testbed {
             }
             std::thread::sleep(Duration::from_millis(20));
         }
+    }
+
+    /// The hub's process id (the first hub, or the one [`Testbed::restart_hub`] started).
+    pub fn hub_pid(&self) -> u32 {
+        self.hub_pid
     }
 
     pub fn kill_hub(&mut self) {

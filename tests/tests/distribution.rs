@@ -7,12 +7,13 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use starling_tests::{Testbed, http_get, metric, next_event, wait_for};
+use starling_tests::{CORRUPT_VERSION_VAR, Testbed, bin, http_get, metric, next_event, wait_for};
 
 #[test]
 fn hub_delivers_every_version_to_every_actor_bit_identically() {
     let peers = [("actor", "a1"), ("actor", "a2")];
-    let mut tb = Testbed::new(5, 5, &peers, &[("STARLING_TEST_CORRUPT_VERSION", "2")]);
+    // The hub is `starling-fault-hub` (the test bed picks it for this variable).
+    let mut tb = Testbed::new(5, 5, &peers, &[(CORRUPT_VERSION_VAR, "2")]);
     let dl = tb.deadline;
     let a1 = tb.actor("a1", &[]);
     let mut a2 = tb.actor("a2", &[]);
@@ -57,6 +58,47 @@ fn hub_delivers_every_version_to_every_actor_bit_identically() {
     }
     tb.assert_store_is("a1", 5);
     tb.assert_store_is("a2", 5);
+}
+
+/// The corruption hook above is armed only by the tests' own `starling-fault-hub`: the
+/// binaries a user builds (`cargo build --release --workspace` unifies every package's
+/// features, the tests' included) neither contain the hook's variable nor act on it.
+#[test]
+fn released_binaries_ignore_the_fault_hooks_variable() {
+    let contains = |hay: &[u8], needle: &[u8]| hay.windows(needle.len()).any(|w| w == needle);
+    let var = CORRUPT_VERSION_VAR.as_bytes();
+    for name in [
+        "starling-hub",
+        "starling-relay",
+        "starling-actor",
+        "starling",
+    ] {
+        let bytes = std::fs::read(bin(name)).expect("read the binary");
+        assert!(
+            !contains(&bytes, var),
+            "{name} carries the test-only variable {CORRUPT_VERSION_VAR}"
+        );
+    }
+    // The check sees the variable where it is meant to be.
+    let fault_hub = std::fs::read(bin("starling-fault-hub")).expect("read starling-fault-hub");
+    assert!(contains(&fault_hub, var));
+
+    // And by behaviour: the released hub, started with the variable naming version 1, sends
+    // version 1 intact (the fault hub would corrupt it and the actor would refetch it).
+    let mut tb = Testbed::new(2, 9, &[("actor", "a1")], &[]);
+    let dl = tb.deadline;
+    tb.kill_hub();
+    tb.restart_hub_with_env(&[(CORRUPT_VERSION_VAR, "1")]);
+    let a1 = tb.actor("a1", &[]);
+    wait_for(&a1, "active 0 ", dl);
+    for k in 1..=2 {
+        tb.publish(k);
+        assert_eq!(
+            next_event(&a1, dl),
+            tb.active_line(k),
+            "version {k}, not refetched"
+        );
+    }
 }
 
 #[test]

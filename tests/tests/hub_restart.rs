@@ -159,3 +159,65 @@ fn a_sigterm_drains_the_hub_within_its_grace_period_and_a_restart_resumes() {
     );
     tb.assert_store_is("a1", want);
 }
+
+/// Once the ledger and the store hold the run, the seed checkpoint is no longer needed: a
+/// restart without `--init` resumes (weights from the store, the model's files from the
+/// store's copy), and so does one naming the current checkpoint with its version; a
+/// checkpoint that is not that version's is refused.
+#[test]
+fn a_restart_needs_no_init_file_once_the_run_is_recorded() {
+    let mut tb = Testbed::new(4, 13, &[("actor", "a1")], &[]);
+    let dl = tb.deadline;
+    let a1 = tb.actor("a1", &[]);
+    wait_for(&a1, "active 0 ", dl);
+    // The seed's anchor is written in the background; from then on the seed file may go.
+    let seal = tb.root.join("hub-store/anchors/v00000000.seal");
+    while !seal.exists() {
+        assert!(std::time::Instant::now() < dl, "no anchor of version 0");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    tb.publish(1);
+    tb.publish(2);
+    assert_eq!(wait_for(&a1, "active 2 ", dl), tb.active_line(2));
+    tb.terminate_hub(std::time::Duration::from_secs(30));
+
+    // The seed file and the model files beside it are gone.
+    let ckpt = tb.steps[0].parent().expect("checkpoint dir").to_owned();
+    let away = tb.root.join("moved-away");
+    std::fs::create_dir_all(&away).expect("mkdir");
+    for f in [tb.steps[0].clone(), ckpt.join("config.json")] {
+        if f.exists() {
+            std::fs::rename(&f, away.join(f.file_name().expect("name"))).expect("move");
+        }
+    }
+    let cmd = tb.hub_command_without_init(&[]);
+    tb.start_hub(cmd);
+    assert_eq!(latest_version(&tb), 2, "resumed without --init");
+    tb.publish(3);
+    assert_eq!(wait_for(&a1, "active 3 ", dl), tb.active_line(3));
+
+    // The current checkpoint and its version as --init: accepted.
+    tb.terminate_hub(std::time::Duration::from_secs(30));
+    let cmd = tb.hub_command_with_init(&tb.steps[3], &["--init-version", "3"]);
+    tb.start_hub(cmd);
+    tb.publish(4);
+    assert_eq!(wait_for(&a1, "active 4 ", dl), tb.active_line(4));
+
+    // A checkpoint that is not version 4's: refused, naming both digests.
+    tb.terminate_hub(std::time::Duration::from_secs(30));
+    let out = tb
+        .hub_command_with_init(&tb.steps[2], &["--init-version", "4"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run hub");
+    assert!(
+        !out.status.success(),
+        "a checkpoint of another version must be refused"
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("contradicts the ledger") && err.contains("version 4"),
+        "{err}"
+    );
+}

@@ -6,30 +6,39 @@
 //! says what to fix. Routes that change state or return rollouts need the trainer token
 //! (`Authorization: Bearer …`, from `starling-hub issue --role trainer`); the listener has no
 //! TLS of its own: bind it to loopback or the training cluster's private network.
+//!
+//! Nothing of a request is read or parsed before its token is checked: the check is a layer
+//! in front of the protected routes ([`require_token`]) that sees only the headers, and a
+//! refused request is answered `401` with its body unread (the connection is then closed).
+//! Past the check, a body is read into a reader bounded in bytes and in time ([`read_json`])
+//! and parsed only once whole.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, Path, Query, State};
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use http_body_util::BodyExt;
 use serde::Deserialize;
+use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use starling_ledger::{BatchId, CancelError, PostError, ReadError, Version};
 use starling_proto::manifest::hex;
-use starling_proto::msg::Message;
 
 use crate::durable::{VersionMeta, now};
 use crate::results::{self, MAX_PAGE_BYTES};
 use crate::rollouts::{BatchRequest, check_deliverable, check_rewards, expand};
 use crate::serve::{Hub, publish};
 
-/// The largest request body (a batch of prompt groups as JSON).
-const MAX_BODY: usize = 64 << 20;
+/// The largest batch request (prompt groups as JSON).
+const MAX_BATCH_BODY: usize = 64 << 20;
+/// The largest publish request (a path and a few fields).
+const MAX_PUBLISH_BODY: usize = 64 << 10;
 /// Most results one poll returns.
 const MAX_LIMIT: u32 = 1024;
 /// Longest a poll waits.
@@ -74,48 +83,98 @@ impl IntoResponse for ApiError {
     }
 }
 
-impl From<JsonRejection> for ApiError {
-    fn from(r: JsonRejection) -> Self {
-        let status = r.status();
-        let code = if status == StatusCode::PAYLOAD_TOO_LARGE {
-            "too_large"
-        } else {
-            "bad_request"
-        };
-        ApiError::new(
-            if code == "too_large" {
-                status
-            } else {
-                StatusCode::BAD_REQUEST
-            },
-            code,
-            r.body_text(),
-        )
-    }
-}
-
 type Reply<T> = Result<T, ApiError>;
+
+/// Reads a JSON request body of at most `limit` bytes that must arrive within `deadline`, then
+/// parses it. Called only behind [`require_token`].
+async fn read_json<T: DeserializeOwned>(body: Body, limit: usize, deadline: Duration) -> Reply<T> {
+    let limited = http_body_util::Limited::new(body, limit);
+    let bytes = match tokio::time::timeout(deadline, limited.collect()).await {
+        Err(_) => {
+            return Err(ApiError::new(
+                StatusCode::REQUEST_TIMEOUT,
+                "timeout",
+                format!(
+                    "the request body did not arrive within {} s",
+                    deadline.as_secs_f64()
+                ),
+            ));
+        }
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            return Err(ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "too_large",
+                format!("the request body is over this route's limit of {limit} bytes"),
+            ));
+        }
+        Ok(Err(e)) => {
+            return Err(ApiError::new(
+                StatusCode::BAD_REQUEST,
+                "bad_request",
+                format!("reading the request body failed: {e}"),
+            ));
+        }
+        Ok(Ok(collected)) => collected.to_bytes(),
+    };
+    serde_json::from_slice(&bytes).map_err(|e| {
+        ApiError::new(
+            StatusCode::BAD_REQUEST,
+            "bad_request",
+            format!("the request body is not the JSON this route takes: {e}"),
+        )
+    })
+}
 
 /// `POST /v1/versions` body.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct PublishRequest {
-    /// A safetensors file or sharded directory readable by the hub.
+    /// A safetensors file or sharded directory under one of the hub's `--publish-dir`s.
     pub path: PathBuf,
     /// The trainer's own step number, recorded with the version.
     #[serde(default)]
     pub step: Option<u64>,
+    /// Checks this publish skips (`nonfinite`, `unchanged`, `step_backwards`).
+    #[serde(default)]
+    pub allow: Vec<crate::ingest::Allow>,
 }
 
 pub(crate) fn router(hub: Arc<Hub>) -> Router {
+    let token = || axum::middleware::from_fn_with_state(hub.clone(), require_token);
     Router::new()
-        .route("/v1/versions", get(list).post(create))
-        .route("/v1/batches", post(submit_batch))
-        .route("/v1/batches/{id}", get(batch_status))
-        .route("/v1/batches/{id}/results", get(results))
-        .route("/v1/batches/{id}/cancel", post(cancel))
-        .layer(DefaultBodyLimit::max(MAX_BODY))
+        .route(
+            "/v1/versions",
+            get(list).merge(post(create).route_layer(token())),
+        )
+        .route("/v1/batches", post(submit_batch).route_layer(token()))
+        .route("/v1/batches/{id}", get(batch_status).route_layer(token()))
+        .route(
+            "/v1/batches/{id}/results",
+            get(results).route_layer(token()),
+        )
+        .route("/v1/batches/{id}/cancel", post(cancel).route_layer(token()))
         .with_state(hub)
+}
+
+/// Lets a request through to its route only with a valid trainer token. Runs before any
+/// extractor of the route: a refused request's body is never read, and its connection is
+/// closed (what the client already sent is dropped with it).
+async fn require_token(
+    State(hub): State<Arc<Hub>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match authorize(&hub, request.headers()) {
+        Ok(_trainer) => next.run(request).await,
+        Err(e) => {
+            let mut r = e.into_response();
+            r.headers_mut().insert(
+                header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+            r
+        }
+    }
 }
 
 /// Checks the trainer token; returns the trainer's name.
@@ -170,73 +229,37 @@ async fn list(State(hub): State<Arc<Hub>>) -> Reply<Json<Value>> {
     })))
 }
 
-async fn create(
-    State(hub): State<Arc<Hub>>,
-    headers: HeaderMap,
-    req: Result<Json<PublishRequest>, JsonRejection>,
-) -> Reply<(StatusCode, Json<Value>)> {
-    authorize(&hub, &headers)?;
-    let Json(req) = req?;
-    if !req.path.is_absolute() {
-        return Err(ApiError::new(
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-            format!("path must be absolute: {}", req.path.display()),
-        ));
-    }
-    if let Err(e) = starling_checkpoint::safetensors::Checkpoint::open(&req.path) {
-        return Err(ApiError::new(
-            StatusCode::UNPROCESSABLE_ENTITY,
-            "unreadable_checkpoint",
-            format!(
-                "{}: {}",
-                req.path.display(),
-                starling_telemetry::error_chain(&e)
-            ),
-        ));
-    }
-    match publish(&hub, &req.path, req.step).await {
-        Ok(Message::Published {
-            version,
-            changes,
-            bytes,
-        }) => {
-            let digest = hub.digest_hex().await;
-            Ok((
-                StatusCode::CREATED,
-                Json(json!({
-                    "version": version,
-                    "base": version.saturating_sub(1),
-                    "changes": changes,
-                    "bytes": bytes,
-                    "digest": digest,
-                    "step": req.step,
-                })),
-            ))
-        }
-        Ok(other) => Err(ApiError::internal("publish", format!("{other:?}"))),
-        Err(e) => {
-            let text = format!("{e:#}");
-            if text.contains("layout") || text.contains("shape") || text.contains("tensor") {
-                Err(ApiError::new(StatusCode::CONFLICT, "layout_mismatch", text))
-            } else {
-                Err(ApiError::new(
-                    StatusCode::UNPROCESSABLE_ENTITY,
-                    "unreadable_checkpoint",
-                    text,
-                ))
-            }
-        }
+async fn create(State(hub): State<Arc<Hub>>, body: Body) -> Reply<(StatusCode, Json<Value>)> {
+    let req: PublishRequest =
+        read_json(body, MAX_PUBLISH_BODY, hub.http_limits().request_timeout).await?;
+    let req = crate::ingest::PublishRequest {
+        path: req.path,
+        step: req.step,
+        allow: req.allow,
+    };
+    match publish(&hub, req).await {
+        Ok(p) => Ok((
+            StatusCode::CREATED,
+            Json(json!({
+                "version": p.version,
+                "base": p.base,
+                "changes": p.changes,
+                "bytes": p.bytes,
+                "digest": hex(&p.digest),
+                "step": p.step,
+            })),
+        )),
+        Err(e) => Err(ApiError::new(
+            StatusCode::from_u16(e.status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            e.code(),
+            e.to_string(),
+        )),
     }
 }
 
-async fn submit_batch(
-    State(hub): State<Arc<Hub>>,
-    headers: HeaderMap,
-    req: Result<Json<BatchRequest>, JsonRejection>,
-) -> Reply<(StatusCode, Json<Value>)> {
-    authorize(&hub, &headers)?;
-    let Json(req) = req?;
+async fn submit_batch(State(hub): State<Arc<Hub>>, body: Body) -> Reply<(StatusCode, Json<Value>)> {
+    let req: BatchRequest =
+        read_json(body, MAX_BATCH_BODY, hub.http_limits().request_timeout).await?;
     check_rewards(&req, &hub.rewards)
         .map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, e.code, e.message))?;
     let groups = expand(&req, &hub.limits)
@@ -357,12 +380,7 @@ async fn status_json(hub: &Hub, id: BatchId) -> Reply<(Value, bool, Option<Strin
     Ok((doc, finished, s.archive.map(|a| a.path)))
 }
 
-async fn batch_status(
-    State(hub): State<Arc<Hub>>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Reply<Json<Value>> {
-    authorize(&hub, &headers)?;
+async fn batch_status(State(hub): State<Arc<Hub>>, Path(id): Path<String>) -> Reply<Json<Value>> {
     let id = batch_id(&id)?;
     Ok(Json(status_json(&hub, id).await?.0))
 }
@@ -377,17 +395,17 @@ struct ResultsQuery {
 
 async fn results(
     State(hub): State<Arc<Hub>>,
-    headers: HeaderMap,
     Path(id): Path<String>,
     query: Result<Query<ResultsQuery>, axum::extract::rejection::QueryRejection>,
 ) -> Reply<Response> {
-    authorize(&hub, &headers)?;
     let id = batch_id(&id)?;
     let Query(q) =
         query.map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "bad_request", e.body_text()))?;
     let after = q.after.unwrap_or(0);
     let limit = q.limit.unwrap_or(64).clamp(1, MAX_LIMIT);
-    let wait = Duration::from_millis(q.wait_ms.unwrap_or(0).min(MAX_WAIT_MS));
+    // A poll ends well within the request timeout, which would otherwise cut it off.
+    let longest = Duration::from_millis(MAX_WAIT_MS).min(hub.http_limits().request_timeout / 2);
+    let wait = Duration::from_millis(q.wait_ms.unwrap_or(0)).min(longest);
     let deadline = tokio::time::Instant::now() + wait;
     let unreadable = |e: results::Unreadable| ApiError::internal("read results", e);
     loop {
@@ -441,12 +459,7 @@ async fn results(
     }
 }
 
-async fn cancel(
-    State(hub): State<Arc<Hub>>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-) -> Reply<Json<Value>> {
-    authorize(&hub, &headers)?;
+async fn cancel(State(hub): State<Arc<Hub>>, Path(id): Path<String>) -> Reply<Json<Value>> {
     let id = batch_id(&id)?;
     let (_, finished, _) = status_json(&hub, id).await?;
     if finished {

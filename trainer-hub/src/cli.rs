@@ -38,6 +38,8 @@ pub struct Cli {
     pub log: starling_telemetry::logging::LogArgs,
 }
 
+// Parsed once at start and matched once: the size of `Serve` costs nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Delta checkpoint tools.
@@ -76,11 +78,14 @@ pub enum Command {
         store: PathBuf,
         #[arg(long, default_value = "0.0.0.0:7443", env = "STARLING_HUB_LISTEN")]
         listen: std::net::SocketAddr,
-        /// The current checkpoint (safetensors file or sharded directory).
+        /// The run's first checkpoint (a safetensors file, a sharded directory, or a model
+        /// directory): needed on the first start only. Once the ledger and the store hold the
+        /// run, a restart needs none; given, it must be a checkpoint of the run (the seed, or
+        /// any recorded version with its --init-version).
         #[arg(long, env = "STARLING_HUB_INIT")]
-        init: PathBuf,
+        init: Option<PathBuf>,
         /// Its version (default: recorded in its metadata, else 0).
-        #[arg(long)]
+        #[arg(long, env = "STARLING_HUB_INIT_VERSION")]
         init_version: Option<u64>,
         #[arg(long, default_value = "model", env = "STARLING_HUB_MODEL_ID")]
         model_id: String,
@@ -94,6 +99,17 @@ pub enum Command {
         /// Serve `/metrics` and the HTTP API (`POST /v1/versions`) here.
         #[arg(long, env = "STARLING_HUB_HTTP")]
         http: Option<std::net::SocketAddr>,
+        /// A directory the trainer writes checkpoints into (repeatable; in the environment,
+        /// comma-separated). A publish names a path that must lie inside one of them (links
+        /// resolved); without any, the hub publishes no path: it reads published files with
+        /// its own privileges, which include the cluster's signing key.
+        #[arg(
+            long = "publish-dir",
+            value_name = "DIR",
+            env = "STARLING_HUB_PUBLISH_DIRS",
+            value_delimiter = ','
+        )]
+        publish_dirs: Vec<PathBuf>,
         /// Deltas kept in memory for subscribers that fall behind (further back: anchors).
         #[arg(long, default_value_t = 32)]
         retain: usize,
@@ -168,6 +184,9 @@ pub enum Command {
         /// Rewards by services, and retention of delivered results.
         #[command(flatten)]
         results: Box<ResultsArgs>,
+        /// Bounds of the HTTP server.
+        #[command(flatten)]
+        http_limits: Box<HttpArgs>,
     },
     /// Ask a running hub to publish a new checkpoint (a path on the hub's machine).
     Publish {
@@ -338,6 +357,55 @@ pub struct ResultsArgs {
     results_archive: Option<PathBuf>,
 }
 
+/// `serve`'s bounds on its HTTP server (`docs/api.md`, "Bounds").
+#[derive(clap::Args, Debug)]
+pub struct HttpArgs {
+    /// Most HTTP connections served at once; one more is answered 503
+    /// (too_many_connections) and closed.
+    #[arg(long, default_value_t = 256, env = "STARLING_HUB_HTTP_MAX_CONNECTIONS")]
+    http_max_connections: usize,
+    /// Seconds a request's line and headers may take to arrive, from the connection's start or
+    /// the previous response's end (so also how long an idle keep-alive connection stays open).
+    #[arg(long, default_value_t = 10.0, env = "STARLING_HUB_HTTP_HEADER_TIMEOUT")]
+    http_header_timeout: f64,
+    /// Seconds a request may take to be answered, its body included (408 timeout). Publishes
+    /// are exempt (they answer once the version is recorded), but their body must arrive
+    /// within it; long-polls wait at most half of it.
+    #[arg(
+        long,
+        default_value_t = 60.0,
+        env = "STARLING_HUB_HTTP_REQUEST_TIMEOUT"
+    )]
+    http_request_timeout: f64,
+    /// Seconds a response may wait for its client to read it before the connection is closed.
+    #[arg(long, default_value_t = 30.0, env = "STARLING_HUB_HTTP_WRITE_TIMEOUT")]
+    http_write_timeout: f64,
+}
+
+impl HttpArgs {
+    fn limits(&self) -> Result<starling_telemetry::http::HttpLimits> {
+        let secs = |name: &str, v: f64| {
+            if v.is_finite() && (0.1..1e6).contains(&v) {
+                Ok(std::time::Duration::from_secs_f64(v))
+            } else {
+                Err(anyhow::anyhow!(
+                    "--{name} must be a number of seconds from 0.1 on, not {v}"
+                ))
+            }
+        };
+        if self.http_max_connections == 0 {
+            bail!("--http-max-connections must be at least 1");
+        }
+        Ok(starling_telemetry::http::HttpLimits {
+            max_connections: self.http_max_connections,
+            header_timeout: secs("http-header-timeout", self.http_header_timeout)?,
+            request_timeout: secs("http-request-timeout", self.http_request_timeout)?,
+            write_timeout: secs("http-write-timeout", self.http_write_timeout)?,
+            ..Default::default()
+        })
+    }
+}
+
 pub fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Delta(cmd) => delta(cmd),
@@ -351,6 +419,7 @@ pub fn run(cli: Cli) -> Result<()> {
             stripes,
             store_and_forward,
             http,
+            publish_dirs,
             retain,
             anchor_every,
             keep_anchors,
@@ -369,6 +438,7 @@ pub fn run(cli: Cli) -> Result<()> {
             uniform_split,
             full_broadcast,
             results,
+            http_limits,
         } => {
             let ResultsArgs {
                 reward_services,
@@ -437,12 +507,13 @@ pub fn run(cli: Cli) -> Result<()> {
             let results_archive = results_archive.unwrap_or_else(|| store.join("results"));
             let ledger =
                 ledger.unwrap_or_else(|| format!("sqlite:{}", store.join("ledger.db").display()));
-            let version = match init_version {
-                Some(v) => v,
-                None => Checkpoint::open(&init)
+            let version = match (init_version, &init) {
+                (Some(v), _) => v,
+                (None, Some(init)) => Checkpoint::open(init)
                     .with_context(|| format!("open {}", init.display()))?
                     .version()
                     .unwrap_or(0),
+                (None, None) => 0,
             };
             let cfg = crate::serve::ServeConfig {
                 cluster,
@@ -469,6 +540,8 @@ pub fn run(cli: Cli) -> Result<()> {
                 reward_services,
                 retention,
                 results_archive,
+                http_limits: http_limits.limits()?,
+                publish_dirs: crate::ingest::PublishDirs::new(&publish_dirs)?,
             };
             runtime()?.block_on(crate::serve::serve(
                 cfg,

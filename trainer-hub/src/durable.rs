@@ -7,13 +7,18 @@
 //! number the hub was encoding when it died was never announced; it is given to the next
 //! publish, and receivers that staged part of it drop those frames (their delta id differs).
 //!
-//! The run's identity is checked at start: the model id, and the initial checkpoint (`--init`
-//! and its version), which must be the one the ledger was seeded with — an `--init` that
-//! contradicts the ledger is refused, naming both versions and digests. The snapshot to diff
-//! the next publish against is the latest version's source file when it is unchanged since it
-//! was published (same length and modification time); otherwise it is rebuilt from the newest
-//! anchor and the delta chain in the store, so a trainer that rewrote its file cannot make
-//! the hub diff against the wrong base.
+//! The run's identity is checked at start: the model id, and, when `--init` is given, that it
+//! is a checkpoint of the run — the one the ledger was seeded with, or any version it records,
+//! with that version's digest; an `--init` that contradicts the ledger is refused, naming both
+//! versions and digests. Once the ledger holds the run, `--init` is not needed: the weights
+//! come from the store (the hub's copy of the newest version, else an anchor and the delta
+//! chain), and the model's own files (`config.json`, the tokenizer, the chat template) from
+//! the store's copy of them made when the run was seeded (`STORE/model`). The seed file may
+//! then be deleted, once the hub has written its first anchor (`anchor 0` on its stdout). The
+//! snapshot to diff the next publish against is the latest version's source file when it is
+//! unchanged since it was published (same length and modification time); otherwise it is
+//! rebuilt from the newest anchor and the delta chain in the store, so a trainer that rewrote
+//! its file cannot make the hub diff against the wrong base.
 
 use std::path::{Path, PathBuf};
 use std::time::UNIX_EPOCH;
@@ -100,6 +105,41 @@ impl VersionMeta {
     }
 }
 
+/// The files of a model directory the hub reads its limits and text side from.
+const MODEL_FILES: [&str; 5] = [
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+];
+
+/// The store's copy of the run's model files (`STORE/model`).
+pub(crate) fn model_files(store: &Path) -> PathBuf {
+    store.join("model")
+}
+
+/// Copies the model files found in `from` into the store's copy (each made durable and
+/// renamed into place), so that later starts need nothing outside the store. Blocking.
+pub(crate) fn keep_model_files(store: &Path, from: &Path) -> Result<()> {
+    let to = model_files(store);
+    std::fs::create_dir_all(&to).with_context(|| format!("create {}", to.display()))?;
+    for name in MODEL_FILES {
+        let src = from.join(name);
+        if !src.is_file() {
+            continue;
+        }
+        let bytes = std::fs::read(&src).with_context(|| format!("read {}", src.display()))?;
+        let mut out = starling_checkpoint::writer::AtomicFile::create(&to.join(name))
+            .with_context(|| format!("create {}", to.join(name).display()))?;
+        out.write_all(&bytes)
+            .with_context(|| format!("write {}", to.join(name).display()))?;
+        out.commit()
+            .with_context(|| format!("write {}", to.join(name).display()))?;
+    }
+    Ok(())
+}
+
 /// The initial checkpoint the ledger was seeded with (`run_meta` key `init`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct InitRecord {
@@ -119,6 +159,10 @@ pub(crate) struct Resumed {
     pub(crate) digest: StateDigest,
     /// The oldest version whose delta is in the store (the chain starts after it).
     pub(crate) first_delta: u64,
+    /// The trainer's step the newest version was published with, if it said.
+    pub(crate) step: Option<u64>,
+    /// The version the run was seeded with.
+    pub(crate) seeded: u64,
 }
 
 pub(crate) fn to_ledger_version(v: u64) -> Result<Version> {
@@ -144,12 +188,14 @@ async fn digest_of(path: &Path, model_id: &str) -> Result<StateDigest> {
     .context("digest task")?
 }
 
-/// Opens the run recorded in `ledger`, or seeds it from `init` when the ledger is empty.
+/// Opens the run recorded in `ledger`, or seeds it from `init` (version `init_version`) when
+/// the ledger is empty. Once the ledger holds a run, `init` is optional: given, it must be
+/// one of the run's checkpoints.
 pub(crate) async fn resume(
     ledger: &Ledger,
     store: &Path,
     model_id: &str,
-    init: &Path,
+    init: Option<&Path>,
     init_version: u64,
     trust: &TrustPolicy,
 ) -> Result<Resumed> {
@@ -168,6 +214,12 @@ pub(crate) async fn resume(
         .and_then(|t| serde_json::from_str(&t).ok());
     let Some(latest) = latest else {
         // An empty ledger: the initial checkpoint becomes the first version.
+        let Some(init) = init else {
+            bail!(
+                "the ledger holds no run yet: start the hub with --init CHECKPOINT (the run's \
+                 first version; a safetensors file or a model directory)"
+            );
+        };
         let digest = digest_of(init, model_id).await?;
         let stamp = FileStamp::of(init)?;
         let meta = VersionMeta {
@@ -179,6 +231,11 @@ pub(crate) async fn resume(
             digest: hex(&digest.to_bytes()),
             source: stamp,
         };
+        // The model's own files first: a restart must find them in the store.
+        let (s, from) = (store.to_owned(), crate::serve::model_dir(init));
+        tokio::task::spawn_blocking(move || keep_model_files(&s, &from))
+            .await
+            .context("model files task")??;
         ledger
             .publish_version(
                 to_ledger_version(init_version)?,
@@ -197,12 +254,32 @@ pub(crate) async fn resume(
             snapshot: init.to_owned(),
             digest,
             first_delta: init_version,
+            step: None,
+            seeded: init_version,
         });
     };
-    check_init(ledger, recorded, init, init_version, model_id, &latest).await?;
+    if let Some(init) = init {
+        check_init(
+            ledger,
+            recorded.as_ref(),
+            init,
+            init_version,
+            model_id,
+            &latest,
+        )
+        .await?;
+        if !model_files(store).join("config.json").exists() {
+            // A store from before the hub kept the model's files: keep them now.
+            let (s, from) = (store.to_owned(), crate::serve::model_dir(init));
+            tokio::task::spawn_blocking(move || keep_model_files(&s, &from))
+                .await
+                .context("model files task")??;
+        }
+    }
     let version = latest.version.number();
     let digest = StateDigest::from_bytes(latest.digest.0);
     let meta = VersionMeta::parse(&latest.meta);
+    let step = meta.step;
     let snapshot = match meta.source.filter(FileStamp::unchanged) {
         Some(source) => source.path,
         None => {
@@ -220,53 +297,76 @@ pub(crate) async fn resume(
         snapshot,
         digest,
         first_delta,
+        step,
+        seeded: recorded.map_or(first_delta, |r| r.version),
     })
 }
 
-/// Refuses an `--init` that is not the checkpoint the ledger was seeded with.
+/// The most versions searched for the one an `--init` names on a restart.
+const MAX_VERSIONS_SEARCHED: u32 = 1 << 20;
+
+/// Refuses an `--init` that is not a checkpoint of the run: the seed file as it was, or the
+/// weights of a version the ledger records (by its state digest).
 async fn check_init(
     ledger: &Ledger,
-    recorded: Option<InitRecord>,
+    recorded: Option<&InitRecord>,
     init: &Path,
     init_version: u64,
     model_id: &str,
     latest: &VersionRecord,
 ) -> Result<()> {
-    let Some(rec) = recorded else {
-        // A ledger written by someone else: its oldest version is the reference.
+    if let Some(rec) = recorded
+        && rec.version == init_version
+        && FileStamp::of(init).is_ok_and(|s| s == rec.source)
+    {
+        // The seed file, untouched.
         return Ok(());
+    }
+    let given = hex(&digest_of(init, model_id).await?.to_bytes());
+    let wanted = if latest.version.number() == init_version {
+        Some(hex(&latest.digest.0))
+    } else if let Some(rec) = recorded.filter(|r| r.version == init_version) {
+        Some(rec.digest.clone())
+    } else {
+        ledger
+            .latest_versions(MAX_VERSIONS_SEARCHED)
+            .await?
+            .into_iter()
+            .find(|r| r.version.number() == init_version)
+            .map(|r| hex(&r.digest.0))
     };
-    let contradiction = |given_digest: &str| {
-        anyhow::anyhow!(
-            "--init {} (version {init_version}, digest {given_digest}) contradicts the ledger, \
-             which was seeded with version {} (digest {}) and is now at version {} (digest {}): \
-             restart with the same --init, or use a fresh --store/--ledger for a new run",
+    match wanted {
+        Some(w) if w == given => {
+            if let Some(rec) = recorded.filter(|r| r.version == init_version) {
+                // The seed's weights in another file (or touched): remember the new stamp.
+                let rec = InitRecord {
+                    source: FileStamp::of(init)?,
+                    ..rec.clone()
+                };
+                ledger
+                    .set_run_meta("init", &serde_json::to_string(&rec)?)
+                    .await?;
+            }
+            Ok(())
+        }
+        Some(w) => bail!(
+            "--init {} (version {init_version}, digest {given}) contradicts the ledger, where \
+             version {init_version} has digest {w}: name that version's checkpoint, or start \
+             without --init (the ledger and the store hold the run, now at version {} with \
+             digest {}), or use a fresh --store/--ledger for a new run",
             init.display(),
-            rec.version,
-            rec.digest,
             latest.version.number(),
             hex(&latest.digest.0),
-        )
-    };
-    if rec.version != init_version {
-        return Err(contradiction("not computed"));
+        ),
+        None => bail!(
+            "--init {} (version {init_version}) contradicts the ledger, which records no version \
+             {init_version} (it is at version {}, digest {}): start without --init, or use a \
+             fresh --store/--ledger for a new run",
+            init.display(),
+            latest.version.number(),
+            hex(&latest.digest.0),
+        ),
     }
-    if FileStamp::of(init).is_ok_and(|s| s == rec.source) {
-        return Ok(());
-    }
-    let digest = hex(&digest_of(init, model_id).await?.to_bytes());
-    if digest != rec.digest {
-        return Err(contradiction(&digest));
-    }
-    // The same weights in another file (or touched): remember the new stamp.
-    let rec = InitRecord {
-        source: FileStamp::of(init)?,
-        ..rec
-    };
-    ledger
-        .set_run_meta("init", &serde_json::to_string(&rec)?)
-        .await?;
-    Ok(())
 }
 
 /// The store's file for the delta of `version`.

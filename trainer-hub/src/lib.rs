@@ -9,6 +9,7 @@ mod archive;
 mod board;
 pub mod cli;
 mod durable;
+pub mod ingest;
 mod jobs;
 pub mod keys;
 pub mod limits;

@@ -624,7 +624,8 @@ mod tests {
         };
         assert!(judge_result(&spec, &result(-1.0), &starling_text::ModelText::byte()).is_ok());
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-            let e = judge_result(&spec, &result(bad), &starling_text::ModelText::byte()).expect_err("refused");
+            let e = judge_result(&spec, &result(bad), &starling_text::ModelText::byte())
+                .expect_err("refused");
             assert_eq!(e.code, NONFINITE_LOGPROB);
             assert!(e.message.contains("token 1"), "{}", e.message);
         }

@@ -36,6 +36,7 @@ use tracing::Instrument;
 use crate::anchors::Anchors;
 use crate::board::{Board, PeerRole};
 use crate::durable;
+use crate::ingest::{Allow, PublishError, PublishRequest};
 use crate::rollouts::ModelLimits;
 use starling_ledger::{Digest, Ledger, LedgerConfig};
 use starling_proto::manifest::TrustPolicy;
@@ -59,8 +60,9 @@ pub struct ServeConfig {
     pub cluster: PathBuf,
     pub store: PathBuf,
     pub listen: SocketAddr,
-    /// The checkpoint of version `init_version`, the base of the first publish.
-    pub init: PathBuf,
+    /// The checkpoint of version `init_version`, the base of the first publish. Needed on the
+    /// first start only; on a restart, if given, it must be a checkpoint of the run.
+    pub init: Option<PathBuf>,
     pub init_version: u64,
     pub model_id: String,
     pub link: LinkProfile,
@@ -99,6 +101,11 @@ pub struct ServeConfig {
     pub retention: starling_ledger::Retention,
     /// Where archived batches' results are written.
     pub results_archive: PathBuf,
+    /// The directories checkpoints may be published from (`--publish-dir`).
+    pub publish_dirs: crate::ingest::PublishDirs,
+    /// Bounds of the HTTP server (connections, timeouts); publishes are exempt from its
+    /// request timeout (they answer once the version is recorded).
+    pub http_limits: starling_telemetry::http::HttpLimits,
 }
 
 #[derive(Debug)]
@@ -108,6 +115,8 @@ struct State {
     /// The snapshot's state digest: from the ledger at start, then each manifest's post
     /// digest. Spares every diff a hash of every base element.
     digest: StateDigest,
+    /// The trainer's step the newest version was published with, if it said.
+    step: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -118,6 +127,8 @@ pub(crate) struct Hub {
     pub(crate) status_cache: crate::status::StatusCache,
     /// The size of the full BF16 checkpoint (what a full broadcast would send per version).
     pub(crate) checkpoint_bytes: u64,
+    /// The run's tensors and shapes: what every published checkpoint must hold exactly.
+    layout: starling_checkpoint::safetensors::Layout,
     signing: SigningKey,
     state: Mutex<State>,
     book: Arc<VersionBook>,
@@ -175,11 +186,11 @@ pub fn model_dir(init: &Path) -> PathBuf {
 }
 
 /// The model's vocabulary, context and text side (tokenizer, chat template, EOS ids), from
-/// the model directory of the initial checkpoint ([`model_dir`]): `config.json` and the
-/// tokenizer files there; without `config.json`, the vocabulary from the embedding's shape
-/// (no context limit); without `tokenizer.json`, the byte tokenizer.
-fn model_limits(init: &Path) -> Result<ModelLimits> {
-    let dir = model_dir(init);
+/// the model directory `dir` (the store's copy of the run's model files): `config.json` and
+/// the tokenizer files there; without `config.json`, the vocabulary from the embedding's
+/// shape in `weights` (no context limit); without `tokenizer.json`, the byte tokenizer.
+fn model_limits(dir: &Path, weights: &Path) -> Result<ModelLimits> {
+    let dir = dir.to_owned();
     let text = std::sync::Arc::new(
         starling_text::ModelText::load(&dir)
             .with_context(|| format!("load the tokenizer of {}", dir.display()))?,
@@ -194,7 +205,7 @@ fn model_limits(init: &Path) -> Result<ModelLimits> {
             text,
         });
     }
-    let c = Checkpoint::open(init).with_context(|| format!("open {}", init.display()))?;
+    let c = Checkpoint::open(weights).with_context(|| format!("open {}", weights.display()))?;
     let vocab = c
         .tensor("model.embed_tokens.weight")
         .and_then(|t| t.shape.first().copied())
@@ -233,9 +244,8 @@ impl Hub {
         &self.cfg.model_id
     }
 
-    /// The state digest of the newest version, in hex.
-    pub(crate) async fn digest_hex(&self) -> String {
-        starling_proto::manifest::hex(&self.state.lock().await.digest.to_bytes())
+    pub(crate) fn http_limits(&self) -> &starling_telemetry::http::HttpLimits {
+        &self.cfg.http_limits
     }
 }
 
@@ -256,14 +266,9 @@ pub const CLOSE_SHUTDOWN: u32 = 0x5354;
 pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Result<()> {
     let creds = Credentials::load_hub(&cfg.cluster).context("load hub credentials")?;
     let signing = crate::keys::load_signing(&cfg.cluster.join("signing.key"))?;
-    let checkpoint_bytes = Checkpoint::open(&cfg.init)
-        .with_context(|| format!("open initial checkpoint {}", cfg.init.display()))?
-        .numel()
-        .saturating_mul(2);
     std::fs::create_dir_all(cfg.store.join("deltas")).context("create store")?;
     let trainer_seed =
         starling_transport::identity::hub_signing_seed(&cfg.cluster).context("load signing key")?;
-    let limits = model_limits(&cfg.init)?;
     let ledger = Ledger::open(&cfg.ledger, cfg.ledger_config.clone())
         .await
         .with_context(|| format!("open the ledger at {}", cfg.ledger))?;
@@ -272,11 +277,20 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
         &ledger,
         &cfg.store,
         &cfg.model_id,
-        &cfg.init,
+        cfg.init.as_deref(),
         cfg.init_version,
         &trust,
     )
     .await?;
+    let model_files = durable::model_files(&cfg.store);
+    let limits = if model_files.join("config.json").exists() || cfg.init.is_none() {
+        model_limits(&model_files, &resumed.snapshot)?
+    } else {
+        // A store seeded before the hub kept the model's files and `--init` without a
+        // config.json beside it: read them where `--init` is.
+        let init = cfg.init.as_deref().unwrap_or(&resumed.snapshot);
+        model_limits(&model_dir(init), &resumed.snapshot)?
+    };
     // The newest `retain` deltas are served from the book; older ones through anchors.
     let first = resumed
         .first_delta
@@ -290,6 +304,11 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
             .with_context(|| format!("load {}", path.display()))?;
     }
     crate::snapshot::tidy(&cfg.store, &resumed.snapshot);
+    let (layout, checkpoint_bytes) = {
+        let c = Checkpoint::open(&resumed.snapshot)
+            .with_context(|| format!("open {}", resumed.snapshot.display()))?;
+        (c.layout(), c.numel().saturating_mul(2))
+    };
     println!("base-digest {}", resumed.version);
     if resumed.version != cfg.init_version {
         tracing::info!(
@@ -305,11 +324,13 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
             version: resumed.version,
             snapshot: resumed.snapshot,
             digest: resumed.digest,
+            step: resumed.step,
         }),
         book: Arc::new(book),
         board: Arc::new(Board::new(crate::board::now_ms())),
         status_cache: Default::default(),
         checkpoint_bytes,
+        layout,
         metrics: Metrics::new(Component::Hub),
         anchors: Arc::new(Anchors::open(
             &cfg.store,
@@ -350,11 +371,15 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
             RETENTION_EVERY,
         ));
     }
-    if resumed_version(&hub).await == hub.cfg.init_version && !hub.anchors.has(hub.cfg.init_version)
-    {
-        // A full-checkpoint copy: in the background, so the hub serves at once (until it is
-        // written, a subscriber asking for an anchor is refused and asks again later).
-        let (owner, init, v) = (hub.clone(), hub.cfg.init.clone(), hub.cfg.init_version);
+    let (current, snapshot) = {
+        let s = hub.state.lock().await;
+        (s.version, s.snapshot.clone())
+    };
+    if current == resumed.seeded && !hub.anchors.has(current) {
+        // A full-checkpoint copy of the seed: in the background, so the hub serves at once
+        // (until it is written, a subscriber asking for an anchor is refused and asks again
+        // later). Once written, the seed file is no longer needed.
+        let (owner, init, v) = (hub.clone(), snapshot, current);
         // Not cancelled by a stop: the copy is on a blocking thread, waited for in the drain.
         hub.tasks.spawn(async move {
             let hub = owner;
@@ -378,9 +403,13 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
         let routes = crate::api::router(hub.clone()).merge(crate::status::router(hub.clone()));
         let metrics = hub.metrics.clone();
         let stop = hub.stop.clone().cancelled_owned();
+        let mut limits = hub.cfg.http_limits.clone();
+        limits
+            .untimed
+            .push((axum::http::Method::POST, "/v1/versions".to_owned()));
         hub.tasks.spawn(async move {
             if let Err(e) =
-                starling_telemetry::http::serve_until(listener, metrics, routes, stop).await
+                starling_telemetry::http::serve_with(listener, metrics, routes, limits, stop).await
             {
                 tracing::error!("HTTP server stopped: {e}");
             }
@@ -558,11 +587,20 @@ async fn serve_trainer(hub: Arc<Hub>, mut tx: SendStream, mut reader: MessageRea
             .await?;
             continue;
         };
-        let reply = match publish(&hub, Path::new(&path), None).await {
-            Ok(r) => r,
+        let req = PublishRequest {
+            path: PathBuf::from(&path),
+            step: None,
+            allow: Vec::new(),
+        };
+        let reply = match publish(&hub, req).await {
+            Ok(p) => Message::Published {
+                version: p.version,
+                changes: p.changes,
+                bytes: p.bytes,
+            },
             Err(e) => Message::Refuse {
                 reason: RefuseReason::Protocol,
-                detail: format!("publish {path}: {e:#}"),
+                detail: format!("publish {path}: {}: {e}", e.code()),
             },
         };
         send(&mut tx, &reply).await?;
@@ -574,37 +612,109 @@ async fn resumed_version(hub: &Hub) -> u64 {
     hub.state.lock().await.version
 }
 
-pub(crate) async fn publish(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> Result<Message> {
-    let result = publish_locked(hub, path, step).await;
+/// A version the hub published, as recorded.
+#[derive(Debug, Clone)]
+pub(crate) struct Published {
+    pub(crate) version: u64,
+    pub(crate) base: u64,
+    pub(crate) changes: u64,
+    pub(crate) bytes: u64,
+    /// Its state digest (the manifest's post digest): this version's, whatever was
+    /// published after it.
+    pub(crate) digest: [u8; 16],
+    pub(crate) step: Option<u64>,
+}
+
+/// Publishes the checkpoint `req` names (`crate::ingest` for every check it passes first).
+/// The work runs as a task of the hub: a caller that goes away (an HTTP client that
+/// disconnects) does not cancel a publish halfway.
+pub(crate) async fn publish(
+    hub: &Arc<Hub>,
+    req: PublishRequest,
+) -> std::result::Result<Published, PublishError> {
+    let owner = hub.clone();
+    let path = req.path.clone();
+    let task = hub
+        .tasks
+        .spawn(async move { publish_checked(&owner, req).await });
+    let result = match task.await {
+        Ok(r) => r,
+        Err(e) => Err(PublishError::Internal(anyhow::anyhow!("publish task: {e}"))),
+    };
     if let Err(e) = &result {
-        tracing::warn!(path = %path.display(), "publish failed: {e:#}");
+        tracing::warn!(path = %path.display(), code = e.code(), "publish refused: {e}");
         hub.board.fault(
             "publish_failed",
             None,
             None,
-            &format!("{}: {e:#}", path.display()),
+            &format!("{}: {e}", path.display()),
             crate::board::now_ms(),
         );
     }
     result
 }
 
-async fn publish_locked(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> Result<Message> {
+async fn publish_checked(
+    hub: &Arc<Hub>,
+    req: PublishRequest,
+) -> std::result::Result<Published, PublishError> {
+    let internal = PublishError::Internal;
+    // Off the runtime and before the publish lock: a FIFO, a stalled mount or a slow disk
+    // holds this request only, never the hub or another publish.
+    let copy = {
+        let (store, dirs, layout, source) = (
+            hub.cfg.store.clone(),
+            hub.cfg.publish_dirs.clone(),
+            hub.layout.clone(),
+            req.path.clone(),
+        );
+        let allow_nonfinite = req.allows(Allow::Nonfinite);
+        tokio::task::spawn_blocking(move || {
+            let opened = crate::ingest::open_source(&dirs, &layout, &source)?;
+            let copy = crate::snapshot::copy_in(&store, &opened).map_err(internal)?;
+            drop(opened);
+            crate::ingest::check_copy(copy.path(), &source, &layout, allow_nonfinite)?;
+            Ok::<_, PublishError>(copy)
+        })
+        .await
+        .map_err(|e| internal(anyhow::anyhow!("copy task: {e}")))??
+    };
     // One publish at a time: the state lock is held across the diff.
-    let mut state = hub.state.lock().await;
+    let state = hub.state.lock().await;
+    if !req.allows(Allow::StepBackwards) {
+        crate::ingest::check_step(req.step, state.step, state.version)?;
+    }
+    if !req.allows(Allow::Unchanged) {
+        let (base, new, source, version) = (
+            state.snapshot.clone(),
+            copy.path().to_owned(),
+            req.path.clone(),
+            state.version,
+        );
+        tokio::task::spawn_blocking(move || {
+            crate::ingest::check_changed(&base, &new, &source, version)
+        })
+        .await
+        .map_err(|e| internal(anyhow::anyhow!("compare task: {e}")))??;
+    }
+    // Accepted: from here on the version streams to subscribers as it is encoded.
+    publish_locked(hub, state, copy, req.step)
+        .await
+        .map_err(internal)
+}
+
+async fn publish_locked(
+    hub: &Arc<Hub>,
+    mut state: tokio::sync::MutexGuard<'_, State>,
+    copy: crate::snapshot::Copy,
+    step: Option<u64>,
+) -> Result<Published> {
     let started = std::time::Instant::now();
     let base = state.version;
     let version = base + 1;
     let old = state.snapshot.clone();
     let previous = old.clone();
     let dest = durable::delta_path(&hub.cfg.store, version);
-    // The hub's own copy, never the trainer's file: see `snapshot`.
-    let copy = {
-        let (store, source) = (hub.cfg.store.clone(), path.to_owned());
-        tokio::task::spawn_blocking(move || crate::snapshot::copy_in(&store, version, &source))
-            .await
-            .context("copy task")??
-    };
     let new = copy.path().to_owned();
     let created = now_ms();
     let span = tracing::info_span!("publish", version);
@@ -667,7 +777,8 @@ async fn publish_locked(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> Resul
             return Err(e);
         }
     };
-    let sealed = tokio::task::spawn_blocking(move || copy.seal())
+    let store = hub.cfg.store.clone();
+    let sealed = tokio::task::spawn_blocking(move || copy.seal(&store, version))
         .await
         .context("seal task")
         .and_then(|r| r);
@@ -729,11 +840,12 @@ async fn publish_locked(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> Resul
     state.version = version;
     state.snapshot = snapshot.clone();
     state.digest = manifest.post_digest;
+    state.step = step;
     drop(state);
     if !hub.pins().contains(&previous) {
         crate::snapshot::release(&hub.cfg.store, &previous);
     }
-    if hub.cfg.anchor_every > 0 && version % hub.cfg.anchor_every == 0 {
+    if hub.cfg.anchor_every > 0 && version.is_multiple_of(hub.cfg.anchor_every) {
         // In the background: the next publish need not wait for a full-checkpoint write.
         // From the hub's copy, pinned until the anchor is written (a publish meanwhile does
         // not release it; this task does, once it is no longer the newest).
@@ -768,10 +880,13 @@ async fn publish_locked(hub: &Arc<Hub>, path: &Path, step: Option<u64>) -> Resul
             "published"
         )
     });
-    Ok(Message::Published {
+    Ok(Published {
         version,
+        base,
         changes: manifest.total_changes(),
         bytes,
+        digest: manifest.post_digest.to_bytes(),
+        step,
     })
 }
 

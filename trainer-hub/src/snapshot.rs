@@ -4,8 +4,14 @@
 //! a file that its owner rewrites in place is undefined behaviour and, when the file shrinks,
 //! a SIGBUS that kills the hub. The trainer owns the file it publishes and may write its next
 //! step into the same path, so the hub never maps it: a publish first copies the checkpoint
-//! into `<store>/snapshot/` (a file, or a sharded directory's `*.safetensors` and `*.json`),
-//! diffs against its copy of the previous version, and keeps only the newest copy.
+//! into `<store>/snapshot/` (one file, or a sharded checkpoint's index and the shards it
+//! names), diffs against its copy of the previous version, and keeps only the newest copy.
+//!
+//! The copy is made from the files the hub opened and validated (`crate::ingest`), never by
+//! opening the path again, and moves exactly the bytes their headers declare: a file that
+//! grows, or is swapped for a link, while it is copied cannot make the hub copy more or
+//! something else. Copies are made before the publish lock is taken, under a name of their
+//! own (`incoming-N.partial`), and get their version's name when sealed.
 //!
 //! Cost: one sequential write of the checkpoint per publish (16 GB at 8B; on XFS or btrfs the
 //! kernel's `copy_file_range` behind `std::fs::copy` shares extents instead, at no cost). The
@@ -21,16 +27,17 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
+use starling_checkpoint::safetensors::Checkpoint;
 
 /// The directory of the hub's copies.
 pub(crate) fn dir(store: &Path) -> PathBuf {
     store.join("snapshot")
 }
 
-/// Where version `version`'s copy lives once sealed (same extension as `source`: a file, or a
-/// directory for a sharded checkpoint).
-fn final_path(store: &Path, version: u64, source: &Path) -> PathBuf {
-    if source.is_dir() {
+/// Where version `version`'s copy lives once sealed: a file, or a directory for a sharded
+/// checkpoint.
+fn final_path(store: &Path, version: u64, sharded: bool) -> PathBuf {
+    if sharded {
         dir(store).join(format!("v{version:08}"))
     } else {
         dir(store).join(format!("v{version:08}.safetensors"))
@@ -41,7 +48,7 @@ fn final_path(store: &Path, version: u64, source: &Path) -> PathBuf {
 #[derive(Debug)]
 pub(crate) struct Copy {
     partial: PathBuf,
-    target: PathBuf,
+    sharded: bool,
     sealed: bool,
 }
 
@@ -51,28 +58,26 @@ impl Copy {
         &self.partial
     }
 
-    /// Makes the copy durable and gives it its final name; returns that name. Maps opened on
-    /// the partial path stay valid (a rename keeps the inode).
-    pub(crate) fn seal(mut self) -> Result<PathBuf> {
+    /// Makes the copy durable and gives it `version`'s name in `store`; returns that name.
+    /// Maps opened on the partial path stay valid (a rename keeps the inode).
+    pub(crate) fn seal(mut self, store: &Path, version: u64) -> Result<PathBuf> {
+        let target = final_path(store, version, self.sharded);
         for f in files_of(&self.partial)? {
             std::fs::File::open(&f)
                 .and_then(|h| h.sync_all())
                 .with_context(|| format!("sync {}", f.display()))?;
         }
-        std::fs::rename(&self.partial, &self.target).with_context(|| {
-            format!(
-                "rename {} to {}",
-                self.partial.display(),
-                self.target.display()
-            )
+        remove(&target);
+        std::fs::rename(&self.partial, &target).with_context(|| {
+            format!("rename {} to {}", self.partial.display(), target.display())
         })?;
-        if let Some(parent) = self.target.parent() {
+        if let Some(parent) = target.parent() {
             std::fs::File::open(parent)
                 .and_then(|d| d.sync_all())
                 .with_context(|| format!("sync {}", parent.display()))?;
         }
         self.sealed = true;
-        Ok(self.target.clone())
+        Ok(target)
     }
 }
 
@@ -84,30 +89,53 @@ impl Drop for Copy {
     }
 }
 
-/// Copies the checkpoint at `source` (a file or a sharded directory) into the store as the
-/// partial copy of `version`. Blocking: call from a blocking thread.
-pub(crate) fn copy_in(store: &Path, version: u64, source: &Path) -> Result<Copy> {
+/// Numbers the copies this process makes, so concurrent publishes never share a file.
+static INCOMING: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// Copies the opened checkpoint `source` into the store as a partial copy: each of its files,
+/// from the open file, exactly the length its header declares; a sharded checkpoint's index
+/// as it was read. Blocking: call from a blocking thread.
+pub(crate) fn copy_in(store: &Path, source: &Checkpoint) -> Result<Copy> {
     let d = dir(store);
     std::fs::create_dir_all(&d).with_context(|| format!("create {}", d.display()))?;
-    let target = final_path(store, version, source);
-    let partial = target.with_extension("partial");
-    remove(&partial);
+    let n = INCOMING.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let sharded = source.index().is_some();
     let copy = Copy {
-        partial,
-        target,
+        partial: d.join(format!("incoming-{}-{n}.partial", std::process::id())),
+        sharded,
         sealed: false,
     };
-    if source.is_dir() {
+    remove(&copy.partial);
+    let one = |from: &std::fs::File, len: u64, what: &Path, to: &Path| -> Result<()> {
+        use std::io::{Read, Seek};
+        let mut from = from;
+        from.seek(std::io::SeekFrom::Start(0))
+            .with_context(|| format!("read {}", what.display()))?;
+        let mut out =
+            std::fs::File::create(to).with_context(|| format!("create {}", to.display()))?;
+        let copied = std::io::copy(&mut from.take(len), &mut out)
+            .with_context(|| format!("copy {} into the store", what.display()))?;
+        if copied != len {
+            anyhow::bail!(
+                "{} shrank while it was copied ({copied} of {len} bytes)",
+                what.display()
+            );
+        }
+        Ok(())
+    };
+    if let Some((index, bytes)) = source.index() {
         std::fs::create_dir(&copy.partial)
             .with_context(|| format!("create {}", copy.partial.display()))?;
-        for f in files_of(source)? {
-            let name = f.file_name().unwrap_or_default();
-            std::fs::copy(&f, copy.partial.join(name))
-                .with_context(|| format!("copy {} into the store", f.display()))?;
+        std::fs::write(copy.partial.join(index), bytes)
+            .with_context(|| format!("write {}", copy.partial.join(index).display()))?;
+        for (path, file, len) in source.files() {
+            let name = path.file_name().unwrap_or_default();
+            one(file, len, path, &copy.partial.join(name))?;
         }
     } else {
-        std::fs::copy(source, &copy.partial)
-            .with_context(|| format!("copy {} into the store", source.display()))?;
+        for (path, file, len) in source.files() {
+            one(file, len, path, &copy.partial)?;
+        }
     }
     Ok(copy)
 }
@@ -171,19 +199,32 @@ fn remove(path: &Path) {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use starling_checkpoint::writer::SafetensorsWriter;
+
+    fn checkpoint(path: &Path, value: u16) {
+        let layout = vec![("w".to_owned(), vec![4u64])];
+        let mut w = SafetensorsWriter::create(path, &layout, None).unwrap();
+        w.write(&[value; 4]).unwrap();
+        w.finish().unwrap();
+    }
 
     #[test]
     fn a_copy_is_the_hubs_own_file_and_a_rewrite_of_the_source_does_not_touch_it() {
         let store = tempfile::tempdir().unwrap();
         let trainer = tempfile::tempdir().unwrap();
         let source = trainer.path().join("step.safetensors");
-        std::fs::write(&source, b"version one").unwrap();
-        let copy = copy_in(store.path(), 1, &source).unwrap();
-        assert_eq!(std::fs::read(copy.path()).unwrap(), b"version one");
-        let sealed = copy.seal().unwrap();
-        // The trainer rewrites its file in place (shorter): the hub's copy is unchanged.
+        checkpoint(&source, 1);
+        let opened = Checkpoint::open(&source).unwrap();
+        let copy = copy_in(store.path(), &opened).unwrap();
+        assert_eq!(
+            std::fs::read(copy.path()).unwrap(),
+            std::fs::read(&source).unwrap()
+        );
+        let before = std::fs::read(&source).unwrap();
+        let sealed = copy.seal(store.path(), 1).unwrap();
+        // The trainer rewrites its file (shorter): the hub's copy is unchanged.
         std::fs::write(&source, b"v2").unwrap();
-        assert_eq!(std::fs::read(&sealed).unwrap(), b"version one");
+        assert_eq!(std::fs::read(&sealed).unwrap(), before);
         assert_eq!(sealed, dir(store.path()).join("v00000001.safetensors"));
     }
 
@@ -192,34 +233,55 @@ mod tests {
         let store = tempfile::tempdir().unwrap();
         let trainer = tempfile::tempdir().unwrap();
         let source = trainer.path().join("step.safetensors");
-        std::fs::write(&source, b"weights").unwrap();
+        checkpoint(&source, 2);
+        let opened = Checkpoint::open(&source).unwrap();
         let partial = {
-            let copy = copy_in(store.path(), 2, &source).unwrap();
+            let copy = copy_in(store.path(), &opened).unwrap();
             copy.path().to_owned()
         };
         assert!(!partial.exists(), "a dropped partial copy is removed");
         release(store.path(), &source);
         assert!(source.exists(), "the trainer's file is never removed");
-        let sealed = copy_in(store.path(), 3, &source).unwrap().seal().unwrap();
-        let newer = copy_in(store.path(), 4, &source).unwrap().seal().unwrap();
+        let sealed = copy_in(store.path(), &opened)
+            .unwrap()
+            .seal(store.path(), 3)
+            .unwrap();
+        let newer = copy_in(store.path(), &opened)
+            .unwrap()
+            .seal(store.path(), 4)
+            .unwrap();
         release(store.path(), &sealed);
         assert!(!sealed.exists() && newer.exists());
     }
 
     #[test]
-    fn a_sharded_checkpoint_is_copied_as_a_directory() {
+    fn a_sharded_checkpoint_is_copied_as_its_index_and_the_shards_it_names() {
         let store = tempfile::tempdir().unwrap();
         let trainer = tempfile::tempdir().unwrap();
         let shards = trainer.path().join("ckpt");
         std::fs::create_dir(&shards).unwrap();
-        std::fs::write(shards.join("a.safetensors"), b"A").unwrap();
-        std::fs::write(shards.join("model.safetensors.index.json"), b"{}").unwrap();
+        checkpoint(&shards.join("a.safetensors"), 3);
+        std::fs::write(
+            shards.join("model.safetensors.index.json"),
+            br#"{"weight_map": {"w": "a.safetensors"}}"#,
+        )
+        .unwrap();
+        checkpoint(&shards.join("unlisted.safetensors"), 4);
         std::fs::write(shards.join("notes.txt"), b"not a checkpoint file").unwrap();
-        let sealed = copy_in(store.path(), 5, &shards).unwrap().seal().unwrap();
+        let opened = Checkpoint::open(&shards).unwrap();
+        let sealed = copy_in(store.path(), &opened)
+            .unwrap()
+            .seal(store.path(), 5)
+            .unwrap();
         assert!(sealed.is_dir());
-        assert_eq!(std::fs::read(sealed.join("a.safetensors")).unwrap(), b"A");
+        assert_eq!(
+            std::fs::read(sealed.join("a.safetensors")).unwrap(),
+            std::fs::read(shards.join("a.safetensors")).unwrap()
+        );
         assert!(sealed.join("model.safetensors.index.json").exists());
+        assert!(!sealed.join("unlisted.safetensors").exists());
         assert!(!sealed.join("notes.txt").exists());
+        assert_eq!(Checkpoint::open(&sealed).unwrap().tensors().len(), 1);
         tidy(store.path(), &sealed);
         assert!(sealed.exists());
     }

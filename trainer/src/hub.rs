@@ -104,9 +104,12 @@ impl HubClient {
         }
     }
 
-    /// Publishes the checkpoint at `path` (which the hub reads) as the next version.
+    /// Publishes the checkpoint at `path` (which the hub reads) as the next version. The
+    /// trainer publishes one version per step, so a step that left the weights as they were
+    /// (no informative sample) is still a version: `allow: ["unchanged"]` (the hub refuses a
+    /// checkpoint equal to the latest version by default, `docs/api.md`).
     pub fn publish(&self, path: &std::path::Path, step: u64) -> Result<Published, HubError> {
-        let body = serde_json::json!({"path": path, "step": step});
+        let body = serde_json::json!({"path": path, "step": step, "allow": ["unchanged"]});
         self.json("POST", "/v1/versions", Some(&body))
     }
 
@@ -125,6 +128,11 @@ impl HubClient {
     /// The batch's status document.
     pub fn status(&self, batch: u64) -> Result<Value, HubError> {
         self.json("GET", &format!("/v1/batches/{batch}"), None)
+    }
+
+    /// `GET /v1/status`: the run as the hub sees it (actors with their τ, batches, …).
+    pub fn run_status(&self) -> Result<Value, HubError> {
+        self.json("GET", "/v1/status", None)
     }
 
     /// `GET /v1/versions`.

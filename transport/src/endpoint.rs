@@ -277,5 +277,16 @@ pub fn verify_peer(conn: &Connection, role: Role, name: &str) -> Result<(), Endp
     let ee = webpki::EndEntityCert::try_from(leaf).map_err(|e| wrong(e.to_string()))?;
     let sn = ServerName::try_from(claimed.as_str()).map_err(|e| wrong(e.to_string()))?;
     ee.verify_is_valid_for_subject_name(&sn)
-        .map_err(|e| wrong(e.to_string()))
+        .map_err(|e| wrong(e.to_string()))?;
+    // DNS names match case-insensitively (RFC 6125), so webpki admits `actor.A1.starling` for
+    // a certificate of `actor.a1.starling`. A peer's name is an identity (a ledger actor, a
+    // connection limit), not a host name: the certificate must carry exactly the name claimed.
+    if ee.valid_dns_names().any(|n| n == claimed) {
+        Ok(())
+    } else {
+        Err(wrong(format!(
+            "the certificate names {:?}, not exactly {claimed:?} (names are compared byte for byte)",
+            ee.valid_dns_names().collect::<Vec<_>>()
+        )))
+    }
 }

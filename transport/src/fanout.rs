@@ -19,7 +19,6 @@
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::sync::Arc;
-#[cfg(feature = "fault-injection")]
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -523,42 +522,35 @@ async fn write_frame(
     Ok(())
 }
 
-/// Test-only fault injection: a version whose first transmission by this process gets one
-/// byte flipped inside its first segment. Compiled in only with the `fault-injection` cargo
-/// feature, which the end-to-end test package (`starling-tests`) turns on; a binary built on
-/// its own (`cargo build -p starling-hub`, `cargo install`) has no such hook, whatever its
-/// environment says.
-pub const FAULT_CORRUPT_VERSION: &str = "STARLING_TEST_CORRUPT_VERSION";
+/// Test-only fault injection: the first transmission of `version` by this process gets one
+/// byte flipped inside its first segment (the receivers must refuse it, fetch it again and
+/// never apply the bad bytes).
+///
+/// Armed only by a call to this function, which no Starling binary makes: no environment
+/// variable, flag or feature turns it on. The end-to-end tests arm it from a test binary of
+/// their own (`starling-fault-hub` in `tests/src/bin`), so `cargo build --release --workspace`
+/// can unify whatever features it likes: the binaries a user runs have no switch for it.
+pub fn inject_corruption(version: u64) {
+    tracing::warn!(
+        version,
+        "fault injection armed: the first transmission will be corrupted"
+    );
+    *CORRUPT_ONCE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(version);
+}
 
-#[cfg(feature = "fault-injection")]
-static CORRUPT_ONCE: Mutex<Option<Option<u64>>> = Mutex::new(None);
+/// The version whose first transmission [`inject_corruption`] armed, until it is taken.
+static CORRUPT_ONCE: Mutex<Option<u64>> = Mutex::new(None);
 
-#[cfg(feature = "fault-injection")]
 fn take_fault(v: u64) -> bool {
-    let Ok(mut c) = CORRUPT_ONCE.lock() else {
-        return false;
-    };
-    let armed = c.get_or_insert_with(|| {
-        let armed = std::env::var(FAULT_CORRUPT_VERSION)
-            .ok()
-            .and_then(|s| s.parse().ok());
-        if let Some(v) = armed {
-            tracing::warn!(
-                version = v,
-                "fault injection armed ({FAULT_CORRUPT_VERSION})"
-            );
-        }
-        armed
-    });
+    let mut armed = CORRUPT_ONCE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
     if *armed == Some(v) {
         *armed = None;
         true
     } else {
         false
     }
-}
-
-#[cfg(not(feature = "fault-injection"))]
-fn take_fault(_v: u64) -> bool {
-    false
 }

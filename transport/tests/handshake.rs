@@ -140,6 +140,25 @@ async fn only_cluster_members_get_in_and_only_as_themselves() {
         "{r:?}"
     );
 
+    // The same name in other letter case: DNS names match case-insensitively, identities do
+    // not. Admitted, `A1` would become a second ledger actor with a1's certificate.
+    {
+        let claimed = "A1";
+        let r = tokio::time::timeout(t, say_hello(&a1, addr, claimed))
+            .await
+            .expect("in time");
+        assert!(
+            matches!(
+                &r,
+                Ok(Message::Refuse {
+                    reason: RefuseReason::NotAuthorized,
+                    detail,
+                }) if detail.contains("byte for byte")
+            ),
+            "a1's certificate claimed as {claimed:?}: {r:?}"
+        );
+    }
+
     // Credentials of another cluster: the handshake itself fails.
     let other = d.path().join("other");
     cluster(&other, "other");

@@ -166,15 +166,25 @@ def test_generation_equals_a_fresh_vllm(server, ckpts, workdir, results):
 
 def test_generation_against_the_builtin_engine(server, ckpts, results):
     """The built-in engine (engine-logits: f32 activations) scores vLLM's greedy tokens
-    (BF16 activations): same argmax except near-ties, log-probs close."""
+    (BF16 activations): same argmax except near-ties, log-probs within what BF16 activations
+    alone cause.
+
+    That bound is measured, not guessed: transformers scores the same tokens on the same
+    checkpoint once in float32 and once in bfloat16, and the largest and mean differences
+    between the two are the size of BF16 activation rounding for this model and these
+    tokens. vLLM keeps other intermediates in BF16 than transformers' eager path (its CPU
+    build also differs by whether the CPU has AVX512-BF16), so the engine may differ from
+    vLLM by up to 3x that; a wrong weight, rope or norm differs by order 1 and fails."""
     exe = Path(os.environ.get("STARLING_BIN_DIR", "/var/tmp/starling-ci-target/release")) / "engine-logits"
     if not exe.is_file():
         pytest.skip(f"no {exe} (cargo build --release -p starling-engine --bin engine-logits)")
     agree = total = 0
-    max_dlp = 0.0
+    max_dlp = sum_dlp = 0.0
     near_ties = []
+    scored = []
     for prompt in PROMPTS:
         ids, lps = server.greedy(prompt)
+        scored.append((prompt, ids))
         seq = prompt + ids[:-1]
         out = subprocess.run([str(exe), str(ckpts[-1]), *map(str, seq)], check=True,
                              capture_output=True, text=True).stdout
@@ -191,9 +201,33 @@ def test_generation_against_the_builtin_engine(server, ckpts, results):
                 near_ties.append(margin)
                 assert margin < 0.05, f"vLLM picked {tok}, the built-in engine {int(top2.indices[0])} by {margin}"
             max_dlp = max(max_dlp, abs(float(row[tok]) - lp))
-    assert max_dlp < 0.05, max_dlp
+            sum_dlp += abs(float(row[tok]) - lp)
+    noise_max, noise_mean = bf16_activation_noise(ckpts[-1], scored)
+    mean_dlp = sum_dlp / total
     results["builtin_engine"] = {"tokens": total, "same_argmax": agree, "near_tie_margins": near_ties,
-                                 "max_abs_logprob_diff": max_dlp}
+                                 "max_abs_logprob_diff": max_dlp, "mean_abs_logprob_diff": mean_dlp,
+                                 "bf16_vs_f32_transformers": {"max": noise_max, "mean": noise_mean}}
+    assert max_dlp <= 3 * noise_max, (max_dlp, noise_max)
+    assert mean_dlp <= 3 * noise_mean, (mean_dlp, noise_mean)
+
+
+def bf16_activation_noise(model_dir: Path, scored: list) -> tuple:
+    """Largest and mean |log p(f32) - log p(bf16)| of transformers on `scored`'s tokens
+    ((prompt, generated ids) pairs): the size of BF16 activation rounding here."""
+    from transformers import AutoModelForCausalLM
+
+    f32 = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    bf16 = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.bfloat16).eval()
+    diffs = []
+    with torch.no_grad():
+        for prompt, ids in scored:
+            seq = torch.tensor([prompt + ids[:-1]])
+            a = torch.log_softmax(f32(seq).logits[0].double(), dim=-1)
+            b = torch.log_softmax(bf16(seq).logits[0].double(), dim=-1)
+            for t, tok in enumerate(ids):
+                row = len(prompt) - 1 + t
+                diffs.append(abs(float(a[row, tok] - b[row, tok])))
+    return max(diffs), sum(diffs) / len(diffs)
 
 
 def test_fence_and_full_reload(server, ckpts, workdir, results):
@@ -250,3 +284,26 @@ def test_fence_and_full_reload(server, ckpts, workdir, results):
     }
 
 
+def test_file_paths_outside_the_root_are_refused_and_change_nothing(server, ckpts, workdir, tmp_path_factory):
+    """The dev routes are unauthenticated: whoever reaches the port must not make vLLM read or
+    write a file outside its STARLING_VLLM_ROOT (the actor's store), by path or by a link."""
+    before = server.rpc("starling_status")
+    outside = tmp_path_factory.mktemp("outside")
+    assert not str(outside).startswith(str(server.root))
+    secret = outside / "patch.safetensors"
+    secret.write_bytes(b"\x08" + b"\x00" * 7 + b"{}      ")
+    link = workdir / "link-out.safetensors"
+    link.unlink(missing_ok=True)
+    link.symlink_to(secret)
+    for path in ["/etc/hostname", str(outside / "absent.safetensors"), str(link),
+                 str(workdir / ".." / outside.name / "patch.safetensors")]:
+        r = server.rpc("starling_apply", path)
+        assert not r["ok"] and not r["fenced"] and "outside" in r["error"], (path, r)
+        r = server.rpc("starling_load_full", path, MODEL_ID, "0")
+        assert not r["ok"] and not r["fenced"] and "outside" in r["error"], (path, r)
+    # Nor written: a read-back names its output file.
+    r = server.rpc("starling_read_back", "", str(outside / "stolen.safetensors"))
+    assert not r["ok"] and "outside" in r["error"], r
+    assert not (outside / "stolen.safetensors").exists()
+    after = server.rpc("starling_status")
+    assert (after["version"], after["digest"], after["fenced"]) == (before["version"], before["digest"], before["fenced"])

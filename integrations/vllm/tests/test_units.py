@@ -65,3 +65,29 @@ def test_digest_is_additive():
     new[idx] = [7, 8, 9]
     moved = (full - dg.tensor_sum(key, "t", bits[idx], idx) + dg.tensor_sum(key, "t", new[idx], idx)) & dg.MASK128
     assert moved == dg.tensor_sum(key, "t", new)
+
+
+def test_confined_accepts_only_paths_under_the_root(tmp_path, monkeypatch):
+    """The extension's file-path check, without a server: inside the root (links resolved)
+    passes; outside, by path, by ``..`` or by a link, is refused with the same sentence whether
+    the file exists or not; without STARLING_VLLM_ROOT every path is refused."""
+    from starling_vllm import extension as ext
+
+    root, outside = tmp_path / "store" / "vllm", tmp_path / "elsewhere"
+    root.mkdir(parents=True)
+    outside.mkdir()
+    (root / "patch-1.safetensors").write_bytes(b"x")
+    (outside / "secret").write_bytes(b"x")
+    (root / "link").symlink_to(outside / "secret")
+    monkeypatch.delenv(ext.ROOT_ENV, raising=False)
+    with pytest.raises(ext.Refused, match="reads and writes no file paths"):
+        ext.confined(str(root / "patch-1.safetensors"))
+    monkeypatch.setenv(ext.ROOT_ENV, str(root))
+    assert ext.confined(str(root / "patch-1.safetensors")) == os.path.realpath(root / "patch-1.safetensors")
+    assert ext.confined(str(root / "not-yet.safetensors")) == os.path.realpath(root / "not-yet.safetensors")
+    # A sibling whose name starts with the root's is outside too.
+    (tmp_path / "store" / "vllm2").mkdir()
+    for p in [outside / "secret", outside / "absent", root / "link", root / ".." / ".." / "elsewhere" / "secret",
+              tmp_path / "store" / "vllm2" / "x", "/etc/hostname"]:
+        with pytest.raises(ext.Refused, match="is outside"):
+            ext.confined(str(p))

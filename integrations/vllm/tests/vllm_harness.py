@@ -125,17 +125,22 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m vllm.entrypoints.openai.api_server` on a checkpoint directory, with the
-    extension, the dev routes and no tokenizer (with the model's own with `tokenizer=True`)."""
+    """`python -m vllm.entrypoints.openai.api_server` on a checkpoint directory, bound to
+    loopback, with the extension (confined to ``root``, default the log's directory), the dev
+    routes and no tokenizer (with the model's own with `tokenizer=True`)."""
 
     def __init__(self, model_dir: Path, log: Path, extension: bool = True, tokenizer: bool = False,
-                 max_model_len: int = 256, max_num_seqs: int = 8) -> None:
+                 max_model_len: int = 256, max_num_seqs: int = 8, root: Path | None = None) -> None:
         self.model_dir = str(model_dir)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ)
         env["PYTHONPATH"] = str(SRC) + os.pathsep + env.get("PYTHONPATH", "")
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        # The only directory the extension reads patches and checkpoints from, and writes
+        # read-backs into: the test's working directory (the log's).
+        self.root = Path(root or log.parent)
+        env["STARLING_VLLM_ROOT"] = str(self.root)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
         env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         cmd = [
@@ -143,6 +148,8 @@ class Server:
             "--model", self.model_dir, "--port", str(self.port), "--host", "127.0.0.1",
             "--enforce-eager", "--dtype", "bfloat16",
             "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--seed", "0",
+            # Log-probabilities after the temperature, as Starling defines them (docs/vllm.md).
+            "--logprobs-mode", "processed_logprobs",
         ]
         if not tokenizer:
             cmd += ["--skip-tokenizer-init"]

@@ -220,6 +220,9 @@ def start_cluster(material: Material, root: Path, init: Optional[Path] = None) -
                 "--listen", "127.0.0.1:0",
                 "--http", "127.0.0.1:0",
                 "--model-id", "tiny",
+                # Every pytest temporary directory (the tests publish from tmp_path): the
+                # hub publishes only from the directories it is given.
+                "--publish-dir", str(material.root.parent),
             ],
             root / "hub.log",
         )

@@ -825,6 +825,8 @@ impl Soak {
         v.push(self.dir.join("hub-store").into());
         v.push("--init".into());
         v.push(self.steps[0].clone().into());
+        v.push("--publish-dir".into());
+        v.push(self.dir.join("ckpt").into());
         v.push("--http".into());
         v.push(http.into());
         v.push("--retain".into());

@@ -45,7 +45,8 @@ struct Args {
 fn main() -> Result<()> {
     let a = Args::parse();
     let keep = a.retain_batches.map(|n| n.to_string());
-    let mut hub_args = vec!["--lease-initial", "600"];
+    // One client plays every actor: the per-actor rate limits would throttle it.
+    let mut hub_args = vec!["--lease-initial", "600", "--actor-submit-rate", "100000"];
     if let Some(k) = &keep {
         hub_args.extend(["--retain-batches", k.as_str()]);
     }

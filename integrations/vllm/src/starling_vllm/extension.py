@@ -6,6 +6,12 @@ returns a JSON object; failures are returned as ``{"ok": false, "error": "<sente
 "fenced": bool}``, never raised (``/collective_rpc`` would turn an exception into a bare 500).
 The interface is documented in docs/vllm.md.
 
+vLLM's dev routes carry no authentication: bind the server to loopback (``--host 127.0.0.1``,
+what the actor does). And the methods that take a file path read or write only under the
+directory named by ``STARLING_VLLM_ROOT`` (the actor sets it to its store's ``vllm``
+directory when it starts vLLM); without it they refuse every path, so nobody who reaches the
+port can make vLLM read or write a file elsewhere.
+
 CPU build: vLLM's CPU backend prepacks every linear layer's weight (oneDNN / sgl kernels) and
 normally frees the BF16 parameter, so writing into parameters would change nothing the model
 computes. Importing this module (vLLM imports it in each worker before loading the model)
@@ -66,6 +72,25 @@ class Slot:
 
 class Refused(Exception):
     """Refused before anything was written."""
+
+
+ROOT_ENV = "STARLING_VLLM_ROOT"
+
+
+def confined(path: str) -> str:
+    """``path`` with its links resolved, if it lies under ``$STARLING_VLLM_ROOT``; refused
+    otherwise (the same sentence whether the file exists or not)."""
+    root = os.environ.get(ROOT_ENV)
+    if not root:
+        raise Refused(
+            f"this vLLM reads and writes no file paths: start it with {ROOT_ENV} naming the "
+            "directory patches and checkpoints come from (the actor sets it to its store)"
+        )
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    if real != real_root and not real.startswith(real_root.rstrip(os.sep) + os.sep):
+        raise Refused(f"{path} is outside {root} ({ROOT_ENV}), the only directory this vLLM reads or writes")
+    return real
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
@@ -208,6 +233,8 @@ class StarlingWorkerExtension:
         wrote = False
         try:
             t0 = time.perf_counter()
+            # A path outside the root is refused before anything else is said about it.
+            path = confined(path)
             if st["fenced"]:
                 raise Refused(
                     f"this vLLM is fenced since a failed update ({st['reason']}); reload a full "
@@ -312,12 +339,14 @@ class StarlingWorkerExtension:
         try:
             t0 = time.perf_counter()
             self._check_tp1("starling_load_full")
+            path = confined(path)
             files = (
                 sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
                 if os.path.isdir(path) else [path]
             )
             if not files:
                 raise Refused(f"{path} holds no .safetensors file")
+            files = [confined(f) for f in files]
             layout = self._layout()
             seen: dict[str, str] = {}
             handles = [safe_open(f, framework="pt") for f in files]
@@ -383,6 +412,7 @@ class StarlingWorkerExtension:
 
         try:
             self._check_tp1("starling_read_back")
+            out_path = confined(out_path)
             layout = self._layout()
             names = [n for n in names_csv.split(",") if n] or sorted(layout)
             unknown = [n for n in names if n not in layout]

@@ -190,6 +190,15 @@ class Client:
         j = self._request("GET", "/v1/versions")
         return _parse("GET /v1/versions", j, lambda j: [Version.from_json(v) for v in j.get("versions", [])])
 
+    def status(self) -> Dict[str, Any]:
+        """The run as the hub sees it (``GET /v1/status``, ``docs/observability.md``): versions,
+        regions, actors (with their ``engine``), batches, faults — the dashboard's data, as a
+        dict."""
+        j = self._request("GET", "/v1/status")
+        if not isinstance(j, dict):
+            raise StarlingError("bad_response", f"GET /v1/status answered {j!r:.200}")
+        return j
+
     def latest_version(self) -> int:
         """The newest published version number."""
         j = self._request("GET", "/v1/versions")
@@ -203,6 +212,7 @@ class Client:
         directory: Optional[PathLike] = None,
         name: Optional[str] = None,
         keep: bool = True,
+        allow: Iterable[str] = (),
     ) -> Version:
         """Publish a checkpoint as the next version and return it once the hub has stored it.
 
@@ -220,18 +230,27 @@ class Client:
           its own copy of every version it accepts).
 
         ``step`` is the trainer's own step number, recorded beside the version.
+
+        The hub refuses NaN or ±Inf weights (``nonfinite_weights``), a checkpoint identical to
+        the latest version (``unchanged``: a retried publish that already succeeded) and a
+        step lower than the latest version's (``step_backwards``); ``allow`` names the checks
+        to skip (``"nonfinite"``, ``"unchanged"``, ``"step_backwards"``). The path must lie in
+        one of the hub's ``--publish-dir`` directories (``path_not_allowed``).
         """
         if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        allow = [str(a) for a in allow]
         if isinstance(path_or_state_dict, Mapping):
-            return self._publish_state_dict(path_or_state_dict, step, directory, name, keep)
+            return self._publish_state_dict(path_or_state_dict, step, directory, name, keep, allow)
         path = os.path.abspath(os.fspath(path_or_state_dict))
-        return self._publish_path(path, step)
+        return self._publish_path(path, step, allow)
 
-    def _publish_path(self, path: str, step: Optional[int]) -> Version:
+    def _publish_path(self, path: str, step: Optional[int], allow: List[str]) -> Version:
         body: Dict[str, Any] = {"path": path}
         if step is not None:
             body["step"] = step
+        if allow:
+            body["allow"] = allow
         j = self._request("POST", "/v1/versions", body, timeout=self.publish_timeout)
         return _parse("POST /v1/versions", j, Version.from_json)
 
@@ -242,6 +261,7 @@ class Client:
         directory: Optional[PathLike],
         name: Optional[str],
         keep: bool,
+        allow: List[str],
     ) -> Version:
         if name is not None and (os.sep in name or name in ("", ".", "..") or name.endswith(".tmp")):
             raise ValueError(f"name must be a plain file name not ending in .tmp, got {name!r}")
@@ -269,7 +289,7 @@ class Client:
             raise StarlingError("write_failed", f"cannot write the checkpoint {path} ({_describe(e)})") from None
         published = False
         try:
-            v = self._publish_path(path, step)
+            v = self._publish_path(path, step, allow)
             published = True
             return v
         except StarlingError as e:

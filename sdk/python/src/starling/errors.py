@@ -19,7 +19,9 @@ class StarlingError(Exception):
     * for an HTTP answer outside 2xx it is the hub's own ``code`` (``bad_request``,
       ``invalid_batch``, ``unknown_verifier``, ``prompt_too_long``, ``unauthorized``,
       ``not_found``, ``layout_mismatch``, ``unknown_version``, ``batch_finished``,
-      ``too_large``, ``unreadable_checkpoint``, ``internal``; see ``docs/api.md``) and
+      ``too_large``, ``unreadable_checkpoint``, ``nonfinite_weights``, ``unchanged``,
+      ``step_backwards``, ``path_not_allowed``, ``too_many_connections``, ``internal``; see
+      ``docs/api.md``) and
       ``status`` is the HTTP status (an answer without the hub's JSON gets ``http_<status>``);
     * ``unreachable``: no connection to the hub (``status`` is ``None``);
     * ``timeout``: the hub accepted the connection but did not answer in time, or
