@@ -317,7 +317,9 @@ def run(args: argparse.Namespace) -> Dict:
             opt.step()
             if epoch == 0:
                 first = (float(loss.item()), stats)
-        v = hub.publish(model.state_dict(), step=step + 1)
+        # One version per step, also for a step whose samples all scored alike (no gradient,
+        # the same BF16 weights): the hub refuses an unchanged checkpoint unless told.
+        v = hub.publish(model.state_dict(), step=step + 1, allow=("unchanged",))
         rec = {
             "step": step,
             "batch": batch.id,

@@ -38,9 +38,9 @@ pub(crate) enum ModelCmd {
     /// The built-in engine's generation speed on a model directory: chat prompts, batches of
     /// 16, 32 and 64 sequences, temperature 1, short completions.
     Bench(BenchArgs),
-    /// Read JSON requests from stdin, one per line — {"weights": FILE, "items": [{"prompt":
-    /// [ids], "completion": [ids], "temperature": T}, …]} — and answer each on stdout with
-    /// {"logprobs": [[…], …]}: every completion token's log-probability under the weights in
+    /// Read JSON requests from stdin, one per line — `{"weights": FILE, "items": [{"prompt":
+    /// IDS, "completion": IDS, "temperature": T}, …]}` — and answer each on stdout with
+    /// `{"logprobs": [[…], …]}`: every completion token's log-probability under the weights in
     /// FILE (a safetensors checkpoint of the model directory's layout), computed by the
     /// built-in engine exactly as it computes them while generating, or an "error".
     Score(RunArgs),

@@ -85,17 +85,7 @@ fn a_restarted_hub_resumes_at_its_latest_version_and_actors_follow() {
     tb.assert_store_is("a2", 8);
 
     // A different initial checkpoint against this ledger is refused.
-    let out = tb
-        .hub_command_with_init(&tb.steps[1], &["--init-version", "0"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .output()
-        .expect("run hub");
-    assert!(
-        !out.status.success(),
-        "a contradicting --init must be refused"
-    );
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = refused_start(&tb, 1, "0", "a contradicting --init must be refused");
     assert!(
         err.contains("contradicts the ledger")
             && err.contains("version 0")
@@ -205,19 +195,27 @@ fn a_restart_needs_no_init_file_once_the_run_is_recorded() {
 
     // A checkpoint that is not version 4's: refused, naming both digests.
     tb.terminate_hub(std::time::Duration::from_secs(30));
-    let out = tb
-        .hub_command_with_init(&tb.steps[2], &["--init-version", "4"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .output()
-        .expect("run hub");
-    assert!(
-        !out.status.success(),
-        "a checkpoint of another version must be refused"
+    let err = refused_start(
+        &tb,
+        2,
+        "4",
+        "a checkpoint of another version must be refused",
     );
-    let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("contradicts the ledger") && err.contains("version 4"),
         "{err}"
     );
+}
+
+/// Starts the hub with `--init` step `step` as version `version`, asserts that it refuses to
+/// start (`why`), and returns what it printed on stderr.
+fn refused_start(tb: &Testbed, step: usize, version: &str, why: &str) -> String {
+    let out = tb
+        .hub_command_with_init(&tb.steps[step], &["--init-version", version])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .output()
+        .expect("run hub");
+    assert!(!out.status.success(), "{why}");
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }

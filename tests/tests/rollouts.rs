@@ -426,12 +426,15 @@ fn wait_done(trainer: &Trainer, batch: u64, done: u64, deadline: Instant) {
 }
 
 fn faults(pg: Option<String>) {
-    // Slow engines and short leases, so that faults land mid-batch and expiries come soon.
+    // Slow engines, so that faults land mid-batch; leases longer than the transport takes to
+    // see a SIGKILLed peer's connection die (its 5 s idle timeout), so that a killed actor's
+    // groups can only come back early through the release on connection close, which is what
+    // this checks (with 4 s leases they expired first, and the check could not tell).
     let hub = [
         "--lease-initial",
-        "4",
+        "30",
         "--lease-floor",
-        "2",
+        "15",
         "--actor-timeout",
         "3",
     ];

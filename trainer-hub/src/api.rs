@@ -8,9 +8,9 @@
 //! TLS of its own: bind it to loopback or the training cluster's private network.
 //!
 //! Nothing of a request is read or parsed before its token is checked: the check is a layer
-//! in front of the protected routes ([`require_token`]) that sees only the headers, and a
+//! in front of the protected routes (`require_token`) that sees only the headers, and a
 //! refused request is answered `401` with its body unread (the connection is then closed).
-//! Past the check, a body is read into a reader bounded in bytes and in time ([`read_json`])
+//! Past the check, a body is read into a reader bounded in bytes and in time (`read_json`)
 //! and parsed only once whole.
 
 use std::path::PathBuf;

@@ -13,7 +13,7 @@
 //! 1. the header: valid, the file exactly as long as its tensors (so what is copied is
 //!    bounded by the model's size), the run's tensors exactly, by name and shape (a missing or
 //!    extra tensor is named);
-//! 2. the hub's own copy ([`crate::snapshot`]) of the bytes it validated, checked again;
+//! 2. the hub's own copy (`snapshot`) of the bytes it validated, checked again;
 //! 3. every element as BF16: a NaN or ±Inf is refused, naming each tensor and its counts,
 //!    unless the request allows it (`"allow": ["nonfinite"]`);
 //! 4. under the publish lock: a step number lower than the latest version's, and a checkpoint
