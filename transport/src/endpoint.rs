@@ -187,20 +187,41 @@ pub fn client_endpoint(
 }
 
 /// Connects to the server of (`role`, `name`) at `addr` and completes the handshake; the
-/// server's certificate must prove that identity.
+/// server's certificate must prove that identity. Uses the endpoint's default client
+/// configuration.
 pub async fn connect(
     endpoint: &Endpoint,
     addr: SocketAddr,
     role: Role,
     name: &str,
 ) -> Result<Connection, EndpointError> {
-    let server_name = peer_dns_name(role, name);
-    let connecting = endpoint
-        .connect(addr, &server_name)
-        .map_err(|e| EndpointError::Connect {
-            addr,
-            detail: e.to_string(),
-        })?;
+    handshake(endpoint.connect(addr, &peer_dns_name(role, name)), addr).await
+}
+
+/// [`connect`] with `config` (the transport parameters of the link to this server), so one
+/// endpoint serves connections over links of different profiles.
+pub async fn connect_with(
+    endpoint: &Endpoint,
+    config: ClientConfig,
+    addr: SocketAddr,
+    role: Role,
+    name: &str,
+) -> Result<Connection, EndpointError> {
+    handshake(
+        endpoint.connect_with(config, addr, &peer_dns_name(role, name)),
+        addr,
+    )
+    .await
+}
+
+async fn handshake(
+    connecting: Result<quinn::Connecting, quinn::ConnectError>,
+    addr: SocketAddr,
+) -> Result<Connection, EndpointError> {
+    let connecting = connecting.map_err(|e| EndpointError::Connect {
+        addr,
+        detail: e.to_string(),
+    })?;
     connecting.await.map_err(|e| {
         let detail = e.to_string();
         if is_certificate_failure(&e) {
@@ -209,6 +230,23 @@ pub async fn connect(
             EndpointError::Connect { addr, detail }
         }
     })
+}
+
+/// Whether a socket bound to `local` can reach `remote`: same address family, and not a
+/// loopback-only socket towards another host (a relay listening on its region's loopback
+/// reaches the hub from a socket of its own).
+pub fn can_reach(local: SocketAddr, remote: SocketAddr) -> bool {
+    local.is_ipv4() == remote.is_ipv4()
+        && (local.ip().is_unspecified() || local.ip().is_loopback() == remote.ip().is_loopback())
+}
+
+/// The address a client endpoint binds to reach `remote`: any address, any port.
+pub fn any_addr_for(remote: SocketAddr) -> SocketAddr {
+    if remote.is_ipv4() {
+        SocketAddr::from(([0, 0, 0, 0], 0))
+    } else {
+        SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 0))
+    }
 }
 
 /// Whether a handshake failed because the two sides' certificates come from different CAs, on
