@@ -39,7 +39,7 @@ pub(crate) struct DemoArgs {
     #[arg(long, default_value = "starling-demo")]
     pub(crate) out: PathBuf,
     /// RL steps (each: a batch of rollouts, one optimizer step, one published version)
-    /// [default: 60; with --model 12].
+    /// [default: 60; with --model 16].
     #[arg(long)]
     steps: Option<u32>,
     /// Prompt groups per batch [default: 32; with --model 8].
@@ -134,6 +134,12 @@ pub(crate) struct RealArgs {
     /// PyTorch threads of the trainer (default: PyTorch's, one per core).
     #[arg(long, requires = "model")]
     pub(crate) trainer_threads: Option<u32>,
+    /// The trainer's training set: this many seeded problems, dealt in a new order each pass
+    /// (0: a new problem every time). Default: one quarter of the run's prompts (groups x
+    /// steps / 4), so that the first and the last quarter of the steps see the same problems
+    /// and the reward's rise measures learning, not the problems the seed dealt.
+    #[arg(long, requires = "model")]
+    pub(crate) problems: Option<usize>,
 }
 
 impl DemoArgs {
@@ -141,7 +147,7 @@ impl DemoArgs {
         self.real.model.is_some()
     }
     pub(crate) fn steps(&self) -> u32 {
-        self.steps.unwrap_or(if self.real() { 12 } else { 60 })
+        self.steps.unwrap_or(if self.real() { 16 } else { 60 })
     }
     pub(crate) fn groups(&self) -> usize {
         self.groups.unwrap_or(if self.real() { 8 } else { 32 })

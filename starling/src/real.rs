@@ -73,6 +73,9 @@ pub(crate) struct RealSettings {
     pub(crate) engine_slowdown: f64,
     /// PyTorch threads of the trainer (None: PyTorch's default).
     pub(crate) trainer_threads: Option<u32>,
+    /// The trainer's training set, in problems (0: a new problem every time). One size for
+    /// every mode of a comparison, so every mode trains on the same problems in the same order.
+    pub(crate) problems: usize,
 }
 
 /// One line of the trainer's report (`starling.grpo.trainer`), the fields used here.
@@ -302,6 +305,7 @@ fn start_trainer(s: &RealSettings, cluster: &Cluster, out: &Path, report: &Path)
         .args(["--temperature", &s.temperature.to_string()])
         .args(["--lr", &s.lr.to_string()])
         .args(["--seed", &s.seed.to_string()])
+        .args(["--problems", &s.problems.to_string()])
         .arg("--starling-bin")
         .arg(&exe)
         .arg("--report")
@@ -544,7 +548,7 @@ fn summarize(
         "task": "arithmetic word problems as chat messages (math verifier)",
         "settings": {"steps": s.steps, "groups": s.groups, "samples_per_group": s.samples,
                      "max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
-                     "lr": s.lr, "seed": s.seed, "max_staleness": 1,
+                     "lr": s.lr, "seed": s.seed, "problems": s.problems, "max_staleness": 1,
                      "engine_slowdown": s.engine_slowdown, "vllm": s.vllm.is_some(),
                      "exclude_late_region": mode.exclude_late},
         "regions": regions.iter().map(|r| json!({
@@ -678,6 +682,10 @@ pub(crate) fn run(a: &crate::demo::DemoArgs, regions: &[Region], out: &Path) -> 
         http_port: a.http_port,
         engine_slowdown: a.engine_slowdown,
         trainer_threads: a.real.trainer_threads,
+        problems: a
+            .real
+            .problems
+            .unwrap_or_else(|| a.groups() * (a.steps() as usize).div_ceil(4)),
     };
     check_python(&settings)?;
     println!(

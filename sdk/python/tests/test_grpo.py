@@ -25,6 +25,21 @@ if HAVE_TORCH:
     from starling.types import Rollout, Sample, Span
 
 
+def test_a_pool_of_problems_is_dealt_whole_in_a_new_order_each_pass():
+    stream = ArithmeticProblems(3).batch(24)
+    dealt = ArithmeticProblems(3, pool=24)
+    assert dealt.pool == stream  # the training set is the stream's first problems
+    passes = [dealt.batch(24) for _ in range(3)]
+    key = lambda p: (p.messages[0]["content"], p.answer)  # noqa: E731
+    for one in passes:
+        assert sorted(one, key=key) == sorted(stream, key=key)  # every problem once per pass
+    assert passes[0] != passes[1] and passes[1] != passes[2]  # in a new order each time
+    again = ArithmeticProblems(3, pool=24)
+    assert [again.batch(24) for _ in range(3)] == passes  # the same seed deals the same way
+    with pytest.raises(ValueError):
+        ArithmeticProblems(3, pool=-1)
+
+
 def test_problems_are_seeded_and_their_answers_right():
     a = [p for p in ArithmeticProblems(7).batch(200)]
     b = [p for p in ArithmeticProblems(7).batch(200)]

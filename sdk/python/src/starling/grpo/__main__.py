@@ -28,6 +28,13 @@ def parse(argv: Optional[Sequence[str]] = None):
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--max-staleness", type=int, default=1)
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--problems",
+        type=int,
+        default=0,
+        help="train on a fixed set of this many seeded problems, dealt in a new order each pass "
+        "(0, the default: a new problem every time)",
+    )
     p.add_argument("--chunk", type=int, default=8, help="sequences per forward/backward pass")
     p.add_argument("--threads", type=int, help="PyTorch threads (default: PyTorch's)")
     p.add_argument("--starling-bin", help="the `starling` binary: builtin-engine samples are then checked bit for bit")

@@ -43,12 +43,39 @@ class Problem:
 
 
 class ArithmeticProblems:
-    """A seeded stream of problems: the same seed gives the same problems in the same order."""
+    """Seeded problems: the same seed gives the same problems in the same order.
 
-    def __init__(self, seed: int):
+    With ``pool`` 0 every problem is new (a stream). With ``pool`` N the trainer's dataset is
+    the stream's first N problems, dealt in a new seeded order on every pass over them, as a
+    run trains for several epochs over a fixed training set. A short run's reward is then a
+    measure of learning: the same problems come back, so the first and the last pass differ
+    by what the policy learned, not by which problems the seed dealt (with 32 samples a step,
+    the mix of sums and products moves the mean reward by more than a dozen steps at an RL
+    learning rate do).
+    """
+
+    def __init__(self, seed: int, pool: int = 0):
+        if pool < 0:
+            raise ValueError(f"pool must be at least 0, not {pool}")
         self._rng = random.Random(seed)
+        self._pool = [self._draw() for _ in range(pool)]
+        self._deal = random.Random(seed * 7919 + 1)
+        self._pass: List[Problem] = []
+
+    @property
+    def pool(self) -> List[Problem]:
+        """The fixed training set (empty for a stream)."""
+        return list(self._pool)
 
     def next(self) -> Problem:
+        if not self._pool:
+            return self._draw()
+        if not self._pass:
+            self._pass = list(self._pool)
+            self._deal.shuffle(self._pass)
+        return self._pass.pop()
+
+    def _draw(self) -> Problem:
         rng = self._rng
         template, op = rng.choice(_TEMPLATES)
         if op == "*":

@@ -53,6 +53,7 @@ class Settings:
     max_grad_norm: float = 1.0
     max_staleness: int = 1
     seed: int = 1
+    problems: int = 0
     chunk: int = 8
     threads: Optional[int] = None
     starling_bin: Optional[str] = None
@@ -67,6 +68,8 @@ class Settings:
             raise ValueError(f"lr must be a positive number, not {self.lr}")
         if not (0 < self.clip_eps < 1):
             raise ValueError(f"clip_eps must be in (0, 1), not {self.clip_eps}")
+        if self.problems < 0:
+            raise ValueError("problems must be at least 0 (0: a new problem every time)")
         if self.max_staleness < 0:
             raise ValueError("max_staleness must be at least 0")
         if not os.path.isfile(os.path.join(self.model, "config.json")):
@@ -99,7 +102,7 @@ class GrpoTrainer:
         self.exact = ExactScorer(s.starling_bin, s.model) if s.starling_bin else None
         self.engines: Dict[str, str] = {}
         self.check = BehaviourCheck(load_policy(s.model), self.versions, self.engines, self.exact, s.temperature)
-        self.problems = ArithmeticProblems(s.seed)
+        self.problems = ArithmeticProblems(s.seed, pool=s.problems)
         self.history: List[Dict[str, object]] = []
 
     def close(self) -> None:
