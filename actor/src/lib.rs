@@ -1,7 +1,7 @@
 //! The actor: keeps a local copy of the policy's weights in step with the hub and generates
 //! rollouts with them.
 //!
-//! - [`pipeline`]: the weight pipeline, the shell of the receiving core
+//! - `pipeline`: the weight pipeline, the shell of the receiving core
 //!   ([`starling_transport::follow`]): subscribe to the region's relay (else another relay,
 //!   else the hub) after the version it holds; stage the next version **frame by frame as it
 //!   arrives**, against the active weights, while generating with them; activate it on
@@ -106,7 +106,7 @@ pub struct EngineSettings {
 /// Runs until every source failed too often or `stop` is cancelled (SIGTERM, SIGINT): then
 /// it leaves its source, lets the worker submit what it generated (within
 /// [`SHUTDOWN_GRACE`]) and returns. Prints `active VERSION DIGEST` after each activation and
-/// the pipeline's progress lines ([`pipeline`]).
+/// the pipeline's progress lines (`pipeline`).
 pub async fn run(cfg: ActorConfig, stop: CancellationToken) -> Result<()> {
     let creds = Credentials::load_peer(&cfg.credentials).context("load credentials")?;
     if creds.role != Role::Actor {
