@@ -7,7 +7,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 preset=${1:-1.5b}
 work=${2:-/var/tmp/starling-memory-bench}
-cargo build --release -q -p starling-hub
+cargo build --release -q --workspace --bins  # as the tests and scripts/bench-smoke.sh build it: nothing to rebuild after them
 hub=${CARGO_TARGET_DIR:-target}/release/starling-hub
 # Peak RSS comes from GNU time (Debian's `time`), installed here when root and missing.
 if [[ ! -x /usr/bin/time && $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
