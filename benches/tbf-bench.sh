@@ -12,12 +12,21 @@
 #   ct4   cut-through, 4 streams              (hub --stripes 4, relay --stripes 4)
 #   saf4  store-and-forward, 4 streams        (hub --store-and-forward --stripes 4)
 #
-# Per run: the delta's bytes (hub store deltas/v00000001.sdc) and, from the start (the hub's
-# `first-segment 1` line when it prints one, else the moment `publish` is started), the times
-# to the relay's `cached 1`, to the last actor's `staged 1` (else `active 1`) and to the last
-# actor's `active 1` (which includes persisting the full checkpoint). Goodput = delta bytes /
-# (relay cached - start), as % of the tbf rate. Ideal = bytes*8/rate + RTT (ping over the
-# shaped veth, idle). Also: on-wire bytes of the hub's veth per delta byte, the
+# Every wait and every time is read from the processes' status endpoints and metrics, never
+# from their log text: each process serves `--http` on 127.0.0.1 in its namespace, and a
+# watcher beside it polls `/metrics` (and the actors' `/v1/status`) every 50 ms through bash's
+# /dev/tcp (no curl), writing a stamped `key value` line whenever a value changes
+# (WORK/run-PID/CASE-REP/NAME.watch).
+# Per run: the delta's bytes (hub store deltas/v00000001.sdc), the codec set the hub chose
+# (`/v1/status` `codecs.chosen`) and, from the start (the version's `first_segment_at_ms` in
+# the hub's `/v1/status` when it has one, else the moment `publish` is started), the times to
+# the relay's `starling_relay_newest_version 1`, to the last actor's `staged_version 1` (else
+# `active_version 1`) and to the last actor's `active_version 1` (which includes persisting
+# the full checkpoint). Goodput = delta bytes / (relay cached - start), as % of the tbf rate.
+# Ideal = bytes*8/rate + RTT, with the RTT the relay is told (`--wan-rtt-ms 1`: an upper
+# bound on the idle veth's ~0.1 ms); the relay's mean QUIC control RTT to the hub
+# (`starling_relay_control_rtt_seconds`, which includes both processes' scheduling delay on a
+# busy machine) is reported beside it. Also: on-wire bytes of the hub's veth per delta byte, the
 # peak 0.5 s wire rate, and CPU seconds / peak CPU% of hub and relay during the run.
 # The hub encodes the delta while it sends it (cut-through), so that goodput is bounded by
 # the encoder when the encoder is slower than the link. Each run therefore ends with a
@@ -27,15 +36,19 @@
 # --quiet-wait s) for the machine to be >= 75% idle, and reports the CPU other processes used
 # during each run ("other load"): 2 shared cores make results noisy.
 #
-# Usage (as root, from anywhere; needs ip, tc, ping, ~8 GB free in --work per actor pair,
-# ~12 GB RAM for the 1.5b preset):
+# Usage (as root, from anywhere; needs ip and tc (iproute2, installed from Debian's packages
+# when missing), ~8 GB free in --work per actor pair, ~12 GB RAM for the 1.5b preset):
 #   benches/tbf-bench.sh [--reps 3] [--cases "ct1 ct4 saf4"] [--model 1.5b] [--lr 2e-5]
 #                        [--rate-mbit 1000] [--burst 500kb] [--limit 1250000] [--actors 2]
-#                        [--work /var/tmp/starling-tbf-bench] [--quiet-wait 180] [--keep]
-# (1.5b at lr 1e-5 gives an 86 MB delta; 0.5b ~32 MB.) A full default run takes ~15-20 min.
-# Binaries are taken from target/release (built with `cargo build --release --bins` if
-# missing) and copied into the work directory, so a concurrent rebuild cannot change them
-# mid-run. Checkpoints are generated once (`starling-hub bench gen`) and reused.
+#                        [--codecs auto|small|fast] [--work /var/tmp/starling-tbf-bench]
+#                        [--quiet-wait 180] [--keep]
+# (1.5b at lr 1e-5 gives an 86 MB delta; 0.5b ~32 MB.) A full default run takes ~15-20 min;
+# `.ci/run` runs it once at the tiny preset (`--model tiny --reps 1 --cases ct4 --quiet-wait 0`)
+# so that a change that breaks it fails CI.
+# Binaries are taken from cargo's target directory (CARGO_TARGET_DIR, else target/) release
+# build (built with `cargo build --release --bins` if missing) and copied into the work
+# directory, so a concurrent rebuild cannot change them mid-run. Checkpoints are generated once
+# (`starling-hub bench gen`) and reused.
 # Per-run logs (stdout/stderr of every process with $EPOCHREALTIME stamps, wire/CPU samples,
 # a `top` snapshot mid-transfer) stay in WORK/run-PID/ (stores are deleted unless --keep).
 # Namespaces are named stb-PID-*; stale stb-* namespaces (and the processes in them) are
@@ -54,6 +67,7 @@ actors=2
 work=/var/tmp/starling-tbf-bench
 keep=0
 quiet_wait=180
+codecs=auto
 while (($#)); do
     case $1 in
     --reps) reps=$2; shift 2 ;;
@@ -67,12 +81,18 @@ while (($#)); do
     --work) work=$2; shift 2 ;;
     --keep) keep=1; shift ;;
     --quiet-wait) quiet_wait=$2; shift 2 ;;
+    --codecs) codecs=$2; shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
 ((EUID == 0)) || { echo "run as root (network namespaces, tc)" >&2; exit 1; }
-for t in ip tc ping; do command -v $t >/dev/null || { echo "missing $t" >&2; exit 1; }; done
+if ! command -v ip >/dev/null || ! command -v tc >/dev/null; then
+    command -v apt-get >/dev/null || { echo "missing ip/tc (iproute2) and no apt-get to install them" >&2; exit 1; }
+    echo "installing iproute2 from Debian's packages"
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 >/dev/null
+fi
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$work"
@@ -80,17 +100,18 @@ exec 9>"$work/.lock"
 flock -n 9 || { echo "another tbf-bench holds $work/.lock" >&2; exit 1; }
 
 # ---------------------------------------------------------------- binaries and checkpoints
-if ! [[ -x $repo/target/release/starling-hub && -x $repo/target/release/starling-relay &&
-    -x $repo/target/release/starling-actor ]]; then
+release=${CARGO_TARGET_DIR:-$repo/target}/release
+[[ $release = /* ]] || release=$repo/$release
+if ! [[ -x $release/starling-hub && -x $release/starling-relay && -x $release/starling-actor ]]; then
     (cd "$repo" && cargo build --release --bins)
 fi
 run_root=$work/run-$$
 mkdir -p "$run_root/bin"
 for b in starling-hub starling-relay starling-actor; do
-    cp "$repo/target/release/$b" "$run_root/bin/$b"
+    cp "$release/$b" "$run_root/bin/$b"
 done
 HUB=$run_root/bin/starling-hub RELAY=$run_root/bin/starling-relay ACTOR=$run_root/bin/starling-actor
-bin_stamp=$(stat -c '%y' "$repo/target/release/starling-hub" | cut -d. -f1)
+bin_stamp=$(stat -c '%y' "$release/starling-hub" | cut -d. -f1)
 git_rev=$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')
 git_dirty=$(git -C "$repo" status --porcelain --untracked-files=no 2>/dev/null | wc -l)
 
@@ -172,10 +193,6 @@ for ns in "$NS_HUB" "$NS_RELAY"; do
 done
 # No route from the actors to the hub: actors reach only the relay (no fallback bypasses the WAN).
 
-rtt_ms=$(ip netns exec "$NS_RELAY" ping -c 20 -i 0.05 -q $HUB_IP |
-    awk -F'[/ ]+' '/^rtt|^round-trip/ {print $8}')
-[[ -n $rtt_ms ]] || { echo "ping over the shaped veth failed" >&2; exit 1; }
-
 # ---------------------------------------------------------------- cluster credentials
 cluster=$run_root/cluster
 "$HUB" init --name tbf-bench --dir "$cluster" >/dev/null
@@ -191,6 +208,77 @@ start() { # name namespace command... (stdout/stderr stamped into $run/NAME.out/
     shift 2
     ip netns exec "$ns" "$@" > >(stamp >"$run/$name.out") 2> >(stamp >"$run/$name.err") &
     PIDS[$name]=$!
+}
+# Status endpoints and metrics, read without curl: HTTP/1.0 over bash's /dev/tcp.
+http_get() { # host port path : the response body on stdout (status 200 only)
+    local l head=1 ok=0
+    exec 3<>"/dev/tcp/$1/$2" || return 1
+    printf 'GET %s HTTP/1.0\r\nHost: %s\r\n\r\n' "$3" "$1" >&3
+    while IFS= read -r l <&3 || [[ -n $l ]]; do
+        l=${l%$'\r'}
+        if ((head)); then
+            [[ $l == 'HTTP/'*' 200'* ]] && ok=1
+            [[ -z $l ]] && head=0
+        else
+            printf '%s\n' "$l"
+        fi
+    done
+    exec 3<&-
+    ((ok))
+}
+watcher() { # port paths... : every 0.05 s, stamped `key value` lines for what changed
+    # Keys: `up 1` once 127.0.0.1:PORT answers; every unlabelled `starling_*` sample of
+    # /metrics; from a /v1/status: staged_version, active_version, source_connected.
+    local port=$1 l k v body path
+    shift
+    local -A last=()
+    local -a lines
+    while :; do
+        for path in "$@"; do
+            exec 3<>"/dev/tcp/127.0.0.1/$port" 2>/dev/null || continue
+            printf 'GET %s HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' "$path" >&3
+            mapfile -t lines <&3
+            exec 3<&-
+            [[ ${last[up]:-} ]] || { last[up]=1; printf '%s up 1\n' "$EPOCHREALTIME"; }
+            if [[ $path == /metrics ]]; then
+                for l in "${lines[@]}"; do
+                    l=${l%$'\r'}
+                    [[ $l =~ ^(starling_[a-z_]+)\ ([-+0-9.eE]+|NaN)$ ]] || continue
+                    k=${BASH_REMATCH[1]} v=${BASH_REMATCH[2]}
+                    [[ ${last[$k]:-} == "$v" ]] && continue
+                    last[$k]=$v
+                    printf '%s %s %s\n' "$EPOCHREALTIME" "$k" "$v"
+                done
+            else
+                body=${lines[*]: -1}
+                for k in staged_version active_version; do
+                    [[ $body =~ \"$k\":([0-9]+|null) ]] || continue
+                    v=${BASH_REMATCH[1]}
+                    [[ ${last[$k]:-} == "$v" ]] && continue
+                    last[$k]=$v
+                    printf '%s %s %s\n' "$EPOCHREALTIME" "$k" "$v"
+                done
+                if [[ $body =~ \"source\":\{[^}]*\"connected\":(true|false) ]]; then
+                    v=${BASH_REMATCH[1]}
+                    if [[ ${last[source_connected]:-} != "$v" ]]; then
+                        last[source_connected]=$v
+                        printf '%s source_connected %s\n' "$EPOCHREALTIME" "$v"
+                    fi
+                fi
+            fi
+        done
+        sleep 0.05
+    done
+}
+start_watch() { # name namespace port paths... : a watcher of NAME's endpoints into $run/NAME.watch
+    local name=$1 ns=$2
+    shift 2
+    : >"$run/$name.watch"
+    ip netns exec "$ns" bash -c "$(declare -f watcher); watcher $*" >"$run/$name.watch" 2>/dev/null &
+    PIDS[$name-watch]=$!
+}
+last_value() { # key file : the newest value of KEY in a watch file, or nothing
+    awk -v k="$1" '$2 == k { v = $3 } END { if (v != "") print v }' "$2" 2>/dev/null
 }
 first_ts() { # file extended-regex-after-stamp : stamp of the first matching line, or nothing
     grep -m1 -E "^[0-9.]+ $2" "$1" 2>/dev/null | cut -d' ' -f1 || true
@@ -240,7 +328,7 @@ wait_quiet() { # up to $1 s for the machine to be >= 75% idle over 2 s (other jo
 }
 
 results=$run_root/results.tsv
-printf 'case\trep\tbytes\tstart_ref\tend_ref\tt_first\tt_publish\tt_cached\tt_staged\tt_active\tgoodput_pct\tratio\twire_per_byte\tpeak_mbit\thub_cpu_s\trelay_cpu_s\thub_peak_pct\trelay_peak_pct\tt_tail\tcatchup_s\tcatchup_pct\tcatchup_hub_pct\tcatchup_relay_pct\tother_cores\n' >"$results"
+printf 'case\trep\tbytes\tstart_ref\tend_ref\tt_first\tt_publish\tt_cached\tt_staged\tt_active\tgoodput_pct\tratio\twire_per_byte\tpeak_mbit\thub_cpu_s\trelay_cpu_s\thub_peak_pct\trelay_peak_pct\tt_tail\tcatchup_s\tcatchup_pct\tcatchup_hub_pct\tcatchup_relay_pct\tother_cores\trtt_ms\tcodecs\n' >"$results"
 
 run_case() { # case rep
     local c=$1 rep=$2 stripes hub_extra=() relay_stripes
@@ -255,23 +343,31 @@ run_case() { # case rep
     rm -rf "$run"
     mkdir -p "$run"
     start hub "$NS_HUB" "$HUB" serve --listen $HUB_IP:7443 --model-id tiny --cluster "$cluster" \
-        --store "$run/hub-store" --init "$step0" --stripes "$stripes" "${hub_extra[@]}"
-    wait_for hub "$run/hub.out" 'listening on' 600 >/dev/null
+        --store "$run/hub-store" --init "$step0" --stripes "$stripes" "${hub_extra[@]}" \
+        --codecs "$codecs" --http 127.0.0.1:9100 --publish-dir "$ckpt"
+    start_watch hub "$NS_HUB" 9100 /metrics
+    wait_for hub "$run/hub.watch" 'up 1$' 600 >/dev/null
     start relay "$NS_RELAY" "$RELAY" --model-id tiny --listen $RELAY_LAN_IP:7444 \
         --hub $HUB_IP:7443 --region r1 --credentials "$run_root/r1" \
-        --wan-mbit "$rate_mbit" --wan-rtt-ms 1 --stripes "$relay_stripes"
-    wait_for relay "$run/relay.out" 'listening on' 60 >/dev/null
-    wait_for hub "$run/hub.err" 'r1 connected' 60 >/dev/null
+        --wan-mbit "$rate_mbit" --wan-rtt-ms 1 --stripes "$relay_stripes" --http 127.0.0.1:9101
+    start_watch relay "$NS_RELAY" 9101 /metrics
+    wait_for relay "$run/relay.watch" 'starling_relay_upstream_connected 1$' 60 >/dev/null
     for i in $(seq "$actors"); do
         start "a$i" "$NS_ACT" "$ACTOR" --model-id tiny --hub $HUB_IP:7443 \
             --credentials "$run_root/a$i" --init "$step0" --store "$run/a$i-store" \
-            --region r1 --relay "r1@$RELAY_LAN_IP:7444"
+            --region r1 --relay "r1@$RELAY_LAN_IP:7444" --http "127.0.0.1:$((9110 + i))"
+        start_watch "a$i" "$NS_ACT" $((9110 + i)) /v1/status
     done
     for i in $(seq "$actors"); do
-        wait_for "a$i" "$run/a$i.out" 'active 0 ' 600 >/dev/null
-        wait_for "a$i" "$run/a$i.out" 'upstream relay' 60 >/dev/null
+        wait_for "a$i" "$run/a$i.watch" 'active_version 0$' 600 >/dev/null
+        wait_for "a$i" "$run/a$i.watch" 'source_connected true$' 60 >/dev/null
     done
     wait_quiet "$quiet_wait"
+    # The relay's mean control RTT to the hub so far (reported; the ideal uses the stated 1 ms).
+    local rtt_sum rtt_n rtt_ms=nan
+    rtt_sum=$(last_value starling_relay_control_rtt_seconds_sum "$run/relay.watch")
+    rtt_n=$(last_value starling_relay_control_rtt_seconds_count "$run/relay.watch")
+    [[ -n $rtt_n && $rtt_n != 0 ]] && rtt_ms=$(f "1000*$rtt_sum/$rtt_n" 3)
 
     local hub_pid=${PIDS[hub]} relay_pid=${PIDS[relay]} mine0=0 p
     ip netns exec "$NS_HUB" bash -c "$(declare -f cpu_ticks sampler); sampler $hub_pid $relay_pid" \
@@ -289,21 +385,28 @@ run_case() { # case rep
         --cluster "$cluster" "$step1" > >(stamp >"$run/publish.out") 2>&1
     local t_pub=$EPOCHREALTIME
     local t_cached
-    t_cached=$(wait_for relay "$run/relay.out" 'cached 1$' 900)
+    t_cached=$(wait_for relay "$run/relay.watch" 'starling_relay_newest_version 1$' 900)
     local i t_staged_max=0 t_active_max=0 end_ref=staged t
     for i in $(seq "$actors"); do
-        t=$(wait_for "a$i" "$run/a$i.out" 'active 1 ' 900)
+        t=$(wait_for "a$i" "$run/a$i.watch" 'active_version 1$' 900)
         t_active_max=$(awk -v a="$t" -v b="$t_active_max" 'BEGIN { print (a > b ? a : b) }')
-        t=$(first_ts "$run/a$i.out" 'staged 1$')
-        [[ -n $t ]] || { t=$(first_ts "$run/a$i.out" 'active 1 '); end_ref=active; }
+        t=$(first_ts "$run/a$i.watch" 'staged_version 1$')
+        [[ -n $t ]] || { t=$(first_ts "$run/a$i.watch" 'active_version 1$'); end_ref=active; }
         t_staged_max=$(awk -v a="$t" -v b="$t_staged_max" 'BEGIN { print (a > b ? a : b) }')
     done
     local mine1=0 busy1 t1
     for p in hub relay $(seq -f 'a%g' "$actors"); do mine1=$((mine1 + $(cpu_ticks "${PIDS[$p]}"))); done
     busy1=$(cpu_busy)
     t1=$EPOCHREALTIME
-    local t_first start_ref=first-segment
-    t_first=$(first_ts "$run/hub.out" 'first-segment 1$')
+    # The hub's status: when version 1's first segment was encoded, and the codecs it chose.
+    local status t_first start_ref=first-segment chosen=?
+    status=$(ip netns exec "$NS_HUB" bash -c "$(declare -f http_get); http_get 127.0.0.1 9100 /v1/status" 2>/dev/null || true)
+    printf '%s\n' "$status" >"$run/hub-status.json"
+    t_first=
+    if [[ $status =~ \"first_segment_at_ms\":([0-9]+) ]]; then
+        t_first=$(f "${BASH_REMATCH[1]}/1000" 3)
+    fi
+    [[ $status =~ \"chosen\":\"([a-z]+)\" ]] && chosen=${BASH_REMATCH[1]}
     [[ -n $t_first ]] || { t_first=$t0; start_ref=publish; }
     wait "${PIDS[top]}" 2>/dev/null || true
     unset 'PIDS[top]'
@@ -313,11 +416,12 @@ run_case() { # case rep
     local h0 h1 r1c c0 c1 t_r2 t_r2c
     start relay2 "$NS_RELAY" "$RELAY" --model-id tiny --listen $RELAY_LAN_IP:7445 \
         --hub $HUB_IP:7443 --region r2 --credentials "$run_root/r2" \
-        --wan-mbit "$rate_mbit" --wan-rtt-ms 1 --stripes "$relay_stripes"
+        --wan-mbit "$rate_mbit" --wan-rtt-ms 1 --stripes "$relay_stripes" --http 127.0.0.1:9102
+    start_watch relay2 "$NS_RELAY" 9102 /metrics
     h0=$(cpu_ticks "$hub_pid")
     c0=$EPOCHREALTIME
-    t_r2=$(wait_for relay2 "$run/relay2.out" 'listening on' 60)
-    t_r2c=$(wait_for relay2 "$run/relay2.out" 'cached 1$' 300)
+    t_r2=$(wait_for relay2 "$run/relay2.watch" 'up 1$' 60)
+    t_r2c=$(wait_for relay2 "$run/relay2.watch" 'starling_relay_newest_version 1$' 300)
     h1=$(cpu_ticks "$hub_pid")
     r1c=$(cpu_ticks "${PIDS[relay2]}")
     c1=$EPOCHREALTIME
@@ -348,25 +452,25 @@ run_case() { # case rep
 
     awk -v c="$c" -v rep="$rep" -v b="$bytes" -v sr="$start_ref" -v er="$end_ref" \
         -v t0="$t0" -v tf="$t_first" -v tp="$t_pub" -v tc="$t_cached" -v ts="$t_staged_max" \
-        -v ta="$t_active_max" -v rate="$rate_mbit" -v rtt="$rtt_ms" -v wb="$wire_bytes" \
+        -v ta="$t_active_max" -v rate="$rate_mbit" -v rtt=1 -v mrtt="$rtt_ms" -v wb="$wire_bytes" \
         -v pm="$peak_mbit" -v hc="$hub_cpu" -v rc="$relay_cpu" -v hp="$hub_peak" -v rp="$relay_peak" \
         -v t2="$t_r2" -v t2c="$t_r2c" -v h0="$h0" -v h1="$h1" -v r1c="$r1c" -v c0="$c0" -v c1="$c1" \
-        -v m0="$mine0" -v m1="$mine1" -v b0="$busy0" -v b1="$busy1" -v t1="$t1" '
+        -v m0="$mine0" -v m1="$mine1" -v b0="$busy0" -v b1="$busy1" -v t1="$t1" -v ch="$chosen" '
         BEGIN {
             ideal = b * 8 / (rate * 1e6) + rtt / 1000
             printf "%s\t%d\t%d\t%s\t%s\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f\t%.1f\t%.2f\t%.3f\t%d\t%.2f\t%.2f\t%d\t%d",
                 c, rep, b, sr, er, tf - t0, tp - t0, tc - tf, ts - tf, ta - tf,
                 100 * b * 8 / (tc - tf) / (rate * 1e6), (ts - tf) / ideal, wb / b, pm, hc, rc, hp, rp
-            printf "\t%.3f\t%.3f\t%.1f\t%.0f\t%.0f\t%.2f\n", tc - tp, t2c - t2,
+            printf "\t%.3f\t%.3f\t%.1f\t%.0f\t%.0f\t%.2f\t%s\t%s\n", tc - tp, t2c - t2,
                 100 * b * 8 / (t2c - t2) / (rate * 1e6), (h1 - h0) / (c1 - c0), r1c / (c1 - c0),
-                ((b1 - b0) - (m1 - m0)) / 100 / (t1 - t0)
+                ((b1 - b0) - (m1 - m0)) / 100 / (t1 - t0), mrtt, ch
         }' >>"$results"
-    tail -1 "$results" | awk -F'\t' '{ printf "  %s #%s: delta %.1f MB, first segment +%.2f s, publish returned +%.2f s; from %s: relay cached %.2f s (%.1f%% of link), last %s %.2f s (%.2fx ideal), last active %.2f s; wire %.3f B/B, peak %d Mbit/s; CPU s hub %.1f relay %.1f, peak%% hub %d relay %d; catch-up %.2f s (%.1f%% of link, hub %d%% relay %d%% CPU); other load %.2f cores\n",
-        $1, $2, $3 / 1e6, $6, $7, $4, $8, $11, $5, $9, $12, $10, $13, $14, $15, $16, $17, $18, $20, $21, $22, $23, $24 }'
+    tail -1 "$results" | awk -F'\t' '{ printf "  %s #%s: codecs %s, delta %.1f MB, first segment +%.2f s, publish returned +%.2f s; from %s: relay cached %.2f s (%.1f%% of link), last %s %.2f s (%.2fx ideal), last active %.2f s; wire %.3f B/B, peak %d Mbit/s; CPU s hub %.1f relay %.1f, peak%% hub %d relay %d; catch-up %.2f s (%.1f%% of link, hub %d%% relay %d%% CPU); other load %.2f cores\n",
+        $1, $2, $26, $3 / 1e6, $6, $7, $4, $8, $11, $5, $9, $12, $10, $13, $14, $15, $16, $17, $18, $20, $21, $22, $23, $24 }'
     if ((keep == 0)); then rm -rf "$run"/a*-store "$run/hub-store"; fi
 }
 
-echo "tbf-bench: $model lr $lr, $(f "$ckpt_bytes/1e6" 1) MB checkpoint; tbf rate ${rate_mbit}mbit burst $burst limit $limit; idle RTT $rtt_ms ms; $actors actors; logs in $run_root"
+echo "tbf-bench: $model lr $lr, $(f "$ckpt_bytes/1e6" 1) MB checkpoint; tbf rate ${rate_mbit}mbit burst $burst limit $limit; hub --codecs $codecs; $actors actors; logs in $run_root"
 for rep in $(seq "$reps"); do
     for c in $cases; do # interleaved, so slow drifts (page cache, other load) hit every case alike
         run_case "$c" "$rep"
@@ -382,15 +486,15 @@ label() { case $1 in ct1) echo "cut-through, 1 stream" ;; ct4) echo "cut-through
 echo
 echo "### Delta delivery over tbf ${rate_mbit} Mbit/s, no added delay (medians of $reps runs)"
 echo
-echo "Settings: tbf rate ${rate_mbit}mbit burst $burst limit $limit B on both directions of the hub-relay veth (idle ping RTT $rtt_ms ms); relay-actors veth unshaped; $actors actors; model preset $model, lr $lr, 1 step; checkpoint $(f "$ckpt_bytes/1e6" 1) MB (BF16); relay --wan-mbit $rate_mbit --wan-rtt-ms 1; binaries of $git_rev (+$git_dirty modified files, built $bin_stamp); $(nproc) cores."
+echo "Settings: tbf rate ${rate_mbit}mbit burst $burst limit $limit B on both directions of the hub-relay veth (ideal counts 1 ms of RTT, as the relay is told; the relay's mean QUIC control RTT to the hub, median of the runs: $(awk -F'\t' 'NR > 1 { print $25 }' "$results" | median) ms); hub --codecs $codecs; relay-actors veth unshaped; $actors actors; model preset $model, lr $lr, 1 step; checkpoint $(f "$ckpt_bytes/1e6" 1) MB (BF16); relay --wan-mbit $rate_mbit --wan-rtt-ms 1; binaries of $git_rev (+$git_dirty modified files, built $bin_stamp); $(nproc) cores."
 echo
-echo "| case | delta MB | start → end ref | first segment after publish start (s) | publish returned (s) | relay cached (s) | goodput (% of link) | relay cached − publish returned (s) | last staged (s) | staged / ideal (bytes/rate + RTT) | last active (s) | wire B / delta B | peak wire Mbit/s | hub / relay CPU s | hub / relay peak CPU % | catch-up: s, % of link, hub / relay CPU % | full checkpoint at catch-up goodput (s) | full checkpoint ÷ last staged | other load (cores) |"
-echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+echo "| case | codecs chosen | delta MB | start → end ref | first segment after publish start (s) | publish returned (s) | relay cached (s) | goodput (% of link) | relay cached − publish returned (s) | last staged (s) | staged / ideal (bytes/rate + RTT) | last active (s) | wire B / delta B | peak wire Mbit/s | hub / relay CPU s | hub / relay peak CPU % | catch-up: s, % of link, hub / relay CPU % | full checkpoint at catch-up goodput (s) | full checkpoint ÷ last staged | other load (cores) |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 for c in $cases; do
     b=$(col "$c" 3) tc_=$(col "$c" 8) gp=$(col "$c" 11) cu=$(col "$c" 21) st=$(col "$c" 9)
     full=$(f "$ckpt_bytes*8/($cu/100*$rate_mbit*1e6)" 1)
-    printf '| %s | %s | %s → %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s | %s / %s | %s s, %s%%, %s / %s | %s | %s | %s |\n' \
-        "$(label "$c")" "$(f "$b/1e6" 1)" "$(refs "$c" 4)" "$(refs "$c" 5)" "$(f "$(col "$c" 6)")" \
+    printf '| %s | %s | %s | %s → %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s / %s | %s / %s | %s s, %s%%, %s / %s | %s | %s | %s |\n' \
+        "$(label "$c")" "$(refs "$c" 26)" "$(f "$b/1e6" 1)" "$(refs "$c" 4)" "$(refs "$c" 5)" "$(f "$(col "$c" 6)")" \
         "$(f "$(col "$c" 7)")" "$(f "$tc_")" "$(f "$gp" 1)" "$(f "$(col "$c" 19)")" "$(f "$st")" \
         "$(f "$(col "$c" 12)")" "$(f "$(col "$c" 10)")" "$(f "$(col "$c" 13)" 3)" "$(col "$c" 14)" \
         "$(f "$(col "$c" 15)" 1)" "$(f "$(col "$c" 16)" 1)" "$(col "$c" 17)" "$(col "$c" 18)" \
@@ -399,7 +503,7 @@ for c in $cases; do
 done
 echo
 echo "Full BF16 checkpoint ($(f "$ckpt_bytes/1e6" 1) MB) at the line rate: $(f "$ckpt_bytes*8/($rate_mbit*1e6)" 1) s."
-echo "Times are from the start reference (hub \`first-segment 1\`, or the start of \`publish\` when the hub does not print it) except the two columns \"after publish start\"/\"publish returned\" (from the start of \`publish\`; \`publish\` returns once the delta file is durable). \"staged\" falls back to \`active\` when actors do not print \`staged\`; \`active\` includes persisting the full checkpoint. Goodput = delta bytes / relay-cached time (bounded by the encoder when it is slower than the link). Catch-up = a second relay fetching the finished version from the hub's store over the same, now idle, link (listening → cached): the transport's goodput without the encoder. CPU % is of one core; CPU seconds span publish start → last active. Other load = CPU used by processes outside the benchmark (e.g. concurrent builds) during the run, in cores."
+echo "Times are from the start reference (version 1's \`first_segment_at_ms\` in the hub's \`/v1/status\`, or the start of \`publish\` when the hub does not report it) except the two columns \"after publish start\"/\"publish returned\" (from the start of \`publish\`; \`publish\` returns once the delta file is durable). \"staged\" (an actor's \`/v1/status\` \`staged_version\`, polled every 50 ms) falls back to \`active_version\` when the poll did not see it staged; \`active\` includes persisting the full checkpoint. Goodput = delta bytes / relay-cached time (bounded by the encoder when it is slower than the link). Catch-up = a second relay fetching the finished version from the hub's store over the same, now idle, link (its status endpoint answering → `starling_relay_newest_version 1`): the transport's goodput without the encoder. CPU % is of one core; CPU seconds span publish start → last active. Other load = CPU used by processes outside the benchmark (e.g. concurrent builds) during the run, in cores."
 echo
 echo "Command: \`$cmdline\`"
 echo "Per-run results: $results"

@@ -182,5 +182,5 @@ where
         engine,
         weights_dir: a.weights_dir,
     };
-    starling_transport::service::run_service(crate::run(cfg))
+    starling_transport::service::run_service(|stop| crate::run(cfg, stop))
 }

@@ -39,7 +39,7 @@ const POLL: Duration = Duration::from_millis(5);
 
 /// The file that holds `version`'s full checkpoint in a shared weights directory.
 pub fn version_file_name(version: u64) -> String {
-    format!("v{version:08}.safetensors")
+    starling_checkpoint::deltafile::version_file_name(version, "safetensors")
 }
 
 /// Reads a full BF16 checkpoint and its digest.

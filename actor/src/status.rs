@@ -4,7 +4,6 @@
 //! metrics, plus the source the pipeline last subscribed to; nothing here blocks the pipeline.
 
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::extract::State;
@@ -74,9 +73,7 @@ impl ActorStatus {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        let now_ms = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        let now_ms = starling_telemetry::unix_ms();
         json!({
             "role": "actor",
             "name": self.name,

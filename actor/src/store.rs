@@ -63,7 +63,7 @@ impl Store {
     }
 
     fn journal_file(dir: &Path, version: u64) -> PathBuf {
-        Self::journal_dir(dir).join(format!("v{version:08}.sdc"))
+        Self::journal_dir(dir).join(starling_checkpoint::deltafile::delta_file_name(version))
     }
 
     /// Opens the store in `dir` (starting from `init` when it holds no snapshot yet) and

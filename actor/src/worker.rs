@@ -25,6 +25,11 @@
 //! A lost connection is retried after a pause; the hub releases the leases the lost
 //! connection held as soon as it sees it close, and re-offers their groups.
 //!
+//! **Stopping** (the actor's SIGTERM): the worker claims nothing more, lets the generation in
+//! flight finish, submits its results and waits for their verdicts, then closes its
+//! connection (the hub releases the jobs it had not started). The actor bounds this by its
+//! grace period.
+//!
 //! An engine whose fingerprint does not match the version the pipeline committed is fenced:
 //! the worker claims nothing until they agree again.
 
@@ -33,15 +38,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use quinn::SendStream;
+use quinn::{ClientConfig, Endpoint, SendStream};
 use starling_proto::msg::{MAX_MESSAGE_BODY, Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_proto::rollout::{JobResult, JobSpec, Verdict, split_for_messages};
 use starling_telemetry::Metrics;
-use starling_transport::endpoint::{client_endpoint, connect};
+use starling_transport::endpoint::connect_with;
 use starling_transport::framed::{MessageReader, send};
 use starling_transport::identity::{Credentials, Role};
-use starling_transport::link::LinkProfile;
 use tokio::sync::{Mutex, watch};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::engine::{Engine, JobProgress};
 
@@ -66,19 +72,38 @@ pub struct WorkerConfig {
     pub claim: u32,
 }
 
-/// Runs the worker until the process stops.
+/// How the worker reaches the hub: the process's endpoint, the link's configuration.
+#[derive(Debug, Clone)]
+struct Link {
+    endpoint: Endpoint,
+    config: ClientConfig,
+}
+
+/// Runs the worker until `stop`; then it submits what it generated and returns.
+#[allow(clippy::too_many_arguments)]
 pub async fn run(
     creds: Credentials,
     cfg: WorkerConfig,
+    endpoint: Endpoint,
+    config: ClientConfig,
     engine: Arc<dyn Engine>,
     status: watch::Receiver<PipelineStatus>,
     metrics: Metrics,
+    stop: CancellationToken,
 ) {
+    let link = Link { endpoint, config };
     loop {
-        if let Err(e) = session(&creds, &cfg, &engine, &status, &metrics).await {
+        let s = session(&creds, &cfg, &link, &engine, &status, &metrics, &stop);
+        if let Err(e) = s.await {
             tracing::warn!("worker connection lost: {e:#}; reconnecting");
         }
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        if stop.is_cancelled() {
+            return;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            _ = stop.cancelled() => return,
+        }
     }
 }
 
@@ -100,15 +125,6 @@ impl ConnectedGauge<'_> {
 impl Drop for ConnectedGauge<'_> {
     fn drop(&mut self) {
         self.metrics.set_worker_connected(false);
-    }
-}
-
-/// Aborts a task when dropped.
-struct AbortOnDrop(tokio::task::JoinHandle<()>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
     }
 }
 
@@ -135,20 +151,24 @@ impl Drop for Running {
 async fn session(
     creds: &Credentials,
     cfg: &WorkerConfig,
+    link: &Link,
     engine: &Arc<dyn Engine>,
     status: &watch::Receiver<PipelineStatus>,
     metrics: &Metrics,
+    stop: &CancellationToken,
 ) -> Result<()> {
-    let bind: std::net::SocketAddr = if cfg.hub.is_ipv4() {
-        "0.0.0.0:0"
-    } else {
-        "[::]:0"
-    }
-    .parse()?;
-    let ep = client_endpoint(creds, bind, &LinkProfile::LAN).context("client endpoint")?;
-    let conn = connect(&ep, cfg.hub, Role::Hub, "hub")
-        .await
-        .context("connect to the hub")?;
+    let connecting = connect_with(
+        &link.endpoint,
+        link.config.clone(),
+        cfg.hub,
+        Role::Hub,
+        "hub",
+    );
+    let conn = tokio::select! {
+        c = connecting => c.context("connect to the hub")?,
+        _ = stop.cancelled() => return Ok(()),
+    };
+    let _close = CloseOnDrop(conn.clone());
     let (tx, rx) = conn.open_bi().await.context("open the work stream")?;
     let tx = Arc::new(Mutex::new(tx));
     let mut reader = MessageReader::new(rx);
@@ -189,7 +209,7 @@ async fn session(
         metrics,
         set: false,
     };
-    let _heartbeat = AbortOnDrop(tokio::spawn(heartbeat(
+    let _heartbeat = AbortOnDropHandle::new(tokio::spawn(heartbeat(
         tx.clone(),
         engine.clone(),
         status.clone(),
@@ -201,7 +221,27 @@ async fn session(
     let mut next_claim = Instant::now();
     let mut progress_timer = tokio::time::interval(Duration::from_secs(1));
     progress_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut draining = false;
     loop {
+        if stop.is_cancelled() && !draining {
+            // Claim nothing more; the jobs not started are released when the connection
+            // closes. The generation in flight finishes and its results are submitted.
+            draining = true;
+            let dropped: usize = queued.iter().map(Vec::len).sum();
+            queued.clear();
+            tracing::info!(
+                generating = running.as_ref().map_or(0, |r| r.jobs.len()),
+                released = dropped,
+                "stopping: submitting the generation in flight"
+            );
+        }
+        if draining {
+            queued.clear();
+            let verdicts_due = awaiting.iter().any(|a| matches!(a, Awaiting::Verdicts(_)));
+            if running.is_none() && !verdicts_due {
+                return Ok(());
+            }
+        }
         // Start the next generation as soon as the engine is free.
         if running.is_none()
             && let Some(jobs) = queued.pop_front()
@@ -211,7 +251,7 @@ async fn session(
         let held = running.as_ref().map_or(0, |r| r.jobs.len())
             + queued.iter().map(Vec::len).sum::<usize>();
         let claiming = awaiting.contains(&Awaiting::Jobs);
-        let may_claim = !claiming && held <= claim && in_step(engine, status);
+        let may_claim = !draining && !claiming && held <= claim && in_step(engine, status);
         let claim_at = tokio::time::Instant::from_std(next_claim);
         tokio::select! {
             m = reader.next() => {
@@ -276,7 +316,18 @@ async fn session(
             }
             // Fenced (or a claim already out with nothing else to do): look again soon.
             _ = tokio::time::sleep(Duration::from_millis(100)), if !may_claim => {}
+            _ = stop.cancelled(), if !draining => {}
         }
+    }
+}
+
+/// Closes the worker's connection when its session ends (the endpoint is the process's and
+/// outlives it), so the hub releases what the session held at once.
+struct CloseOnDrop(quinn::Connection);
+
+impl Drop for CloseOnDrop {
+    fn drop(&mut self) {
+        self.0.close(0u32.into(), b"worker done");
     }
 }
 

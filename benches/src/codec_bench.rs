@@ -13,6 +13,7 @@
 //! `cargo run --release -p starling-benches --bin codec-bench -- --help`
 
 use std::collections::BTreeMap;
+use std::path::Path;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
@@ -52,9 +53,20 @@ struct Args {
     /// Only run diff+encode this many times on the first learning rate (for profilers).
     #[arg(long)]
     profile_encode: Option<usize>,
+    /// Only stage (decode, verify, seal) the first learning rate's delta this many times
+    /// (for profilers).
+    #[arg(long)]
+    profile_stage: Option<usize>,
+    /// The codec set the profile modes use: `default` or `v1` (the first release's codecs).
+    #[arg(long, default_value = "default")]
+    profile_codecs: String,
     /// Only measure encoded sizes (they do not depend on timing); skip the speed tables.
     #[arg(long)]
     sizes_only: bool,
+    /// Keep generated checkpoint pairs in this directory and reuse them (generation takes
+    /// longer than the measurements on large presets). Off by default.
+    #[arg(long)]
+    cache_dir: Option<std::path::PathBuf>,
 }
 
 type Model = BTreeMap<String, Vec<u16>>;
@@ -81,48 +93,63 @@ fn main() -> Result<()> {
             )
         })
         .collect();
-    if let Some(n) = args.profile_encode {
+    if args.profile_encode.is_some() || args.profile_stage.is_some() {
         let lr = args.lrs.first().copied().unwrap_or(3e-6);
-        let steps = generate_in_memory(
-            &spec,
-            2,
-            &TrainConfig {
-                seed: args.seed,
-                lr,
-                ..TrainConfig::default()
-            },
-        );
-        let ts = flat_pairs(&steps[1], &steps[2]);
-        let hdr = header(&steps[1]);
-        let t = Instant::now();
-        let mut bytes = 0;
-        for _ in 0..n {
-            bytes += encode_in_memory(hdr.clone(), EncoderConfig::default(), &ts, None)
-                .0
-                .len();
+        let (old, new) = pair(&spec, lr, args.seed, args.cache_dir.as_deref())?;
+        let ts = flat_pairs(&old, &new);
+        let hdr = header(&old);
+        let profile_cfg = match args.profile_codecs.as_str() {
+            "v1" => v1_config(),
+            "default" => EncoderConfig::default(),
+            other => anyhow::bail!("unknown --profile-codecs {other} (default, v1)"),
+        };
+        if let Some(n) = args.profile_encode {
+            let c = cpu_seconds();
+            let t = Instant::now();
+            let mut bytes = 0;
+            for _ in 0..n {
+                bytes += encode_in_memory(hdr.clone(), profile_cfg.clone(), &ts, None)
+                    .0
+                    .len();
+            }
+            println!(
+                "{n} encodes, {bytes} bytes, {:.3} s, {:.3} CPU s",
+                t.elapsed().as_secs_f64(),
+                cpu_seconds() - c
+            );
         }
-        println!(
-            "{n} encodes, {bytes} bytes, {:.3} s",
-            t.elapsed().as_secs_f64()
-        );
+        if let Some(n) = args.profile_stage {
+            let (bytes, _) = encode_in_memory(hdr.clone(), profile_cfg.clone(), &ts, None);
+            let delta = read_delta(&bytes, &TrustPolicy::AnySigner)?;
+            let w =
+                VersionedWeights::new("bench", old.clone(), 1, hdr.pre_digest.unwrap_or_default());
+            let c = cpu_seconds();
+            let t = Instant::now();
+            for _ in 0..n {
+                let mut st = w.stager();
+                for s in &delta.segments {
+                    let e = &delta.manifest.manifest.segments[s.seq as usize];
+                    st.stage_segment(s, e.hash, e.frame_len, w.weights())?;
+                }
+                st.stage_manifest(delta.manifest.clone())?;
+                std::hint::black_box(st.seal(&TrustPolicy::AnySigner)?);
+            }
+            println!(
+                "{n} stagings of {} changes, {:.3} s, {:.3} CPU s",
+                delta.manifest.manifest.total_changes(),
+                t.elapsed().as_secs_f64(),
+                cpu_seconds() - c
+            );
+        }
         return Ok(());
     }
     let mut size_rows = Vec::new();
     let mut speed_rows = Vec::new();
     for &lr in &args.lrs {
-        let steps = generate_in_memory(
-            &spec,
-            2,
-            &TrainConfig {
-                seed: args.seed,
-                lr,
-                ..TrainConfig::default()
-            },
-        );
-        let (old, new) = (&steps[1], &steps[2]);
-        size_rows.push(sizes(lr, old, new, &row_lens));
+        let (old, new) = pair(&spec, lr, args.seed, args.cache_dir.as_deref())?;
+        size_rows.push(sizes(lr, &old, &new, &row_lens));
         if !args.sizes_only {
-            speed_rows.push(speeds(lr, old, new, args.reps, threads)?);
+            speed_rows.push(speeds(lr, &old, &new, args.reps, threads)?);
         }
     }
     print_sizes(&size_rows);
@@ -130,6 +157,78 @@ fn main() -> Result<()> {
         print_speeds(&speed_rows, threads);
     }
     Ok(())
+}
+
+/// Steps 1 and 2 of the workload generator at `lr` (step 0 is the warm start), read from
+/// `cache` when a previous run left them there.
+fn pair(spec: &ModelSpec, lr: f32, seed: u64, cache: Option<&Path>) -> Result<(Model, Model)> {
+    let file = cache.map(|d| d.join(format!("{}-lr{lr:e}-seed{seed}.pair", spec.name)));
+    if let Some(f) = &file
+        && let Ok(bytes) = std::fs::read(f)
+        && let Some(p) = parse_pair(&bytes)
+    {
+        return Ok(p);
+    }
+    let mut steps = generate_in_memory(
+        spec,
+        2,
+        &TrainConfig {
+            seed,
+            lr,
+            ..TrainConfig::default()
+        },
+    );
+    let new = steps.pop().context("generator returned no step 2")?;
+    let old = steps.pop().context("generator returned no step 1")?;
+    if let Some(f) = &file {
+        if let Some(d) = f.parent() {
+            std::fs::create_dir_all(d).with_context(|| format!("create {}", d.display()))?;
+        }
+        let mut out = Vec::new();
+        for (name, o) in &old {
+            let n = &new[name];
+            out.extend_from_slice(&(name.len() as u64).to_le_bytes());
+            out.extend_from_slice(name.as_bytes());
+            out.extend_from_slice(&(o.len() as u64).to_le_bytes());
+            out.extend(o.iter().chain(n).flat_map(|v| v.to_le_bytes()));
+        }
+        let tmp = f.with_extension("tmp");
+        std::fs::write(&tmp, &out).with_context(|| format!("write {}", tmp.display()))?;
+        std::fs::rename(&tmp, f).with_context(|| format!("rename to {}", f.display()))?;
+    }
+    Ok((old, new))
+}
+
+/// The cache file's layout: per tensor, name length u64, name, element count u64, the old
+/// then the new BF16 words (little-endian). `None` for a truncated or malformed file.
+fn parse_pair(mut b: &[u8]) -> Option<(Model, Model)> {
+    fn take<'a>(b: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+        if b.len() < n {
+            return None;
+        }
+        let (h, t) = b.split_at(n);
+        *b = t;
+        Some(h)
+    }
+    fn u64le(b: &mut &[u8]) -> Option<u64> {
+        Some(u64::from_le_bytes(take(b, 8)?.try_into().ok()?))
+    }
+    let words = |x: &[u8]| -> Vec<u16> {
+        x.chunks_exact(2)
+            .map(|c| u16::from_le_bytes([c[0], c[1]]))
+            .collect()
+    };
+    let (mut old, mut new) = (Model::new(), Model::new());
+    while !b.is_empty() {
+        let len = usize::try_from(u64le(&mut b)?).ok()?;
+        let name = String::from_utf8(take(&mut b, len)?.to_vec()).ok()?;
+        let n = usize::try_from(u64le(&mut b)?).ok()?;
+        let o = words(take(&mut b, n.checked_mul(2)?)?);
+        let v = words(take(&mut b, n.checked_mul(2)?)?);
+        old.insert(name.clone(), o);
+        new.insert(name, v);
+    }
+    Some((old, new))
 }
 
 struct SizeRow {
@@ -422,6 +521,22 @@ struct SpeedRow {
     scatter: f64,
     digest_ns: f64,
     memcpy: f64,
+}
+
+/// CPU time of this process so far (every thread's time on a CPU, from
+/// `/proc/self/task/*/schedstat`, in nanoseconds there): on a machine shared with other work,
+/// the time the measured code ran rather than the time it waited for a core. 0 where the
+/// file is missing.
+fn cpu_seconds() -> f64 {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return 0.0;
+    };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum::<u64>() as f64
+        / 1e9
 }
 
 fn median(mut v: Vec<f64>) -> f64 {

@@ -604,6 +604,19 @@ pub fn read_manifest(delta: &Path) -> Result<(SignedManifest, Vec<OwnedFrame>), 
     Ok((m, segs))
 }
 
+/// The name of the file that holds `version` in a store, with extension `ext`:
+/// `vNNNNNNNN.EXT` (eight digits at least, so names sort by version). The one spelling of the
+/// naming every store uses: the hub's deltas, anchors and snapshot, a relay's cache and
+/// anchor, an actor's journal, a shared weights directory.
+pub fn version_file_name(version: u64, ext: &str) -> String {
+    format!("v{version:08}.{ext}")
+}
+
+/// [`version_file_name`] of a delta file (`.sdc`).
+pub fn delta_file_name(version: u64) -> String {
+    version_file_name(version, "sdc")
+}
+
 /// The version a delta file is named for (`vNNNNNNNN.sdc`, as the hub's store, relays' caches
 /// and actors' journals name them), if `path` is one.
 pub fn delta_file_version(path: &Path) -> Option<u64> {

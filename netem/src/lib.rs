@@ -41,7 +41,7 @@ pub mod error;
 pub mod model;
 pub mod profile;
 pub mod proxy;
-mod rng;
+pub mod rng;
 pub mod stats;
 pub mod units;
 

@@ -2,20 +2,22 @@
 //!
 //! Invariant: the sequence depends only on the seed, on every platform and in
 //! every version of this crate, so a profile's `seed` reproduces the same loss
-//! and jitter decisions forever. It is not cryptographic and need not be.
+//! and jitter decisions forever. It is not cryptographic and need not be. The one home of
+//! SplitMix64 for Starling's own seeded schedules (the fault soak's, the receiving core's
+//! simulation).
 
 /// SplitMix64 (Steele, Lea, Flood 2014): 64 bits of state, full period 2^64.
 #[derive(Debug, Clone)]
-pub(crate) struct SplitMix64 {
+pub struct SplitMix64 {
     state: u64,
 }
 
 impl SplitMix64 {
-    pub(crate) fn new(seed: u64) -> Self {
+    pub fn new(seed: u64) -> Self {
         Self { state: seed }
     }
 
-    pub(crate) fn next_u64(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.state = self.state.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.state;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -24,12 +26,12 @@ impl SplitMix64 {
     }
 
     /// Uniform in `[0, 1)` with 53 bits of precision.
-    pub(crate) fn next_f64(&mut self) -> f64 {
+    pub fn next_f64(&mut self) -> f64 {
         (self.next_u64() >> 11) as f64 * (1.0 / (1u64 << 53) as f64)
     }
 
     /// Uniform in `0..=max` (Lemire's multiply-high; the bias is below 2^-64 × max).
-    pub(crate) fn next_up_to(&mut self, max: u64) -> u64 {
+    pub fn next_up_to(&mut self, max: u64) -> u64 {
         if max == u64::MAX {
             return self.next_u64();
         }

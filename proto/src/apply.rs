@@ -20,7 +20,7 @@ use crate::container::{Frame, FrameKind};
 use crate::digest::{DigestKey, StateDigest};
 use crate::error::DecodeError;
 use crate::manifest::{Manifest, SignatureError, SignedManifest, TrustPolicy, hex};
-use crate::segment::{Changes, EncodedPart, Segment};
+use crate::segment::{EncodedPart, Segment, SparseChanges};
 
 /// Read and write access to BF16 tensors by name.
 pub trait Weights {
@@ -120,17 +120,11 @@ fn stage_part(
     p: &EncodedPart,
     range: &[u16],
 ) -> Result<(StagedPart, StateDigest), StageError> {
-    let decoded = p.decode(Some(range))?;
-    let (mut positions, new): (Vec<u64>, Vec<u16>) = match decoded.changes {
-        Changes::Sparse { positions, values } => (positions, values),
-        Changes::Dense { values } => range
-            .iter()
-            .zip(values)
-            .enumerate()
-            .filter(|(_, (o, n))| *o != n)
-            .map(|(i, (_, n))| (i as u64, n))
-            .unzip(),
-    };
+    let SparseChanges {
+        mut positions,
+        new,
+        old,
+    } = p.decode_changes(range)?;
     if positions.len() as u64 != p.changes {
         return Err(DecodeError::malformed(
             "part",
@@ -142,7 +136,6 @@ fn stage_part(
         )
         .into());
     }
-    let old: Vec<u16> = positions.iter().map(|&i| range[i as usize]).collect();
     let digest = key.tensor(&p.tensor).delta(p.start, &positions, &old, &new);
     // Part-relative to tensor positions in place: a second vector would be another 8 fresh
     // bytes per change, and first-touch page faults are a large share of staging's cost.

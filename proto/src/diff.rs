@@ -11,6 +11,13 @@ pub struct RangeDiff {
     pub positions: Vec<u64>,
     pub new: Vec<u16>,
     pub old: Vec<u16>,
+    /// From [`diff_range_ranked_into`] only: for each change, how many elements of the range
+    /// before it have a base value of the same exponent class (what the exponent-class mask
+    /// codec needs; empty otherwise).
+    pub ranks: Vec<u32>,
+    /// From [`diff_range_ranked_into`] only: the number of elements of each exponent class
+    /// in the base range.
+    pub class_totals: Option<[u32; EXP_CLASSES]>,
 }
 
 impl RangeDiff {
@@ -24,6 +31,8 @@ impl RangeDiff {
 }
 
 const BLOCK: usize = 32;
+
+use crate::codec::rc::EXP_CLASSES;
 
 /// Diffs two equally long ranges of BF16 bits.
 ///
@@ -45,6 +54,8 @@ pub fn diff_range_into(old: &[u16], new: &[u16], out: &mut RangeDiff) {
     out.positions.clear();
     out.new.clear();
     out.old.clear();
+    out.ranks.clear();
+    out.class_totals = None;
     let blocks = old.len() / BLOCK;
     for (b, (o, n)) in old
         .chunks_exact(BLOCK)
@@ -69,6 +80,30 @@ pub fn diff_range_into(old: &[u16], new: &[u16], out: &mut RangeDiff) {
     }
     let tail = blocks * BLOCK;
     scan(&old[tail..], &new[tail..], tail as u64, out);
+}
+
+/// [`diff_range_into`] that also ranks every change within its base value's exponent class
+/// ([`RangeDiff::ranks`], [`RangeDiff::class_totals`]), in the same vectorized pass over
+/// both ranges (`codec::scan`).
+///
+/// # Panics
+/// If the ranges differ in length or hold 2³² elements or more (parts are far smaller).
+pub fn diff_range_ranked_into(old: &[u16], new: &[u16], out: &mut RangeDiff) {
+    out.positions.clear();
+    out.new.clear();
+    out.old.clear();
+    out.ranks.clear();
+    let totals = crate::codec::scan::diff_ranked(
+        old,
+        new,
+        &mut crate::codec::scan::RankOut {
+            positions: &mut out.positions,
+            old: &mut out.old,
+            new: &mut out.new,
+            ranks: &mut out.ranks,
+        },
+    );
+    out.class_totals = Some(totals);
 }
 
 #[inline]

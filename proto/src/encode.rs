@@ -10,10 +10,11 @@
 use ed25519_dalek::SigningKey;
 use rayon::prelude::*;
 
+use crate::codec::IndexCodec;
 use crate::container::{
     FILE_HEADER_LEN, FrameKind, Trailer, build_frame, encode_frame, file_header,
 };
-use crate::diff::{RangeDiff, diff_range_into};
+use crate::diff::{RangeDiff, diff_range_into, diff_range_ranked_into};
 use crate::digest::{DigestKey, StateDigest};
 use crate::manifest::{Dtype, Manifest, SegmentEntry, SignedManifest, TensorEntry, delta_id};
 use crate::segment::{CodecChoice, EncodedPart, MAX_PART_ELEMS, MAX_PARTS_PER_SEGMENT, Segment};
@@ -255,6 +256,9 @@ impl DeltaEncoder {
         let part = self.cfg.part_elems as usize;
         let choice = &self.cfg.choice;
         let compute_pre = self.computed_pre.is_some();
+        // The exponent-class mask codec needs every change's rank in its class: count the
+        // classes in the diff's own pass over the ranges.
+        let ranked = choice.index.contains(&IndexCodec::ExpClassGapsRc);
         let keys: Vec<_> = work
             .iter()
             .map(|w| self.key.tensor(&self.tensors[w.tensor].name))
@@ -285,7 +289,11 @@ impl DeltaEncoder {
                 };
                 DIFF_BUF.with(|buf| {
                     let d = &mut *buf.borrow_mut();
-                    diff_range_into(o, n, d);
+                    if ranked {
+                        diff_range_ranked_into(o, n, d);
+                    } else {
+                        diff_range_into(o, n, d);
+                    }
                     if d.is_empty() {
                         return (w.tensor, None, StateDigest::default(), pre);
                     }

@@ -81,6 +81,19 @@ impl Default for CodecChoice {
 }
 
 impl CodecChoice {
+    /// The codecs of the first release (Rice/LEB128/bitmap positions, ULP residual + zstd
+    /// or raw values, the dense forms): ~1.5× the bytes of [`CodecChoice::default`] at RL
+    /// densities, for a fraction of its CPU per change (no range coder, no per-element class
+    /// count). What a sender picks when the link is fast and the CPU is the bottleneck, or
+    /// to reach readers from before the exponent-class codecs.
+    pub fn fast() -> Self {
+        Self {
+            index: IndexCodec::V1.to_vec(),
+            value: ValueCodec::V1.to_vec(),
+            ..Self::default()
+        }
+    }
+
     /// Exactly one sparse form, no dense fallback (for tests and baselines).
     pub fn only(index: IndexCodec, value: ValueCodec) -> Self {
         Self {
@@ -124,11 +137,29 @@ impl EncodedPart {
         let mut best_index = Best::default();
         // The base-conditioned mask scans the whole range once; it is the usual winner.
         if allowed_i(IndexCodec::ExpClassGapsRc) && len <= u64::from(u32::MAX) {
-            best_index.offer(IndexCodec::ExpClassGapsRc, || {
-                codec::index::encode(IndexCodec::ExpClassGapsRc, &diff.positions, len, level, old)
+            best_index.offer(IndexCodec::ExpClassGapsRc, || match &diff.class_totals {
+                // A ranked diff already counted the classes: no second pass over the base.
+                Some(totals) if diff.ranks.len() == diff.len() => {
+                    codec::index::encode_exp_class_gaps_ranked(&diff.old, &diff.ranks, totals)
+                }
+                _ => codec::index::encode(
+                    IndexCodec::ExpClassGapsRc,
+                    &diff.positions,
+                    len,
+                    level,
+                    old,
+                ),
             });
         }
-        if allowed_i(IndexCodec::RiceGaps) {
+        // Rice gaps code close to the order-0 entropy of the mask; the exponent-class codec
+        // is usually ~0.7× that. Try Rice only where the classes told little (or the part
+        // is too small for the contexts to learn).
+        if allowed_i(IndexCodec::RiceGaps)
+            && (all
+                || n < SMALL_PART_CHANGES
+                || best_index.is_empty()
+                || best_index.beaten_by(mask_order0_bytes(n, len) * 9 / 10))
+        {
             best_index.offer(IndexCodec::RiceGaps, || {
                 codec::index::encode(IndexCodec::RiceGaps, &diff.positions, len, level, old)
             });
@@ -159,7 +190,15 @@ impl EncodedPart {
                 codec::value::encode(ValueCodec::UlpStepRc, &diff.new, &diff.old, level)
             });
         }
-        if allowed_v(ValueCodec::UlpResidualZstd) {
+        // zstd's literals cost at least their order-0 entropy: the byte tokens of the ULP
+        // residual cannot beat a range-coded step already below it (matches aside, which
+        // steps of independent weights do not have).
+        if allowed_v(ValueCodec::UlpResidualZstd)
+            && (all
+                || n < SMALL_PART_CHANGES
+                || best_value.is_empty()
+                || best_value.beaten_by(codec::value::step_order0_bytes(&diff.old, &diff.new)))
+        {
             best_value.offer(ValueCodec::UlpResidualZstd, || {
                 codec::value::encode(ValueCodec::UlpResidualZstd, &diff.new, &diff.old, level)
             });
@@ -343,6 +382,53 @@ impl EncodedPart {
         })
     }
 
+    /// Decodes against the base values of exactly this part's range into the changed
+    /// positions (relative to the part start), their new bits and their old bits — what
+    /// staging keeps — reading each old value once. A dense part's changes are the elements
+    /// whose bits differ.
+    pub fn decode_changes(&self, base: &[u16]) -> Result<SparseChanges, DecodeError> {
+        if base.len() as u64 != self.len {
+            return Err(DecodeError::malformed(
+                "part",
+                format!(
+                    "base range has {} elements, part covers {}",
+                    base.len(),
+                    self.len
+                ),
+            ));
+        }
+        match &self.payload {
+            PartPayload::Sparse {
+                index,
+                value,
+                index_bytes,
+                value_bytes,
+            } => {
+                let positions =
+                    codec::index::decode(*index, index_bytes, self.changes, self.len, Some(base))?;
+                let old: Vec<u16> = positions.iter().map(|&p| base[p as usize]).collect();
+                let new = codec::value::decode(*value, value_bytes, positions.len(), Some(&old))?;
+                Ok(SparseChanges {
+                    positions,
+                    new,
+                    old,
+                })
+            }
+            PartPayload::Dense { codec, bytes } => {
+                let values = codec::dense::decode(*codec, bytes, self.len as usize, Some(base))?;
+                let mut c = SparseChanges::default();
+                for (i, (&o, n)) in base.iter().zip(values).enumerate() {
+                    if o != n {
+                        c.positions.push(i as u64);
+                        c.new.push(n);
+                        c.old.push(o);
+                    }
+                }
+                Ok(c)
+            }
+        }
+    }
+
     /// The codec names, for inspection.
     pub fn codec_names(&self) -> (&'static str, &'static str) {
         match &self.payload {
@@ -360,6 +446,21 @@ impl EncodedPart {
             PartPayload::Dense { codec, .. } => 1 << (16 + *codec as u32),
         }
     }
+}
+
+/// Below this many changes in a part, every candidate is tried: the adaptive codecs' learning
+/// costs more than the size estimates that skip candidates account for.
+const SMALL_PART_CHANGES: u64 = 4096;
+
+/// The order-0 entropy, in bytes (rounded down), of a mask of `n` changes among `len`
+/// elements.
+fn mask_order0_bytes(n: u64, len: u64) -> usize {
+    if n == 0 || n >= len {
+        return 0;
+    }
+    let p = n as f64 / len as f64;
+    let bits = -(n as f64) * p.log2() - (len - n) as f64 * (1.0 - p).log2();
+    (bits / 8.0) as usize
 }
 
 /// The smallest candidate seen so far.
@@ -398,6 +499,15 @@ fn payload_len(p: &PartPayload) -> usize {
         } => index_bytes.len() + value_bytes.len(),
         PartPayload::Dense { bytes, .. } => bytes.len(),
     }
+}
+
+/// The changes of one part as [`EncodedPart::decode_changes`] returns them.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SparseChanges {
+    /// Positions relative to the part start, increasing.
+    pub positions: Vec<u64>,
+    pub new: Vec<u16>,
+    pub old: Vec<u16>,
 }
 
 /// Decoded absolute new bits of one part.

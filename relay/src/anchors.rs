@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use anyhow::{Context, Result, bail};
+use starling_checkpoint::deltafile::version_file_name;
 use starling_checkpoint::writer::AtomicFile;
 use starling_proto::anchor::AnchorSeal;
 use starling_proto::manifest::TrustPolicy;
@@ -71,11 +72,11 @@ impl RelayAnchors {
     }
 
     fn file(&self, version: u64) -> PathBuf {
-        self.dir.join(format!("v{version:08}.safetensors"))
+        self.dir.join(version_file_name(version, "safetensors"))
     }
 
     fn seal_file(&self, version: u64) -> PathBuf {
-        self.dir.join(format!("v{version:08}.seal"))
+        self.dir.join(version_file_name(version, "seal"))
     }
 
     /// A stored seal that verifies, beside a file of its size.

@@ -94,5 +94,5 @@ where
         ping: Duration::from_millis(a.ping_ms.max(1)),
         print_rtt: a.print_rtt,
     };
-    starling_transport::service::run_service(crate::run(cfg))
+    starling_transport::service::run_service(|stop| crate::run(cfg, stop))
 }

@@ -2,30 +2,35 @@
 //! once per region, forwarded to the region's actors **segment by segment as it arrives**
 //! (cut-through).
 //!
-//! - Every frame is checked against its BLAKE3 on arrival ([`starling_transport::upstream`]);
-//!   a segment of another delta than announced is dropped. Checked frames go straight into
-//!   the relay's [`VersionBook`], from which every actor's sender streams (striped, bounded by
-//!   QUIC flow control per actor: a slow actor never holds up the others or the relay).
-//! - The version as a whole (every segment the manifest names, the manifest's signature by
-//!   the trusted hub key) is verified before the relay completes it, so `Commit` reaches
-//!   actors only for a version the relay vouches for; one that fails is aborted downstream
-//!   and fetched again.
-//! - A stripe that broke (hash mismatch, reset) costs only its missing segments: once every
-//!   stripe ended, the relay fetches exactly those (`Reception::refetch_due`).
+//! The relay is a shell around the receiving core ([`starling_transport::follow`]), which
+//! decides what to subscribe to, what to fetch again and when a version may complete; the
+//! shell does the I/O:
+//! - **Staging** is forwarding: every frame, its BLAKE3 checked on arrival, goes into an
+//!   assembler and straight into the relay's [`VersionBook`], from which every actor's sender
+//!   streams (striped, bounded by QUIC flow control per actor: a slow actor never holds up the
+//!   others or the relay).
+//! - **Activation** is vouching: the version as a whole (every segment the manifest names, the
+//!   manifest's signature by the trusted hub key) is verified, on a blocking thread, and
+//!   written to the disk cache (`.sdc` files) before the relay completes it, so `Commit`
+//!   reaches actors only for a version the relay vouches for; one that fails is aborted
+//!   downstream and fetched again. The hub is told (`Staged`).
 //! - A lost hub connection (WAN outage, hub restart) is re-established with backoff; a
 //!   half-received version continues from the segments already here (`Resume`), so the
 //!   region's actors keep their subscription and simply see the rest arrive.
-//! - Complete versions are also written to a disk cache (`.sdc` files), so a restarted relay
-//!   serves its region's laggards without refetching over the WAN.
 //! - A relay further behind than the hub retains deltas restores the hub's newest anchor into
 //!   its cache (`anchors.rs`), restarts its chain there, and offers that anchor to its actors
 //!   that are behind too: one full checkpoint over the WAN per region, not per actor.
+//! - One QUIC endpoint: actors connect to the relay's listening endpoint, which also carries
+//!   the subscription to the hub (unless it listens on loopback only and the hub is
+//!   elsewhere: then a second, client-only endpoint does).
+//! - **Stopping** (SIGTERM): the relay leaves the hub, lets a verification in flight finish
+//!   and forwards what it has verified to the actors subscribed, within [`SHUTDOWN_GRACE`].
 
 mod anchors;
 pub mod cli;
 mod status;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -33,25 +38,34 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use ed25519_dalek::VerifyingKey;
-use quinn::{Connection, SendStream};
-use starling_checkpoint::deltafile::write_frames;
+use quinn::{Connection, Endpoint};
+use starling_checkpoint::deltafile::{delta_file_name, write_frames};
+use starling_proto::anchor::AnchorSeal;
 use starling_proto::container::{DeltaAssembler, FrameKind};
 use starling_proto::manifest::TrustPolicy;
-use starling_proto::msg::{MAX_SEQS, Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
+use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::{Component, Metrics};
+use starling_transport::admit::admit;
+use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
+use starling_transport::drive::Shell;
+use starling_transport::endpoint::{
+    EndpointError, any_addr_for, can_reach, client_config, client_endpoint, server_endpoint,
+};
+use starling_transport::fanout::{FanoutConfig, serve_subscription};
+use starling_transport::follow::{FollowConfig, Follower, Notice, PolicyConfig, SourcePolicy};
+use starling_transport::framed::{DataStreamReader, StreamFrame};
+use starling_transport::identity::{Credentials, Role, manifest_key};
+use starling_transport::link::LinkProfile;
+use starling_transport::upstream::{Feed, SourceAddr, UpstreamError};
 use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::status::RelayStatus;
-use starling_transport::admit::admit;
-use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
-use starling_transport::endpoint::{EndpointError, server_endpoint};
-use starling_transport::fanout::{FanoutConfig, serve_subscriber};
-use starling_transport::framed::{StreamFrame, send};
-use starling_transport::identity::{Credentials, Role, manifest_key};
-use starling_transport::link::LinkProfile;
-use starling_transport::reception::{Added, Reception};
-use starling_transport::upstream::{Upstream, UpstreamError, UpstreamEvent, subscribe};
+
+/// How long a stopping relay takes to finish a verification in flight and forward what it
+/// verified.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
 /// What the relay needs.
 #[derive(Debug, Clone)]
@@ -77,17 +91,17 @@ pub struct RelayConfig {
     /// Versions kept in memory for laggards and late joiners.
     pub retain: usize,
     /// How often to measure the control round trip to the hub.
-    pub ping: std::time::Duration,
+    pub ping: Duration,
     /// Print each control round trip (`rtt-us MICROS`), for benchmarks.
     pub print_rtt: bool,
 }
 
-/// Runs the relay until the hub refuses it or the process is stopped (a lost hub connection
-/// is re-established). Prints `listening on ADDR` once actors can connect, `upstream hub` on
+/// Runs the relay until the hub refuses it or `stop` is cancelled (a lost hub connection is
+/// re-established). Prints `listening on ADDR` once actors can connect, `upstream hub` on
 /// each connection to the hub, `resume VERSION have N` when a new connection continues a
 /// half-received version, `received VERSION` and `cached VERSION` for each version (all bytes
 /// in; verified and cached) and `refetch VERSION` when part of one is requested again.
-pub async fn run(cfg: RelayConfig) -> Result<()> {
+pub async fn run(cfg: RelayConfig, stop: CancellationToken) -> Result<()> {
     let creds = Credentials::load_peer(&cfg.credentials).context("load credentials")?;
     if creds.role != Role::Relay {
         bail!(
@@ -135,15 +149,13 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
         cfg.hub,
         book.clone(),
     ));
-    // Every task the relay spawns, owned here: when `run` returns or is dropped (SIGTERM,
-    // SIGINT), they are aborted with it.
+    // Every task the relay spawns, owned here: when `run` returns they are aborted with it.
     let mut owned: JoinSet<()> = JoinSet::new();
     if let Some(http) = cfg.http {
         let (listener, at) = starling_telemetry::http::bind(http)
             .await
             .with_context(|| format!("bind HTTP on {http}"))?;
-        let m = metrics.clone();
-        let routes = status::router(status.clone());
+        let (m, routes) = (metrics.clone(), status::router(status.clone()));
         owned.spawn(async move {
             if let Err(e) = starling_telemetry::http::serve(listener, m, routes).await {
                 tracing::error!("HTTP server stopped: {e}");
@@ -156,64 +168,106 @@ pub async fn run(cfg: RelayConfig) -> Result<()> {
         "listening on {}",
         endpoint.local_addr().context("local address")?
     );
-    {
-        let book = book.clone();
-        let model_id = cfg.model_id.clone();
-        let fanout = FanoutConfig {
-            stripes: cfg.stripes,
-            anchors: anchors
-                .clone()
-                .map(|a| a as Arc<dyn starling_transport::fanout::AnchorSource>),
-            observer: Some(status.clone()),
-        };
-        let metrics = metrics.clone();
-        let status = status.clone();
-        owned.spawn(async move {
-            // Each actor's connection is owned by this accept loop, so by `run`.
-            let mut connections = JoinSet::new();
-            while let Some(incoming) = endpoint.accept().await {
-                while connections.try_join_next().is_some() {}
-                let (book, model_id, fanout, metrics, status) = (
-                    book.clone(),
-                    model_id.clone(),
-                    fanout.clone(),
-                    metrics.clone(),
-                    status.clone(),
-                );
-                connections.spawn(async move {
-                    match incoming.await {
-                        Ok(conn) => {
-                            let r = serve_actor(
-                                book,
-                                conn.clone(),
-                                &model_id,
-                                fanout,
-                                metrics,
-                                &status,
-                            );
-                            if let Err(e) = r.await {
-                                tracing::warn!(remote = %conn.remote_address(), "actor connection ended: {e:#}");
-                            }
-                        }
-                        Err(e) => tracing::warn!("refused a connection during the handshake: {e}"),
-                    }
-                });
-            }
-        });
+    let fanout = FanoutConfig {
+        stripes: cfg.stripes,
+        anchors: anchors
+            .clone()
+            .map(|a| a as Arc<dyn starling_transport::fanout::AnchorSource>),
+        observer: Some(status.clone()),
+    };
+    let accepting = CancellationToken::new();
+    owned.spawn(accept_actors(
+        endpoint.clone(),
+        book.clone(),
+        cfg.model_id.clone(),
+        fanout,
+        metrics.clone(),
+        status.clone(),
+        accepting.clone(),
+    ));
+    // The hub over the listening endpoint where its socket can reach it.
+    let upstream = if can_reach(cfg.listen, cfg.hub) {
+        endpoint.clone()
+    } else {
+        client_endpoint(&creds, any_addr_for(cfg.hub), &cfg.wan).context("client endpoint")?
+    };
+    let config = client_config(&creds, &cfg.wan).context("client configuration")?;
+    let hub = SourceAddr {
+        role: Role::Hub,
+        name: "hub".into(),
+        addr: cfg.hub,
+    };
+    let mut relay = Relay {
+        cfg: &cfg,
+        name: &creds.name,
+        trust: &trust,
+        book: &book,
+        anchors: anchors.as_deref(),
+        metrics: &metrics,
+        status: &status,
+        incoming: BTreeMap::new(),
+        verifying: None,
+    };
+    let mut core = Follower::new(
+        FollowConfig::relay(anchors.is_some()),
+        SourcePolicy::new(PolicyConfig::relay(), 1),
+        book.latest(),
+        Instant::now(),
+    );
+    let mut feed = Feed::new(upstream, config, vec![hub], metrics.clone());
+    let result = starling_transport::drive::run(&mut core, &mut feed, &mut relay, &stop).await;
+    if stop.is_cancelled() {
+        relay.drain(&mut feed, &accepting).await;
     }
-    let result = follow_hub(
-        &cfg,
-        &creds,
-        &trust,
-        &book,
-        anchors.as_deref(),
-        &metrics,
-        &status,
-    )
-    .await;
+    endpoint.close(0u32.into(), b"relay stopping");
+    let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
     // Dropping `owned` ends the HTTP server, the accept loop and every actor's connection.
     drop(owned);
     result
+}
+
+/// Accepts the region's actors until `accepting` is cancelled; each actor's connection is
+/// owned by this task.
+async fn accept_actors(
+    endpoint: Endpoint,
+    book: Arc<VersionBook>,
+    model_id: String,
+    fanout: FanoutConfig,
+    metrics: Metrics,
+    status: Arc<RelayStatus>,
+    accepting: CancellationToken,
+) {
+    let mut connections = JoinSet::new();
+    loop {
+        let incoming = tokio::select! {
+            i = endpoint.accept() => i,
+            _ = accepting.cancelled() => None,
+        };
+        let Some(incoming) = incoming else {
+            // No new actors; the ones connected are served until the relay exits.
+            while connections.join_next().await.is_some() {}
+            return;
+        };
+        while connections.try_join_next().is_some() {}
+        let (book, model_id, fanout, metrics, status) = (
+            book.clone(),
+            model_id.clone(),
+            fanout.clone(),
+            metrics.clone(),
+            status.clone(),
+        );
+        connections.spawn(async move {
+            match incoming.await {
+                Ok(conn) => {
+                    let r = serve_actor(book, conn.clone(), &model_id, fanout, metrics, &status);
+                    if let Err(e) = r.await {
+                        tracing::warn!(remote = %conn.remote_address(), "actor connection ended: {e:#}");
+                    }
+                }
+                Err(e) => tracing::warn!("refused a connection during the handshake: {e}"),
+            }
+        });
+    }
 }
 
 async fn serve_actor(
@@ -228,254 +282,212 @@ async fn serve_actor(
         return Ok(());
     };
     let name = a.name.clone();
+    let mut reader = a.reader;
+    let after = match reader.next().await? {
+        Some(Message::Subscribe { after_version }) => after_version,
+        other => bail!("expected Subscribe, got {other:?}"),
+    };
     let span = tracing::info_span!("peer", peer = %name, role = "actor");
-    span.in_scope(|| tracing::info!("actor subscribed"));
-    status.subscriber(&name, true);
-    let served = serve_subscriber(book, conn, a.control, a.reader, a.name, fanout, metrics)
-        .instrument(span.clone())
-        .await;
-    status.subscriber(&name, false);
+    span.in_scope(|| tracing::info!(after_version = after, "actor subscribed"));
+    status.subscriber(&name, Some(after));
+    let served = serve_subscription(
+        book, conn, a.control, reader, a.name, fanout, metrics, after,
+    )
+    .instrument(span.clone())
+    .await;
+    status.subscriber(&name, None);
     span.in_scope(|| tracing::info!("actor left"));
     served?;
     Ok(())
 }
 
-/// One version on its way in: what arrived, the assembler that verifies the whole, and the
-/// live version actors are already being sent.
+/// One version on its way in: the assembler that verifies the whole, and the live version
+/// actors are already being sent.
 #[derive(Debug)]
 struct Incoming {
-    reception: Reception,
     assembler: DeltaAssembler,
     live: Arc<LiveVersion>,
-    /// `received VERSION` was printed.
-    said_received: bool,
-}
-
-struct Follower<'a> {
-    cfg: &'a RelayConfig,
-    trust: &'a TrustPolicy,
-    book: &'a VersionBook,
-    /// Where an anchor is restored into (none: no disk cache).
-    anchors: Option<&'a anchors::RelayAnchors>,
-    /// An anchor was asked of the hub on this connection.
-    anchor_asked: bool,
-    metrics: &'a Metrics,
-    status: &'a RelayStatus,
-    incoming: BTreeMap<u64, Incoming>,
-    /// Versions the hub committed. Kept apart from `incoming`: the control stream has send
-    /// priority, so a `Commit` may overtake the last data of its version.
-    commits: BTreeSet<u64>,
-    /// The version being verified whole and written to the disk cache, off the event loop
-    /// (a multi-second fsync or hash must not hold up pings, commits or other versions).
-    verifying: Option<Verification>,
 }
 
 /// Whole-version verification and caching of one version, on a blocking thread.
 #[derive(Debug)]
 struct Verification {
     version: u64,
-    task: tokio::task::JoinHandle<Verified>,
-}
-
-/// What a [`Verification`] found.
-#[derive(Debug)]
-struct Verified {
-    live: Arc<LiveVersion>,
     started: Instant,
-    outcome: Result<(), String>,
+    task: tokio_util::task::AbortOnDropHandle<Result<(), String>>,
 }
 
-/// The least and the most a relay waits between attempts to reach the hub again.
-const RECONNECT_MIN: Duration = Duration::from_millis(200);
-const RECONNECT_MAX: Duration = Duration::from_secs(5);
+/// The relay's shell around the receiving core: staging is forwarding, activation is
+/// vouching (see the module docs).
+struct Relay<'a> {
+    cfg: &'a RelayConfig,
+    name: &'a str,
+    trust: &'a TrustPolicy,
+    book: &'a VersionBook,
+    /// Where an anchor is restored into (none: no disk cache).
+    anchors: Option<&'a anchors::RelayAnchors>,
+    metrics: &'a Metrics,
+    status: &'a RelayStatus,
+    incoming: BTreeMap<u64, Incoming>,
+    /// The version being verified whole and written to the disk cache, off the event loop
+    /// (a multi-second fsync or hash must not hold up pings, commits or other versions).
+    verifying: Option<Verification>,
+}
 
-/// Follows the hub for as long as the process runs. A lost connection (a WAN outage, a hub
-/// restart) is not the end: the relay keeps its cache and its actors, reconnects with
-/// backoff, and continues a half-received version from the segments it already has
-/// (`Resume`), so its actors see the rest of the same version arrive. Only a refusal (wrong
-/// credentials, model or protocol) ends it.
-async fn follow_hub(
-    cfg: &RelayConfig,
-    creds: &Credentials,
-    trust: &TrustPolicy,
-    book: &VersionBook,
-    anchors: Option<&anchors::RelayAnchors>,
-    metrics: &Metrics,
-    status: &RelayStatus,
-) -> Result<()> {
-    let hello = Message::Hello {
-        protocol: PROTOCOL_VERSION,
-        role: MsgRole::Relay,
-        name: creds.name.clone(),
-        region: cfg.region.clone(),
-        model_id: cfg.model_id.clone(),
-        active: None,
-        link: Some(cfg.wan.stated()),
-    };
-    let mut f = Follower {
-        cfg,
-        trust,
-        book,
-        anchors,
-        anchor_asked: false,
-        metrics,
-        status,
-        incoming: BTreeMap::new(),
-        commits: BTreeSet::new(),
-        verifying: None,
-    };
-    // Control-stream round trips, measured all the time (they show whether control traffic
-    // still gets through while a transfer fills the link).
-    let epoch = Instant::now();
-    let mut ping = tokio::time::interval(cfg.ping);
-    let mut backoff = RECONNECT_MIN;
-    loop {
-        let resume = f.resumable();
-        let after = match &resume {
-            Some((version, _)) => *version,
-            None => f.done_through(),
-        };
-        let mut up =
-            match subscribe(creds, cfg.hub, Role::Hub, "hub", &hello, after, &cfg.wan).await {
-                Ok(up) => up,
-                Err(UpstreamError::Refused(why)) => bail!("the hub refused this relay: {why}"),
-                Err(e @ UpstreamError::Endpoint(EndpointError::ForeignCluster { .. })) => {
-                    return Err(e).context("subscribe to the hub");
-                }
-                Err(e) => {
-                    tracing::warn!(
-                        hub = %cfg.hub,
-                        "hub not reached: {}; trying again in {backoff:?}",
-                        starling_telemetry::error_chain(&e)
-                    );
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(RECONNECT_MAX);
-                    continue;
-                }
-            };
-        backoff = RECONNECT_MIN;
-        f.anchor_asked = false;
-        println!("upstream hub");
-        tracing::info!(hub = %cfg.hub, after_version = after, "subscribed to the hub");
-        metrics.set_upstream_connected(true);
-        status.hub_connected(true);
-        if let Some((version, have)) = resume {
-            println!("resume {version} have {}", have.len());
-            // A failed send shows up as the connection closing.
-            let _ = send(&mut up.control, &Message::Resume { version, have }).await;
+/// What a verification ended with: the version, when its first stripe began, the outcome.
+type Verified = (u64, Instant, Result<(), String>);
+
+impl Shell for Relay<'_> {
+    type Error = anyhow::Error;
+    type Done = Verified;
+
+    fn hello(&self) -> Message {
+        Message::Hello {
+            protocol: PROTOCOL_VERSION,
+            role: MsgRole::Relay,
+            name: self.name.to_owned(),
+            region: self.cfg.region.clone(),
+            model_id: self.cfg.model_id.clone(),
+            active: None,
+            link: Some(self.cfg.wan.stated()),
         }
-        let followed = f.follow(&mut up, epoch, &mut ping).await;
-        metrics.set_upstream_connected(false);
-        status.hub_connected(false);
-        let why = followed?;
-        tracing::warn!("hub connection ended: {why}; reconnecting");
-        up.close().await;
     }
-}
 
-impl Follower<'_> {
-    /// Handles the hub's events until the connection ends; returns why it ended.
-    async fn follow(
-        &mut self,
-        up: &mut Upstream,
-        epoch: Instant,
-        ping: &mut tokio::time::Interval,
-    ) -> Result<String> {
-        loop {
-            let ev = tokio::select! {
-                ev = up.events.recv() => ev,
-                done = async { (&mut self.verifying.as_mut().expect("guarded by the if").task).await },
-                    if self.verifying.is_some() =>
-                {
-                    self.verifying = None;
-                    let done = done.context("verification task")?;
-                    self.verified(done, &mut up.control).await?;
-                    continue;
-                }
-                _ = ping.tick() => {
-                    let nonce = epoch.elapsed().as_micros() as u64;
-                    let _ = send(&mut up.control, &Message::Ping { nonce }).await;
-                    continue;
-                }
-            };
-            match ev {
-                None => return Ok("the subscription ended".into()),
-                Some(UpstreamEvent::Closed(why)) => return Ok(why),
-                Some(UpstreamEvent::Pong(nonce)) => {
-                    let rtt = (epoch.elapsed().as_micros() as u64).saturating_sub(nonce);
-                    self.metrics
-                        .observe_control_rtt(std::time::Duration::from_micros(rtt));
-                    self.status.rtt(std::time::Duration::from_micros(rtt));
-                    if self.cfg.print_rtt {
-                        println!("rtt-us {rtt}");
-                    }
-                }
-                Some(UpstreamEvent::Anchor { seal, mut stream }) => {
-                    return self.restore(seal, &mut stream).await;
-                }
-                Some(UpstreamEvent::Refused { reason, detail }) => {
-                    tracing::warn!("hub refused: {reason:?}: {detail}");
-                    if reason == RefuseReason::VersionUnavailable
-                        && let Some(why) = self.version_unavailable(&mut up.control).await?
-                    {
-                        return Ok(why);
-                    }
-                }
-                Some(ev) => self.handle(ev, &mut up.control).await?,
+    /// Offers `version` to the actors at once (cut-through) and starts assembling it.
+    fn begin(&mut self, version: u64, base: u64, delta_id: [u8; 32]) -> bool {
+        match self.book.begin(version, base, delta_id) {
+            Ok(live) => {
+                let assembler = DeltaAssembler::new();
+                self.incoming.insert(version, Incoming { assembler, live });
+                true
+            }
+            Err(e) => {
+                tracing::warn!(version, "not begun: {e}");
+                false
             }
         }
     }
 
-    /// The hub no longer retains the version the relay needs next: ask it for its newest
-    /// anchor, once per connection. `Some(why)` ends the connection: the hub has no anchor
-    /// either (the relay tries again later).
-    async fn version_unavailable(&mut self, control: &mut SendStream) -> Result<Option<String>> {
-        if self.anchors.is_none() {
-            bail!(
-                "the hub no longer retains version {} and this relay has no disk cache to \
-                 restore an anchor into: start it with --cache DIR",
-                self.done_through() + 1
+    /// Forwards a checked frame to the actors at once and adds it to the assembler.
+    fn stage(&mut self, version: u64, frame: StreamFrame) -> bool {
+        let Some(inc) = self.incoming.get_mut(&version) else {
+            return true;
+        };
+        if let Err(e) = inc.assembler.add(frame.as_frame()) {
+            let e = starling_telemetry::error_chain(&e);
+            tracing::warn!(
+                version,
+                "a frame does not fit its version ({e}); fetching it again"
             );
+            return false;
         }
-        if self.anchor_asked {
-            tokio::time::sleep(RECONNECT_MAX).await;
-            return Ok(Some(
-                "the hub has neither the next delta nor a newer anchor".into(),
-            ));
+        if frame.kind != FrameKind::Trailer {
+            match WireFrame::parse(frame.bytes) {
+                Ok(w) => inc.live.push(w),
+                Err(e) => tracing::warn!(version, "unparsable frame: {e}"),
+            }
         }
-        self.anchor_asked = true;
-        let after_version = self.done_through();
-        tracing::info!(after_version, "asking the hub for its newest anchor");
-        let _ = send(control, &Message::FetchAnchor { after_version }).await;
+        true
+    }
+
+    fn discard(&mut self, version: u64) {
+        if self.incoming.remove(&version).is_some() {
+            self.book.abort(version);
+        }
+    }
+
+    /// Verifies `version` whole and caches it on a blocking thread; [`Shell::finish`]
+    /// completes it.
+    async fn activate(
+        &mut self,
+        _feed: &mut Feed,
+        version: u64,
+        started: Instant,
+    ) -> Result<Option<bool>> {
+        let Some(inc) = self.incoming.remove(&version) else {
+            return Ok(Some(false));
+        };
+        let (trust, cache) = (self.trust.clone(), self.cfg.cache.clone());
+        let stale = version.checked_sub(self.cfg.retain as u64);
+        let task = tokio::task::spawn_blocking(move || {
+            inc.assembler
+                .finish(&trust)
+                .map_err(|e| starling_telemetry::error_chain(&e))?;
+            if let Some(dir) = &cache {
+                if let Err(e) = write_cache(dir, &inc.live) {
+                    tracing::error!(version, "not cached on disk: {e:#}");
+                }
+                // The disk keeps what memory keeps: the newest `retain` versions.
+                if let Some(old) = stale {
+                    let _ = std::fs::remove_file(dir.join(delta_file_name(old)));
+                }
+            }
+            Ok(())
+        });
+        let task = tokio_util::task::AbortOnDropHandle::new(task);
+        self.verifying = Some(Verification {
+            version,
+            started,
+            task,
+        });
         Ok(None)
+    }
+
+    async fn background(&mut self) -> Verified {
+        match &mut self.verifying {
+            Some(v) => {
+                let outcome = (&mut v.task)
+                    .await
+                    .unwrap_or_else(|e| Err(format!("verification task: {e}")));
+                (v.version, v.started, outcome)
+            }
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Completes (or aborts) the version just verified; the hub is told it is here.
+    async fn finish(
+        &mut self,
+        feed: &mut Feed,
+        (version, started, outcome): Verified,
+    ) -> (u64, bool) {
+        self.verifying = None;
+        let completed =
+            outcome.and_then(|()| self.book.complete(version).map_err(|e| e.to_string()));
+        if let Err(e) = completed {
+            tracing::warn!(version, "failed verification ({e}); fetching it again");
+            self.book.abort(version);
+            return (version, false);
+        }
+        self.metrics.observe_transfer(started.elapsed());
+        self.metrics.set_active(version);
+        self.metrics.staged();
+        println!("cached {version}");
+        tracing::info!(version, "version verified and cached");
+        // Tells the hub this region holds the version (its status shows when).
+        let missing = Vec::new();
+        feed.send_current(&Message::Staged { version, missing })
+            .await;
+        (version, true)
     }
 
     /// Restores the hub's anchor: received into the disk cache and checked against its seal,
     /// then the chain restarts at its version (older versions dropped; actors still waiting
-    /// for one are told it is gone, and fetch this anchor from the relay). Ends the
-    /// connection either way: the next one subscribes after the anchor.
-    async fn restore(
-        &mut self,
-        seal: starling_proto::anchor::AnchorSeal,
-        stream: &mut starling_transport::framed::DataStreamReader,
-    ) -> Result<String> {
+    /// for one are told it is gone, and fetch this anchor from the relay).
+    async fn restore(&mut self, seal: AnchorSeal, mut stream: DataStreamReader) -> bool {
         let Some(anchors) = self.anchors else {
-            return Ok("an anchor came unasked and there is no cache to keep it".into());
+            return false;
         };
-        if seal.version <= self.done_through() {
-            return Ok(format!(
-                "anchor {} is not newer than version {}",
-                seal.version,
-                self.done_through()
-            ));
-        }
-        if let Err(e) = anchors.receive(seal, stream).await {
+        let restored = async {
+            anchors.receive(seal, &mut stream).await?;
+            self.book.restart_at(seal.version)?;
+            anyhow::Ok(())
+        };
+        if let Err(e) = restored.await {
             tracing::warn!(version = seal.version, "anchor refused: {e:#}");
-            return Ok(format!("anchor {} refused", seal.version));
+            return false;
         }
-        self.book.restart_at(seal.version)?;
         self.incoming.clear();
-        self.commits.clear();
         // A verification still running is of an older version; its result is not wanted.
         self.verifying = None;
         if let Some(dir) = &self.cfg.cache {
@@ -484,257 +496,105 @@ impl Follower<'_> {
         self.metrics.set_active(seal.version);
         println!("restored anchor {}", seal.version);
         tracing::info!(version = seal.version, "restored the hub's anchor");
-        Ok(format!("restored anchor {}", seal.version))
+        true
     }
 
-    /// The newest version that needs nothing more from the hub: cached, or whole and being
-    /// verified.
-    fn done_through(&self) -> u64 {
-        let verifying = self.verifying.as_ref().map_or(0, |v| v.version);
-        self.book.latest().max(verifying)
+    fn tick_every(&self) -> Option<Duration> {
+        Some(self.cfg.ping)
     }
 
-    /// The next version, if part of it is here: its number and the segments already in
-    /// (the rest is what a new connection asks for).
-    fn resumable(&mut self) -> Option<(u64, Vec<u32>)> {
-        let next = self.done_through() + 1;
-        let inc = self.incoming.get_mut(&next)?;
-        inc.reception.reset_requests();
-        let have = inc.reception.have();
-        (!have.is_empty() && have.len() <= MAX_SEQS).then_some((next, have))
+    /// Measures the control round trip (it shows whether control traffic still gets through
+    /// while a transfer fills the link).
+    async fn tick(&mut self, feed: &mut Feed) {
+        let nonce = epoch_micros();
+        feed.send_current(&Message::Ping { nonce }).await;
     }
 
-    async fn handle(&mut self, ev: UpstreamEvent, control: &mut SendStream) -> Result<()> {
-        match ev {
-            UpstreamEvent::StreamStarted {
-                version,
-                base,
-                delta_id,
-                transmission,
-                stripes,
-            } => {
-                if let Some(inc) = self.entry(version, base, delta_id)? {
-                    inc.reception.stream_started(transmission, stripes);
-                }
+    fn pong(&mut self, nonce: u64) {
+        let rtt = Duration::from_micros(epoch_micros().saturating_sub(nonce));
+        self.metrics.observe_control_rtt(rtt);
+        self.status.rtt(rtt);
+        if self.cfg.print_rtt {
+            println!("rtt-us {}", rtt.as_micros());
+        }
+    }
+
+    fn subscribed(&mut self, _source: &SourceAddr, _after: u64) {
+        println!("upstream hub");
+        self.metrics.set_upstream_connected(true);
+        self.status.hub_connected(true);
+    }
+
+    fn left(&mut self, _source: &SourceAddr) {
+        self.metrics.set_upstream_connected(false);
+        self.status.hub_connected(false);
+    }
+
+    fn not_reached(&mut self, error: UpstreamError) -> Result<()> {
+        match error {
+            UpstreamError::Refused { reason, detail } => {
+                bail!("the hub refused this relay: {reason:?}: {detail}")
             }
-            UpstreamEvent::Frame {
-                version,
-                delta_id,
-                frame,
-            } => self.frame(version, delta_id, frame),
-            UpstreamEvent::StreamEnded {
-                version,
-                delta_id,
-                transmission,
-                stripes,
-                error,
-            } => {
-                let Some(inc) = self.incoming.get_mut(&version) else {
-                    return Ok(());
-                };
-                if inc.live.delta_id != delta_id {
-                    return Ok(());
-                }
-                if let Some(seqs) = inc.reception.stream_ended(transmission, stripes, error) {
-                    self.refetch(control, version, seqs).await?;
-                }
+            e @ UpstreamError::Endpoint(EndpointError::ForeignCluster { .. }) => {
+                Err(e).context("subscribe to the hub")
             }
-            UpstreamEvent::Commit(v) => {
-                if v > self.book.latest() {
-                    self.commits.insert(v);
-                }
-            }
-            UpstreamEvent::Pong(_) => {}
-            // Handled in `follow`: they end the connection.
-            UpstreamEvent::Refused { .. } | UpstreamEvent::Anchor { .. } => {}
-            UpstreamEvent::Closed(_) => {}
-        }
-        self.complete_ready()
-    }
-
-    /// The incoming state of `version`, started (and offered downstream) on first sight;
-    /// a different delta under the same number replaces an unfinished one.
-    fn entry(
-        &mut self,
-        version: u64,
-        base: u64,
-        delta_id: [u8; 32],
-    ) -> Result<Option<&mut Incoming>> {
-        if version <= self.book.latest()
-            || self
-                .verifying
-                .as_ref()
-                .is_some_and(|v| v.version == version)
-        {
-            return Ok(None);
-        }
-        let fresh = self
-            .incoming
-            .get(&version)
-            .is_none_or(|i| i.live.delta_id != delta_id);
-        if fresh {
-            let live = self.book.begin(version, base, delta_id)?;
-            self.incoming.insert(
-                version,
-                Incoming {
-                    reception: Reception::new(version, base, delta_id),
-                    assembler: DeltaAssembler::new(),
-                    live,
-                    said_received: false,
-                },
-            );
-        }
-        Ok(self.incoming.get_mut(&version))
-    }
-
-    fn frame(&mut self, version: u64, delta_id: [u8; 32], frame: StreamFrame) {
-        let Some(inc) = self.incoming.get_mut(&version) else {
-            return;
-        };
-        if inc.live.delta_id != delta_id {
-            return;
-        }
-        self.metrics.received("hub", frame.bytes.len() as u64, 1);
-        match inc.reception.frame(frame.kind, frame.body()) {
-            Ok(Added::New) => {}
-            Ok(Added::Duplicate) => return,
-            Err(e) => return tracing::warn!(version, "dropped a frame: {e}"),
-        }
-        if let Err(e) = inc.assembler.add(frame.as_frame()) {
-            return tracing::warn!(
-                version,
-                "dropped a frame: {}",
-                starling_telemetry::error_chain(&e)
-            );
-        }
-        if frame.kind != FrameKind::Trailer {
-            match WireFrame::parse(frame.bytes) {
-                Ok(w) => inc.live.push(w),
-                Err(e) => tracing::warn!(version, "unparsable frame: {e}"),
+            e => {
+                let e = starling_telemetry::error_chain(&e);
+                tracing::warn!(hub = %self.cfg.hub, "hub not reached: {e}; trying again");
+                Ok(())
             }
         }
-        if !inc.said_received && inc.reception.complete() {
+    }
+
+    fn notice(&mut self, n: Notice, _source: Option<&SourceAddr>) -> Result<()> {
+        match n {
             // Every byte is in (whole-version verification and caching follow): the moment
             // benchmarks take as the end of the WAN transfer.
-            inc.said_received = true;
-            println!("received {version}");
-        }
-    }
-
-    async fn refetch(
-        &mut self,
-        control: &mut SendStream,
-        version: u64,
-        seqs: Vec<u32>,
-    ) -> Result<()> {
-        tracing::warn!(
-            version,
-            "fetching {} again",
-            if seqs.is_empty() {
-                "everything".to_owned()
-            } else {
-                format!("segments {seqs:?}")
+            Notice::Received { version } => println!("received {version}"),
+            Notice::NothingToOffer { after, .. } if self.anchors.is_none() => bail!(
+                "the hub no longer retains version {} and this relay has no disk cache to \
+                 restore an anchor into: start it with --cache DIR",
+                after + 1
+            ),
+            Notice::NothingToOffer { .. } => {
+                tracing::warn!("the hub has neither the next delta nor a newer anchor")
             }
-        );
-        println!("refetch {version}");
-        self.metrics.refetch("hub");
-        // A failed send means the connection is going: its end arrives as an event, and the
-        // next connection resumes from what is here.
-        if let Err(e) = send(control, &Message::Fetch { version, seqs }).await {
-            tracing::warn!(
-                version,
-                "fetch not sent: {}",
-                starling_telemetry::error_chain(&e)
-            );
+            n => tracing::info!("{n:?}"),
         }
         Ok(())
-    }
-
-    /// Starts verifying the next version once it is whole and committed upstream (one at a
-    /// time, in order); [`verified`](Self::verified) completes it.
-    fn complete_ready(&mut self) -> Result<()> {
-        if self.verifying.is_some() {
-            return Ok(());
-        }
-        let next = self.book.latest() + 1;
-        let ready = self
-            .incoming
-            .get(&next)
-            .is_some_and(|i| self.commits.contains(&next) && i.reception.complete());
-        if !ready {
-            return Ok(());
-        }
-        let Some(inc) = self.incoming.remove(&next) else {
-            return Ok(());
-        };
-        self.commits.remove(&next);
-        let trust = self.trust.clone();
-        let cache = self.cfg.cache.clone();
-        let stale = next.checked_sub(self.cfg.retain as u64);
-        let task = tokio::task::spawn_blocking(move || {
-            let outcome = inc
-                .assembler
-                .finish(&trust)
-                .map_err(|e| starling_telemetry::error_chain(&e))
-                .map(|_| {
-                    if let Some(dir) = &cache {
-                        if let Err(e) = write_cache(dir, &inc.live) {
-                            tracing::error!(version = next, "not cached on disk: {e:#}");
-                        }
-                        // The disk keeps what memory keeps: the newest `retain` versions.
-                        if let Some(old) = stale {
-                            let _ = std::fs::remove_file(cache_path(dir, old));
-                        }
-                    }
-                });
-            Verified {
-                live: inc.live,
-                started: inc.reception.started,
-                outcome,
-            }
-        });
-        self.verifying = Some(Verification {
-            version: next,
-            task,
-        });
-        Ok(())
-    }
-
-    /// Completes (or aborts and refetches) the version just verified, then starts the next.
-    async fn verified(&mut self, done: Verified, control: &mut SendStream) -> Result<()> {
-        let version = done.live.version;
-        match done.outcome {
-            Ok(()) => {
-                self.book.complete(version)?;
-                self.metrics.observe_transfer(done.started.elapsed());
-                self.metrics.set_active(version);
-                println!("cached {version}");
-                tracing::info!(version, "version verified and cached");
-                // Tells the hub this region holds the version (its status shows when).
-                let staged = Message::Staged {
-                    version,
-                    missing: Vec::new(),
-                };
-                if let Err(e) = send(control, &staged).await {
-                    tracing::debug!(
-                        version,
-                        "staged report not sent: {}",
-                        starling_telemetry::error_chain(&e)
-                    );
-                }
-            }
-            Err(e) => {
-                tracing::warn!(version, "failed verification ({e}); fetching it again");
-                self.book.abort(version);
-                self.refetch(control, version, Vec::new()).await?;
-            }
-        }
-        self.complete_ready()
     }
 }
 
-fn cache_path(dir: &Path, version: u64) -> PathBuf {
-    dir.join(format!("v{version:08}.sdc"))
+impl Relay<'_> {
+    /// The end of a stopping relay: a verification in flight finishes (and its version goes
+    /// out), versions still streaming in are abandoned, and the actors subscribed are sent
+    /// what the relay verified; all within [`SHUTDOWN_GRACE`].
+    async fn drain(&mut self, feed: &mut Feed, accepting: &CancellationToken) {
+        accepting.cancel();
+        let drained = tokio::time::timeout(SHUTDOWN_GRACE, async {
+            if self.verifying.is_some() {
+                let done = self.background().await;
+                self.finish(feed, done).await;
+            }
+            for version in std::mem::take(&mut self.incoming).into_keys() {
+                self.book.abort(version);
+            }
+            let latest = self.book.latest();
+            while !self.status.all_delivered(latest) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        if drained.is_err() {
+            tracing::warn!("grace period over; stopping with versions not yet forwarded");
+        }
+    }
+}
+
+/// Microseconds since the process started (the relay's ping nonces).
+fn epoch_micros() -> u64 {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    EPOCH.get_or_init(Instant::now).elapsed().as_micros() as u64
 }
 
 /// The oldest version in the disk cache.
@@ -750,7 +610,7 @@ fn write_cache(dir: &Path, live: &LiveVersion) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
     let frames = live.snapshot();
     let bytes: Vec<&[u8]> = frames.iter().map(|f| f.bytes.as_slice()).collect();
-    write_frames(&cache_path(dir, live.version), &bytes)?;
+    write_frames(&dir.join(delta_file_name(live.version)), &bytes)?;
     Ok(())
 }
 
@@ -758,7 +618,7 @@ fn write_cache(dir: &Path, live: &LiveVersion) -> Result<()> {
 fn load_cache(dir: &Path, book: &VersionBook, trust: &TrustPolicy) -> Result<usize> {
     let mut n = 0;
     loop {
-        let path = cache_path(dir, book.latest() + 1);
+        let path = dir.join(delta_file_name(book.latest() + 1));
         let Ok(bytes) = std::fs::read(&path) else {
             return Ok(n);
         };

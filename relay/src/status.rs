@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use axum::Router;
 use axum::extract::State;
@@ -20,12 +20,7 @@ use starling_transport::fanout::SubscriberObserver;
 /// Subscribers tracked (a region has tens of actors; the bound is for hostile churn).
 const MAX_SUBSCRIBERS: usize = 4096;
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
+use starling_telemetry::unix_ms as now_ms;
 
 /// What the relay reports about itself.
 #[derive(Debug)]
@@ -48,6 +43,10 @@ struct Inner {
 #[derive(Debug, Default)]
 struct Subscriber {
     connected: bool,
+    /// What it held when it subscribed, the newest version sent to it whole, the newest it
+    /// reported active: the most of these is what it has.
+    subscribed_after: u64,
+    delivered: u64,
     active_version: Option<u64>,
     bytes_sent: u64,
 }
@@ -79,13 +78,30 @@ impl RelayStatus {
         self.inner().rtt = Some(rtt);
     }
 
-    /// An actor subscribed (`true`) or left.
-    pub(crate) fn subscriber(&self, name: &str, connected: bool) {
+    /// An actor subscribed after a version (`Some`) or left (`None`).
+    pub(crate) fn subscriber(&self, name: &str, after: Option<u64>) {
         let mut i = self.inner();
         if i.subscribers.len() >= MAX_SUBSCRIBERS && !i.subscribers.contains_key(name) {
             return;
         }
-        i.subscribers.entry(name.to_owned()).or_default().connected = connected;
+        let s = i.subscribers.entry(name.to_owned()).or_default();
+        s.connected = after.is_some();
+        if let Some(after) = after {
+            s.subscribed_after = after;
+            s.delivered = 0;
+        }
+    }
+
+    /// Whether every actor subscribed now has been sent every version up to `latest` (or
+    /// held it already).
+    pub(crate) fn all_delivered(&self, latest: u64) -> bool {
+        self.inner().subscribers.values().all(|s| {
+            !s.connected
+                || s.subscribed_after
+                    .max(s.delivered)
+                    .max(s.active_version.unwrap_or(0))
+                    >= latest
+        })
     }
 
     fn json(&self) -> Value {
@@ -122,6 +138,12 @@ impl SubscriberObserver for RelayStatus {
     fn sent(&self, peer: &str, _version: u64, bytes: u64) {
         if let Some(s) = self.inner().subscribers.get_mut(peer) {
             s.bytes_sent += bytes;
+        }
+    }
+
+    fn delivered(&self, peer: &str, version: u64) {
+        if let Some(s) = self.inner().subscribers.get_mut(peer) {
+            s.delivered = s.delivered.max(version);
         }
     }
 

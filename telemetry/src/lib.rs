@@ -50,6 +50,13 @@ pub fn error_chain(error: &dyn std::error::Error) -> String {
     text
 }
 
+/// Milliseconds since the Unix epoch, as status documents report times (0 before 1970).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 #[cfg(test)]
 mod tests {
     use super::error_chain;

@@ -114,6 +114,25 @@ fn the_dashboard_shows_what_the_status_says_and_every_exporter_is_valid() {
     for a in v1["actors"].as_array().expect("actors") {
         assert!(a["active_at_ms"].is_u64(), "{a}");
     }
+    // Which codec set version 1 was encoded with, and why (the default policy is auto).
+    let codecs = &status["codecs"];
+    assert_eq!(codecs["policy"], "auto", "{codecs}");
+    assert_eq!(codecs["version"], 1, "{codecs}");
+    assert!(
+        codecs["chosen"] == "small" || codecs["chosen"] == "fast",
+        "{codecs}"
+    );
+    assert!(
+        codecs["why"]
+            .as_str()
+            .is_some_and(|w| w.starts_with("auto: ")),
+        "{codecs}"
+    );
+    assert_eq!(
+        codecs["estimates"].as_array().map(Vec::len),
+        Some(2),
+        "{codecs}"
+    );
     for a in status["actors"].as_array().expect("actors") {
         assert_eq!(a["connected"], true, "{a}");
         assert_eq!(a["behind"], 0, "{a}");
@@ -195,6 +214,13 @@ fn dashboard_follows_the_status(tb: &Testbed) {
     status_until(tb, "both actors active at 2", |s| all_active(s, 2, 2));
     let page = browser.wait_for_page(tb, 2);
     assert_eq!(page["hub"], "2", "{page}");
+    // The codec set the status names, with the policy.
+    let codecs = &tb.hub_status()["codecs"];
+    assert_eq!(
+        page["codecs"],
+        format!("{} (auto)", codecs["chosen"].as_str().unwrap_or("?")),
+        "{page} {codecs}"
+    );
 
     let shot = std::env::var_os("STARLING_DASHBOARD_SCREENSHOT")
         .map(PathBuf::from)
@@ -347,6 +373,7 @@ impl Browser {
     fn page(&self) -> Value {
         let script = "const t = e => e ? e.textContent.trim() : null;\
             return {hub: t(document.querySelector('#hub-version')),\
+              codecs: t(document.querySelector('#codecs')),\
               regions: [...document.querySelectorAll('[data-region]')].map(e => e.dataset.region),\
               actors: Object.fromEntries([...document.querySelectorAll('[data-actor]')]\
                 .map(e => [e.dataset.actor, t(e.querySelector('[data-field=active_version]'))]))};";

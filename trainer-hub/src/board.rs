@@ -87,11 +87,17 @@ struct State {
     /// actor can hold the whole delta before the hub's file is durable): version → actor →
     /// when. Applied when the version is published; only versions above the newest are kept.
     early_staged: BTreeMap<u64, BTreeMap<String, u64>>,
+    /// The same for relays that reported a version verified and cached before it was
+    /// recorded, and for the moment the encoder emitted a version's first segment.
+    early_relay_staged: BTreeMap<u64, BTreeMap<String, u64>>,
+    early_first_segment: BTreeMap<u64, u64>,
 }
 
 #[derive(Debug, Default)]
 struct VersionTrack {
     base: u64,
+    /// When the encoder emitted the version's first segment (cut-through sends it then).
+    first_segment_at_ms: Option<u64>,
     published_at_ms: u64,
     bytes: u64,
     changes: u64,
@@ -243,6 +249,10 @@ impl Board {
             let mut s = self.state();
             let actor_staged = s.early_staged.remove(&version).unwrap_or_default();
             s.early_staged.retain(|&v, _| v > version);
+            let relay_staged = s.early_relay_staged.remove(&version).unwrap_or_default();
+            s.early_relay_staged.retain(|&v, _| v > version);
+            let first_segment_at_ms = s.early_first_segment.remove(&version);
+            s.early_first_segment.retain(|&v, _| v > version);
             s.versions.insert(
                 version,
                 VersionTrack {
@@ -253,6 +263,8 @@ impl Board {
                     step,
                     encode_ms,
                     actor_staged,
+                    relay_staged,
+                    first_segment_at_ms,
                     ..VersionTrack::default()
                 },
             );
@@ -266,6 +278,14 @@ impl Board {
             json!({"version": version, "bytes": bytes, "changes": changes, "ratio": ratio}),
             at_ms,
         );
+    }
+
+    /// The encoder emitted the first segment of `version` (before it is published).
+    pub(crate) fn first_segment(&self, version: u64, at_ms: u64) {
+        let mut s = self.state();
+        if s.early_first_segment.len() < MAX_VERSIONS {
+            s.early_first_segment.entry(version).or_insert(at_ms);
+        }
     }
 
     /// A relay or an actor subscribed.
@@ -636,6 +656,7 @@ impl Board {
                 peers,
                 versions,
                 actors,
+                early_relay_staged,
                 ..
             } = &mut *s;
             let Some(p) = peers.get_mut(peer) else {
@@ -643,7 +664,21 @@ impl Board {
             };
             p.version = Some(p.version.map_or(version, |v| v.max(version)));
             let role = p.role;
+            let newest = versions.last_key_value().map_or(0, |(v, _)| *v);
             match (role, versions.get_mut(&version)) {
+                // Cut-through: a relay can hold the whole version before it is recorded.
+                (PeerRole::Relay, None)
+                    if kind == "staged"
+                        && version > newest
+                        && early_relay_staged.len() < MAX_VERSIONS =>
+                {
+                    early_relay_staged
+                        .entry(version)
+                        .or_default()
+                        .entry(peer.to_owned())
+                        .or_insert(at_ms);
+                    false
+                }
                 (PeerRole::Relay, Some(t)) if kind == "staged" => {
                     t.relay_staged.insert(peer.to_owned(), at_ms).is_none()
                 }
@@ -722,6 +757,7 @@ impl Board {
                 json!({
                     "version": v,
                     "base": t.base,
+                    "first_segment_at_ms": t.first_segment_at_ms,
                     "published_at_ms": t.published_at_ms,
                     "bytes": t.bytes,
                     "changes": t.changes,
@@ -730,6 +766,23 @@ impl Board {
                     "encode_ms": t.encode_ms,
                     "regions": per_region,
                     "actors": actors,
+                })
+            })
+            .collect()
+    }
+
+    /// The link of every connected subscriber that has one (a relay, or an actor subscribed
+    /// to the hub): what the codec choice plans delivery over (`crate::codecs`).
+    pub(crate) fn links(&self) -> Vec<crate::codecs::PeerLink> {
+        self.state()
+            .peers
+            .iter()
+            .filter(|(_, p)| p.connected)
+            .filter_map(|(name, p)| {
+                Some(crate::codecs::PeerLink {
+                    peer: name.clone(),
+                    region: p.region.clone(),
+                    link: p.link?,
                 })
             })
             .collect()

@@ -181,6 +181,13 @@ pub enum Command {
         /// Ignore every stated link and send with plain BBR (for comparison).
         #[arg(long)]
         no_link_ceiling: bool,
+        /// Which codecs versions are encoded with: `small` (the smallest deltas), `fast` (the
+        /// first release's codecs: ~1.5× the bytes, several times less CPU to encode and
+        /// stage) or `auto` (per version, the set predicted to reach the slowest region's
+        /// actors first, from the stated links and the encoder's measured speed; what was
+        /// chosen and why is in `/v1/status` and on the dashboard).
+        #[arg(long, value_enum, default_value_t = crate::codecs::CodecPolicy::Auto, env = "STARLING_HUB_CODECS")]
+        codecs: crate::codecs::CodecPolicy,
         /// Rewards by services, and retention of delivered results.
         #[command(flatten)]
         results: Box<ResultsArgs>,
@@ -426,6 +433,7 @@ pub fn run(cli: Cli) -> Result<()> {
             segment_kib,
             peer_links,
             no_link_ceiling,
+            codecs,
             ledger,
             lease_initial,
             lease_floor,
@@ -533,6 +541,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 full_broadcast,
                 peer_links: peer_links.into_iter().collect(),
                 link_ceiling: !no_link_ceiling,
+                codecs,
                 ledger,
                 ledger_config,
                 schedule_tick: std::time::Duration::from_millis(100),

@@ -1,4 +1,5 @@
 //! `starling-hub`: the trainer hub. The service (`serve`: publish, cut-through distribution,
+//! the codec set of each version chosen by the links in `codecs`,
 //! the HTTP API in `api`, the run board in `board`, status, events and dashboard in `status`), the cluster tools (`init`, `issue`, `keygen`), the delta
 //! command-line tools (`delta diff|apply|inspect|verify`), the workload generator
 //! (`bench gen`) and the small-scale demo.
@@ -8,6 +9,7 @@ pub mod api;
 mod archive;
 mod board;
 pub mod cli;
+pub mod codecs;
 mod durable;
 pub mod ingest;
 mod jobs;

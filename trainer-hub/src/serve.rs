@@ -87,6 +87,8 @@ pub struct ServeConfig {
     pub peer_links: BTreeMap<String, LinkProfile>,
     /// Cap the window to each peer at its stated link (off: plain BBR, for comparison).
     pub link_ceiling: bool,
+    /// Which codecs versions are encoded with (`crate::codecs`).
+    pub codecs: crate::codecs::CodecPolicy,
     /// The ledger's URL (`sqlite:PATH` or `postgres://…`).
     pub ledger: String,
     /// Lease sizing, attempts, actor timeout.
@@ -153,6 +155,9 @@ pub(crate) struct Hub {
     tasks: TaskTracker,
     /// Snapshot copies an anchor is being written from: not released until it is written.
     pinned: std::sync::Mutex<std::collections::BTreeSet<PathBuf>>,
+    /// The codec set of each version and why (`crate::codecs`); used from the diff's
+    /// blocking task.
+    pub(crate) codecs: Arc<std::sync::Mutex<crate::codecs::Chooser>>,
 }
 
 impl Hub {
@@ -319,6 +324,7 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
     }
     let endpoint = server_endpoint(&creds, cfg.listen, &cfg.link).context("listen")?;
     let addr = endpoint.local_addr().context("local address")?;
+    let codec_policy = cfg.codecs;
     let hub = Arc::new(Hub {
         state: Mutex::new(State {
             version: resumed.version,
@@ -349,6 +355,10 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
         stop: CancellationToken::new(),
         tasks: TaskTracker::new(),
         pinned: Default::default(),
+        codecs: Arc::new(std::sync::Mutex::new(crate::codecs::Chooser::new(
+            codec_policy,
+            rayon_threads(),
+        ))),
     });
     hub.spawn_until_stopped(crate::jobs::run_scheduler(
         hub.ledger.clone(),
@@ -608,6 +618,11 @@ async fn serve_trainer(hub: Arc<Hub>, mut tx: SendStream, mut reader: MessageRea
     Ok(())
 }
 
+/// The threads the encoder runs on (rayon's global pool).
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
 async fn resumed_version(hub: &Hub) -> u64 {
     hub.state.lock().await.version
 }
@@ -737,10 +752,26 @@ async fn publish_locked(
     };
     let sink_live = live.clone();
     let dest2 = dest.clone();
+    let (codecs, links, board) = (hub.codecs.clone(), hub.board.links(), hub.board.clone());
+    let full_broadcast = hub.cfg.full_broadcast;
     let diffed = tokio::task::spawn_blocking(move || -> Result<_> {
         let o =
             Checkpoint::open(&old).with_context(|| format!("open snapshot {}", old.display()))?;
         let n = Checkpoint::open(&new).with_context(|| format!("open {}", new.display()))?;
+        // The codec set for this version, from a sample of its own pair and the links.
+        let sample = (!full_broadcast)
+            .then(|| crate::codecs::sample(&o, &n))
+            .flatten();
+        let elements = o.numel();
+        let decision = codecs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .decide(version, elements, sample.as_ref(), &links);
+        tracing::info!(codecs = decision.set.name(), "{}", decision.why);
+        if !full_broadcast {
+            opts.encoder.choice = decision.set.choice();
+        }
+        let encode_started = std::time::Instant::now();
         let mut file =
             AtomicFile::create(&dest2).with_context(|| format!("create {}", dest2.display()))?;
         let mut first = true;
@@ -752,6 +783,7 @@ async fn publish_locked(
                 file.write_all(b)?;
                 if first && b.first() == Some(&(FrameKind::Segment as u8)) {
                     first = false;
+                    board.first_segment(version, crate::board::now_ms());
                     println!("first-segment {version}");
                 }
                 if let Some(live) = &sink_live {
@@ -761,6 +793,16 @@ async fn publish_locked(
             },
             &|_| {},
         )?;
+        codecs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .observe(
+                decision.set,
+                elements,
+                sample.as_ref(),
+                signed.manifest.total_changes(),
+                encode_started.elapsed().as_secs_f64(),
+            );
         // Durable before it is listed: fsync, rename, fsync the directory.
         file.commit()
             .with_context(|| format!("write {}", dest2.display()))?;

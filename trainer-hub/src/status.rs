@@ -243,6 +243,7 @@ async fn build(hub: &Hub) -> anyhow::Result<Value> {
         "started_at_ms": board.started_at_ms(),
         "version": version,
         "checkpoint_bytes": hub.checkpoint_bytes,
+        "codecs": hub.codecs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).status(),
         "versions": board.versions_json(&actor_regions, hub.checkpoint_bytes),
         "regions": regions_json,
         "actors": actors_json,

@@ -187,20 +187,41 @@ pub fn client_endpoint(
 }
 
 /// Connects to the server of (`role`, `name`) at `addr` and completes the handshake; the
-/// server's certificate must prove that identity.
+/// server's certificate must prove that identity. Uses the endpoint's default client
+/// configuration.
 pub async fn connect(
     endpoint: &Endpoint,
     addr: SocketAddr,
     role: Role,
     name: &str,
 ) -> Result<Connection, EndpointError> {
-    let server_name = peer_dns_name(role, name);
-    let connecting = endpoint
-        .connect(addr, &server_name)
-        .map_err(|e| EndpointError::Connect {
-            addr,
-            detail: e.to_string(),
-        })?;
+    handshake(endpoint.connect(addr, &peer_dns_name(role, name)), addr).await
+}
+
+/// [`connect`] with `config` (the transport parameters of the link to this server), so one
+/// endpoint serves connections over links of different profiles.
+pub async fn connect_with(
+    endpoint: &Endpoint,
+    config: ClientConfig,
+    addr: SocketAddr,
+    role: Role,
+    name: &str,
+) -> Result<Connection, EndpointError> {
+    handshake(
+        endpoint.connect_with(config, addr, &peer_dns_name(role, name)),
+        addr,
+    )
+    .await
+}
+
+async fn handshake(
+    connecting: Result<quinn::Connecting, quinn::ConnectError>,
+    addr: SocketAddr,
+) -> Result<Connection, EndpointError> {
+    let connecting = connecting.map_err(|e| EndpointError::Connect {
+        addr,
+        detail: e.to_string(),
+    })?;
     connecting.await.map_err(|e| {
         let detail = e.to_string();
         if is_certificate_failure(&e) {
@@ -209,6 +230,36 @@ pub async fn connect(
             EndpointError::Connect { addr, detail }
         }
     })
+}
+
+/// Whether a socket bound to `local` can reach `remote`: same address family, and either bound
+/// to every address or to the very address the host's routing picks as the source towards
+/// `remote`. A socket bound to one interface's address is not: a relay listening on its
+/// region's LAN address (or its loopback) would send to the hub with a source address the hub
+/// cannot answer, and reaches it from a socket of its own. The route is looked up by
+/// connecting an unbound UDP socket, which sends nothing.
+pub fn can_reach(local: SocketAddr, remote: SocketAddr) -> bool {
+    if local.is_ipv4() != remote.is_ipv4() {
+        return false;
+    }
+    if local.ip().is_unspecified() {
+        return true;
+    }
+    std::net::UdpSocket::bind(any_addr_for(remote))
+        .and_then(|probe| {
+            probe.connect(remote)?;
+            probe.local_addr()
+        })
+        .is_ok_and(|source| source.ip() == local.ip())
+}
+
+/// The address a client endpoint binds to reach `remote`: any address, any port.
+pub fn any_addr_for(remote: SocketAddr) -> SocketAddr {
+    if remote.is_ipv4() {
+        SocketAddr::from(([0, 0, 0, 0], 0))
+    } else {
+        SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, 0))
+    }
 }
 
 /// Whether a handshake failed because the two sides' certificates come from different CAs, on
@@ -250,5 +301,29 @@ pub fn verify_peer(conn: &Connection, role: Role, name: &str) -> Result<(), Endp
             "the certificate names {:?}, not exactly {claimed:?} (names are compared byte for byte)",
             ee.valid_dns_names().collect::<Vec<_>>()
         )))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().expect("a socket address")
+    }
+
+    #[test]
+    fn a_socket_reaches_a_peer_only_from_the_source_address_routing_would_pick() {
+        // Bound to every address: whatever the route, within one family.
+        assert!(can_reach(addr("0.0.0.0:7444"), addr("127.0.0.1:7443")));
+        assert!(!can_reach(addr("0.0.0.0:7444"), addr("[::1]:7443")));
+        // The address routing picks towards the peer (127.0.0.1 to itself).
+        assert!(can_reach(addr("127.0.0.1:7444"), addr("127.0.0.1:7443")));
+        // Another address of a local interface is not it: replies to it would not come back
+        // the way the peer's routing sends them (the relay that listened on its LAN address
+        // and never reached the hub across the WAN namespace).
+        assert!(!can_reach(addr("127.0.0.2:7444"), addr("127.0.0.1:7443")));
+        // A loopback socket towards another host.
+        assert!(!can_reach(addr("127.0.0.1:7444"), addr("192.0.2.1:7443")));
     }
 }

@@ -17,6 +17,10 @@
 //! - [`fanout`] and [`upstream`]: sending versions striped over several streams, and
 //!   receiving them frame by frame; [`reception`]: what of a version is missing and when to
 //!   ask for it again;
+//! - [`follow`]: the receiving core of relays and actors (a version from announce to
+//!   activation, the sources to follow), with no I/O and no clock, tested by simulation;
+//!   [`upstream::Feed`] and [`drive`]: the I/O half and the loop both shells run, the relay and
+//!   the actor each implementing [`drive::Shell`];
 //! - [`anchor_file`]: receiving an anchor (full checkpoint) into a file, checked against its
 //!   seal, off the event loop;
 //! - [`service`]: running a service binary until it is stopped.
@@ -25,8 +29,10 @@ pub mod admit;
 pub mod anchor_file;
 pub mod book;
 pub mod ceiling;
+pub mod drive;
 pub mod endpoint;
 pub mod fanout;
+pub mod follow;
 pub mod framed;
 pub mod identity;
 pub mod link;

@@ -8,6 +8,9 @@
 //! `Fetch`: the segments the manifest names that are missing, or everything when the
 //! manifest itself is missing. Deciding on stream ends rather than on a timer means a slow
 //! link never triggers a spurious retransmission (which would double WAN bytes).
+//!
+//! Pure: frames come in already parsed ([`FrameInfo`], from [`FrameInfo::parse`] at the edge
+//! where the bytes arrive), and the caller passes the time in.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
@@ -17,19 +20,63 @@ use starling_proto::container::FrameKind;
 use starling_proto::manifest::SignedManifest;
 use starling_proto::segment::Segment;
 
+/// What a receiver needs to know of a verified frame to account for it: parsed once, where
+/// the frame arrived, so the receiving core never touches bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FrameInfo {
+    /// Segment `seq` of the announced delta.
+    Segment { seq: u32 },
+    /// The manifest of the announced delta, naming `segments` segments.
+    Manifest { segments: usize },
+    /// A trailer (files only; a stream never needs one).
+    Trailer,
+}
+
+impl FrameInfo {
+    /// Parses a verified frame's body (its hash already checked) of the delta `delta_id`: a
+    /// segment or a manifest of another delta is refused.
+    pub fn parse(kind: FrameKind, body: &[u8], delta_id: [u8; 32]) -> Result<Self, DecodeError> {
+        match kind {
+            FrameKind::Segment => {
+                let (id, seq) = Segment::peek_id(body)?;
+                if id != delta_id {
+                    return Err(DecodeError::malformed(
+                        "segment",
+                        "belongs to another delta than announced",
+                    ));
+                }
+                Ok(Self::Segment { seq })
+            }
+            FrameKind::Manifest => {
+                let m = SignedManifest::decode_body(body)?;
+                if m.manifest.delta_id() != delta_id {
+                    return Err(DecodeError::malformed(
+                        "manifest",
+                        "belongs to another delta than announced",
+                    ));
+                }
+                Ok(Self::Manifest {
+                    segments: m.manifest.segments.len(),
+                })
+            }
+            FrameKind::Trailer => Ok(Self::Trailer),
+        }
+    }
+}
+
 /// The receiving state of one version.
 #[derive(Debug)]
 pub struct Reception {
     pub version: u64,
     pub base: u64,
     pub delta_id: [u8; 32],
+    /// When its first stream started here.
     pub started: Instant,
     seqs: BTreeSet<u32>,
     segment_count: Option<usize>,
     /// transmission → (stripes, stripes ended)
     transmissions: BTreeMap<u32, (u16, u16)>,
     fetch_outstanding: bool,
-    pub bytes: u64,
 }
 
 /// What a frame added.
@@ -40,17 +87,16 @@ pub enum Added {
 }
 
 impl Reception {
-    pub fn new(version: u64, base: u64, delta_id: [u8; 32]) -> Self {
+    pub fn new(version: u64, base: u64, delta_id: [u8; 32], now: Instant) -> Self {
         Self {
             version,
             base,
             delta_id,
-            started: Instant::now(),
+            started: now,
             seqs: BTreeSet::new(),
             segment_count: None,
             transmissions: BTreeMap::new(),
             fetch_outstanding: false,
-            bytes: 0,
         }
     }
 
@@ -64,55 +110,31 @@ impl Reception {
             .or_insert((stripes.max(1), 0));
     }
 
-    /// Notes a verified frame (its hash already checked). Segments of another delta are
-    /// refused; the manifest is parsed for the number of segments it names.
-    pub fn frame(&mut self, kind: FrameKind, body: &[u8]) -> Result<Added, DecodeError> {
-        self.bytes += body.len() as u64;
-        match kind {
-            FrameKind::Segment => {
-                let (id, seq) = Segment::peek_id(body)?;
-                if id != self.delta_id {
-                    return Err(DecodeError::malformed(
-                        "segment",
-                        "belongs to another delta than announced",
-                    ));
-                }
-                Ok(if self.seqs.insert(seq) {
+    /// Notes a verified frame of this delta.
+    pub fn frame(&mut self, info: FrameInfo) -> Added {
+        match info {
+            FrameInfo::Segment { seq } => {
+                if self.seqs.insert(seq) {
                     Added::New
                 } else {
                     Added::Duplicate
-                })
+                }
             }
-            FrameKind::Manifest => {
+            FrameInfo::Manifest { segments } => {
                 if self.segment_count.is_some() {
-                    return Ok(Added::Duplicate);
+                    return Added::Duplicate;
                 }
-                let m = SignedManifest::decode_body(body)?;
-                if m.manifest.delta_id() != self.delta_id {
-                    return Err(DecodeError::malformed(
-                        "manifest",
-                        "belongs to another delta than announced",
-                    ));
-                }
-                self.segment_count = Some(m.manifest.segments.len());
-                Ok(Added::New)
+                self.segment_count = Some(segments);
+                Added::New
             }
-            FrameKind::Trailer => Ok(Added::Duplicate),
+            FrameInfo::Trailer => Added::Duplicate,
         }
     }
 
-    /// Notes that one stripe of `transmission` ended, cleanly or with `error` (logged);
-    /// returns what to `Fetch` if that was the last stripe outstanding and the version is
-    /// incomplete (see [`Reception::refetch_due`]).
-    pub fn stream_ended(
-        &mut self,
-        transmission: u32,
-        stripes: u16,
-        error: Option<String>,
-    ) -> Option<Vec<u32>> {
-        if let Some(e) = error {
-            tracing::warn!(version = self.version, "a stream broke: {e}");
-        }
+    /// Notes that one stripe of `transmission` ended (cleanly or broken); returns what to
+    /// `Fetch` if that was the last stripe outstanding and the version is incomplete (see
+    /// [`Reception::refetch_due`]).
+    pub fn stream_ended(&mut self, transmission: u32, stripes: u16) -> Option<Vec<u32>> {
         let e = self
             .transmissions
             .entry(transmission)
@@ -154,9 +176,50 @@ impl Reception {
         Some(self.missing())
     }
 
+    /// Forgets every frame received (what was staged of them failed) and notes that the whole
+    /// version was asked for again; the transmissions under way stay counted, so a stripe
+    /// that ends later still counts towards [`refetch_due`](Self::refetch_due).
+    pub fn restart(&mut self) {
+        self.seqs.clear();
+        self.segment_count = None;
+        self.fetch_outstanding = true;
+    }
+
     /// Forgets outstanding requests (after switching to another source).
     pub fn reset_requests(&mut self) {
         self.fetch_outstanding = false;
         self.transmissions.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fetch_is_due_once_every_stripe_ended_and_only_for_what_is_missing() {
+        let mut r = Reception::new(3, 2, [1; 32], Instant::now());
+        r.stream_started(0, 2);
+        r.stream_started(0, 2);
+        assert_eq!(r.frame(FrameInfo::Segment { seq: 0 }), Added::New);
+        assert_eq!(r.frame(FrameInfo::Segment { seq: 0 }), Added::Duplicate);
+        assert_eq!(r.frame(FrameInfo::Manifest { segments: 3 }), Added::New);
+        assert_eq!(r.stream_ended(0, 2), None, "one stripe still runs");
+        assert_eq!(r.stream_ended(0, 2), Some(vec![1, 2]));
+        assert_eq!(r.refetch_due(), None, "one request at a time");
+        r.stream_started(1, 1);
+        r.frame(FrameInfo::Segment { seq: 1 });
+        assert_eq!(r.stream_ended(1, 1), Some(vec![2]));
+        r.frame(FrameInfo::Segment { seq: 2 });
+        assert!(r.complete());
+        assert_eq!(r.have(), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn without_the_manifest_everything_is_fetched() {
+        let mut r = Reception::new(1, 0, [1; 32], Instant::now());
+        r.stream_started(0, 1);
+        r.frame(FrameInfo::Segment { seq: 5 });
+        assert_eq!(r.stream_ended(0, 1), Some(Vec::new()));
     }
 }

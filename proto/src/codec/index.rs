@@ -11,7 +11,8 @@
 //! the positions) and needs the base values of exactly the part's range.
 
 use super::bits::{BitReader, BitWriter};
-use super::rc::{Bit, EXP_CLASSES, EXP_LO, IntModel, RangeDecoder, RangeEncoder, exp_class};
+use super::rc::{Bit, EXP_CLASSES, IntModel, RangeDecoder, RangeEncoder, exp_class};
+use super::scan;
 use super::{IndexCodec, zstd_compress, zstd_decompress};
 use crate::error::DecodeError;
 use crate::wire::{Reader, put_varint, varint_len};
@@ -387,79 +388,58 @@ impl GapModel {
 /// elements (zero for a class absent from the range), so a decoder scanning the range
 /// never meets an undecoded gap and ends with every count at zero.
 fn exp_class_gaps(positions: &[u64], base: &[u16]) -> Vec<u8> {
-    // Per class, the gaps in class-local element counts.
-    let mut gaps: Vec<Vec<u32>> = vec![Vec::new(); EXP_CLASSES];
-    // Four interleaved class histograms: consecutive elements of one class would otherwise
-    // chain their increments through one memory cell. A class's count is their sum.
-    let mut seen = [[0u32; EXP_CLASSES]; 4];
-    let count = |seen: &mut [[u32; EXP_CLASSES]; 4], run: &[u8]| {
-        let mut quads = run.chunks_exact(4);
-        for q in &mut quads {
-            seen[0][usize::from(q[0]) & (EXP_CLASSES - 1)] += 1;
-            seen[1][usize::from(q[1]) & (EXP_CLASSES - 1)] += 1;
-            seen[2][usize::from(q[2]) & (EXP_CLASSES - 1)] += 1;
-            seen[3][usize::from(q[3]) & (EXP_CLASSES - 1)] += 1;
-        }
-        for &c in quads.remainder() {
-            seen[0][usize::from(c) & (EXP_CLASSES - 1)] += 1;
-        }
-    };
-    let total = |seen: &[[u32; EXP_CLASSES]; 4], c: usize| {
-        seen[0][c] + seen[1][c] + seen[2][c] + seen[3][c]
-    };
-    let mut last = [0u32; EXP_CLASSES];
-    let mut next_change = positions.iter().map(|&p| p as usize).peekable();
-    // Classify a block at a time (a loop the compiler vectorizes), then count the classes
-    // of the runs between changes.
-    let mut classes = [0u8; CLASSIFY_BLOCK];
-    for (b, block) in base.chunks(CLASSIFY_BLOCK).enumerate() {
-        let start = b * CLASSIFY_BLOCK;
-        let classes = &mut classes[..block.len()];
-        for (k, &v) in classes.iter_mut().zip(block) {
-            *k = exp_class_arith(v);
-        }
-        let mut from = 0;
-        while let Some(p) = next_change.next_if(|&p| p < start + block.len()) {
-            let k = p - start;
-            count(&mut seen, &classes[from..k]);
-            let c = usize::from(classes[k]) & (EXP_CLASSES - 1);
-            let n = total(&seen, c);
-            gaps[c].push(n - last[c]);
-            seen[0][c] += 1;
-            last[c] = n + 1;
-            from = k + 1;
-        }
-        count(&mut seen, &classes[from..]);
-    }
-    for c in 0..EXP_CLASSES {
-        gaps[c].push(total(&seen, c) - last[c]);
+    let mut ranks = Vec::with_capacity(positions.len());
+    let totals = scan::ranks_at(base, positions, &mut ranks);
+    let classes = positions.iter().map(|&p| base[p as usize]);
+    exp_class_gaps_ranked(classes, &ranks, &totals)
+}
+
+/// [`IndexCodec::ExpClassGapsRc`] from what a ranked diff found: the base value at each
+/// change (in position order), each change's rank in its class (how many elements of the
+/// class precede it in the range) and the number of elements of each class in the range.
+/// The bytes are those of [`encode`] on the same range.
+pub fn encode_exp_class_gaps_ranked(
+    old_at_changes: &[u16],
+    ranks: &[u32],
+    class_totals: &[u32; EXP_CLASSES],
+) -> Vec<u8> {
+    exp_class_gaps_ranked(old_at_changes.iter().copied(), ranks, class_totals)
+}
+
+fn exp_class_gaps_ranked(
+    old_at_changes: impl DoubleEndedIterator<Item = u16> + ExactSizeIterator + Clone,
+    ranks: &[u32],
+    totals: &[u32; EXP_CLASSES],
+) -> Vec<u8> {
+    debug_assert_eq!(old_at_changes.len(), ranks.len());
+    // Backwards, the gap after each change is the next change's rank in the same class
+    // (or the class's total) minus its own rank minus one; what is left in `next` at the
+    // front is each class's first gap.
+    let mut next = *totals;
+    let mut after = vec![0u32; ranks.len()];
+    for ((k, o), &r) in old_at_changes
+        .clone()
+        .enumerate()
+        .rev()
+        .zip(ranks.iter().rev())
+    {
+        let c = exp_class(o);
+        after[k] = next[c] - r - 1;
+        next[c] = r;
     }
     let mut models = vec![GapModel::default(); EXP_CLASSES];
     let mut escape = IntModel::default();
-    let mut next = [1usize; EXP_CLASSES];
-    let mut e = RangeEncoder::with_capacity(positions.len() + 16);
+    let mut e = RangeEncoder::with_capacity(ranks.len() + 16);
     // First gaps: one Exp-Golomb model for all classes, which learns fast that absent
     // classes code 0 (a class's own model would pay its start-up cost once per class).
     let mut firsts = IntModel::default();
-    for class_gaps in &gaps {
-        firsts.encode(&mut e, u64::from(class_gaps[0]));
+    for &g in &next {
+        firsts.encode(&mut e, u64::from(g));
     }
-    for &p in positions {
-        let c = exp_class(base[p as usize]);
-        models[c].encode(&mut e, &mut escape, u64::from(gaps[c][next[c]]));
-        next[c] += 1;
+    for (o, &g) in old_at_changes.zip(&after) {
+        models[exp_class(o)].encode(&mut e, &mut escape, u64::from(g));
     }
     e.finish()
-}
-
-/// Elements classified at a time by the mask codec's encoder and decoder.
-const CLASSIFY_BLOCK: usize = 1024;
-
-/// [`exp_class`] by arithmetic instead of a table, so that a loop of it vectorizes.
-#[inline]
-fn exp_class_arith(bits: u16) -> u8 {
-    let e = (bits >> 7) & 0xFF;
-    (e.clamp(EXP_LO, EXP_LO + EXP_CLASSES as u16 - 1) - EXP_LO) as u8
 }
 
 fn decode_exp_class_gaps(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u64>, DecodeError> {
@@ -468,13 +448,6 @@ fn decode_exp_class_gaps(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u
     let mut d = RangeDecoder::new(bytes);
     let mut models = vec![GapModel::default(); EXP_CLASSES];
     let mut escape = IntModel::default();
-    let mut gap = |d: &mut RangeDecoder<'_>, c: usize| -> Result<u32, DecodeError> {
-        let g = models[c].decode(d, &mut escape);
-        if g > range_len || d.overran() {
-            return Err(DecodeError::malformed(WHAT, "gap beyond the range"));
-        }
-        Ok(g as u32)
-    };
     // `rem[c]`: elements of class `c` still to skip before its next change.
     let mut rem = [0u32; EXP_CLASSES];
     let mut firsts = IntModel::default();
@@ -491,26 +464,17 @@ fn decode_exp_class_gaps(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u
     // proves them. The vector grows if a real stream needs more.
     let cap = (count as usize).min(bytes.len().saturating_mul(512).saturating_add(1024));
     let mut out = Vec::with_capacity(cap);
-    // Classify a block at a time (a loop the compiler vectorizes), then count down.
-    let mut classes = [0u8; CLASSIFY_BLOCK];
-    for (b, block) in base.chunks(CLASSIFY_BLOCK).enumerate() {
-        for (k, &v) in classes.iter_mut().zip(block) {
-            *k = exp_class_arith(v);
+    scan::countdown(base, &mut rem, &mut |p, c| {
+        if out.len() as u64 == count {
+            return Err(DecodeError::malformed(WHAT, "more changes than declared"));
         }
-        for (j, &c) in classes[..block.len()].iter().enumerate() {
-            let c = usize::from(c) & (EXP_CLASSES - 1);
-            let r = rem[c];
-            if r != 0 {
-                rem[c] = r - 1;
-                continue;
-            }
-            if out.len() as u64 == count {
-                return Err(DecodeError::malformed(WHAT, "more changes than declared"));
-            }
-            out.push((b * CLASSIFY_BLOCK + j) as u64);
-            rem[c] = gap(&mut d, c)?;
+        out.push(p);
+        let g = models[c].decode(&mut d, &mut escape);
+        if g > range_len || d.overran() {
+            return Err(DecodeError::malformed(WHAT, "gap beyond the range"));
         }
-    }
+        Ok(g as u32)
+    })?;
     if out.len() as u64 != count {
         return Err(DecodeError::malformed(
             WHAT,
@@ -667,13 +631,6 @@ mod tests {
 
     /// Pinned: any change to these bytes is a format change (see docs/format.md).
     const GOLDEN_EXP_CLASS_GAPS: [u8; 6] = [0x80, 0x1f, 0x9e, 0x84, 0xd7, 0xd9];
-
-    #[test]
-    fn arithmetic_class_equals_the_table() {
-        for b in 0..=u16::MAX {
-            assert_eq!(usize::from(exp_class_arith(b)), exp_class(b), "{b:#06x}");
-        }
-    }
 
     #[test]
     fn exp_class_gaps_edge_cases() {

@@ -16,6 +16,7 @@ pub mod bits;
 pub mod dense;
 pub mod index;
 pub mod rc;
+pub(crate) mod scan;
 pub mod value;
 
 use crate::error::DecodeError;

@@ -32,8 +32,9 @@ const TOP: u32 = 1 << 24;
 pub const DIRECT_CHUNK: u32 = 16;
 
 /// `65536 / (n + 2)` for every `n ≤ RATE_LIMIT`: the adaptation rate as a 16-bit fraction.
-const RECIP: [u32; RATE_LIMIT as usize + 1] = {
-    let mut t = [0u32; RATE_LIMIT as usize + 1];
+/// Padded to a power of two so that an index masked to 10 bits needs no bounds check.
+const RECIP: [u32; 1024] = {
+    let mut t = [0u32; 1024];
     let mut n = 0;
     while n <= RATE_LIMIT as usize {
         t[n] = 65536 / (n as u32 + 2);
@@ -56,12 +57,13 @@ impl Default for Bit {
 }
 
 impl Bit {
-    #[inline]
+    #[inline(always)]
     fn update(&mut self, bit: bool) {
         // Branch-free: the coded bits are close to unpredictable for the CPU.
         let target = i64::from(!bit) * ((1i64 << 32) - 1);
         let p = i64::from(self.p0);
-        let step = ((target - p) * i64::from(RECIP[self.n as usize])) >> 16;
+        // `n ≤ RATE_LIMIT < 1024`: the mask only drops the bounds check.
+        let step = ((target - p) * i64::from(RECIP[self.n as usize & 1023])) >> 16;
         self.p0 = (p + step).clamp(i64::from(P_MIN), (1i64 << 32) - i64::from(P_MIN)) as u32;
         self.n += u32::from(self.n < RATE_LIMIT);
     }
@@ -91,30 +93,32 @@ impl RangeEncoder {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     fn shift_low(&mut self) {
         if (self.low as u32) < 0xFF00_0000 || (self.low >> 32) != 0 {
-            let carry = (self.low >> 32) as u8;
-            let mut temp = self.cache;
-            loop {
-                if self.skip_first {
-                    self.skip_first = false;
-                } else {
-                    self.out.push(temp.wrapping_add(carry));
-                }
-                temp = 0xFF;
-                self.cache_size -= 1;
-                if self.cache_size == 0 {
-                    break;
-                }
-            }
-            self.cache = (self.low >> 24) as u8;
+            self.flush_cache();
         }
         self.cache_size += 1;
         self.low = (self.low & 0x00FF_FFFF) << 8;
     }
 
+    /// Emits the cached byte (plus the carry) and the run of `0xFF` bytes after it.
     #[inline]
+    fn flush_cache(&mut self) {
+        let carry = (self.low >> 32) as u8;
+        if self.skip_first {
+            self.skip_first = false;
+        } else {
+            self.out.push(self.cache.wrapping_add(carry));
+        }
+        for _ in 1..self.cache_size {
+            self.out.push(0xFFu8.wrapping_add(carry));
+        }
+        self.cache_size = 0;
+        self.cache = (self.low >> 24) as u8;
+    }
+
+    #[inline(always)]
     fn code(&mut self, p0: u32, bit: bool) {
         let bound = ((u64::from(self.range) * u64::from(p0)) >> 32) as u32;
         // Branch-free select between the two sub-ranges.
@@ -128,7 +132,7 @@ impl RangeEncoder {
     }
 
     /// Codes `bit` with the adaptive context `ctx`, then adapts it.
-    #[inline]
+    #[inline(always)]
     pub fn bit(&mut self, ctx: &mut Bit, bit: bool) {
         self.code(ctx.p0, bit);
         ctx.update(bit);
@@ -168,7 +172,6 @@ pub struct RangeDecoder<'a> {
     pos: usize,
     range: u32,
     code: u32,
-    overrun: usize,
 }
 
 impl<'a> RangeDecoder<'a> {
@@ -178,50 +181,56 @@ impl<'a> RangeDecoder<'a> {
             pos: 0,
             range: u32::MAX,
             code: 0,
-            overrun: 0,
         };
         for _ in 0..4 {
-            d.code = (d.code << 8) | u32::from(d.next_byte());
+            d.code = (d.code << 8) | u32::from(d.byte_at(d.pos));
+            d.pos += 1;
         }
         d
     }
 
-    #[inline]
-    fn next_byte(&mut self) -> u8 {
-        match self.buf.get(self.pos) {
-            Some(&b) => {
-                self.pos += 1;
-                b
-            }
-            None => {
-                self.overrun += 1;
-                0
-            }
-        }
+    /// The input byte at `i`, or zero past the end (counted by `pos` running past it).
+    #[inline(always)]
+    fn byte_at(&self, i: usize) -> u8 {
+        self.buf.get(i).copied().unwrap_or(0)
     }
 
     /// Whether the input ran out (reads past the end yield zeros until [`finish`](Self::finish)).
     #[inline]
     pub fn overran(&self) -> bool {
-        self.overrun > 0
+        self.pos > self.buf.len()
     }
 
-    #[inline]
+    /// Brings the range back to at least 2²⁴. After a decision or a direct chunk it is at
+    /// least 2⁸ (neither sub-range is below 2⁻¹⁶ of the range), so this takes at most two
+    /// bytes; it takes them without a branch, which the CPU could not predict.
+    #[inline(always)]
+    fn normalize(&mut self) {
+        let n = u32::from(self.range < TOP) + u32::from(self.range < 1 << 16);
+        let two = match self.buf.get(self.pos..self.pos + 2) {
+            Some(&[a, b]) => u32::from(u16::from_be_bytes([a, b])),
+            _ => (u32::from(self.byte_at(self.pos)) << 8) | u32::from(self.byte_at(self.pos + 1)),
+        };
+        let shift = 8 * n;
+        self.range = self.range.wrapping_shl(shift);
+        // Shifting by 0, 8 or 16; the input bytes come in at the bottom.
+        self.code = self.code.wrapping_shl(shift) | (two >> (16 - shift));
+        self.pos += n as usize;
+    }
+
+    #[inline(always)]
     fn decode(&mut self, p0: u32) -> bool {
         let bound = ((u64::from(self.range) * u64::from(p0)) >> 32) as u32;
         let bit = self.code >= bound;
         let m = 0u32.wrapping_sub(u32::from(bit));
         self.code -= bound & m;
         self.range = (bound & !m) | ((self.range - bound) & m);
-        while self.range < TOP {
-            self.range <<= 8;
-            self.code = (self.code << 8) | u32::from(self.next_byte());
-        }
+        self.normalize();
         bit
     }
 
     /// Decodes one bit with the adaptive context `ctx`, then adapts it.
-    #[inline]
+    #[inline(always)]
     pub fn bit(&mut self, ctx: &mut Bit) -> bool {
         let b = self.decode(ctx.p0);
         ctx.update(b);
@@ -241,10 +250,7 @@ impl<'a> RangeDecoder<'a> {
             let c = (self.code / bound).min((1 << n) - 1);
             self.code -= c * bound;
             self.range = bound;
-            while self.range < TOP {
-                self.range <<= 8;
-                self.code = (self.code << 8) | u32::from(self.next_byte());
-            }
+            self.normalize();
             v = (v << n) | u64::from(c);
         }
         v
@@ -252,7 +258,7 @@ impl<'a> RangeDecoder<'a> {
 
     /// Checks that the stream was consumed exactly: no bytes missing, none left over.
     pub fn finish(self, what: &'static str) -> Result<(), DecodeError> {
-        if self.overrun > 0 {
+        if self.overran() {
             return Err(DecodeError::Truncated { what });
         }
         if self.pos != self.buf.len() {

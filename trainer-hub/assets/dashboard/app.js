@@ -288,6 +288,11 @@
     const v = num(st.version);
     setText('hub-version', v === null ? '—' : String(v));
     setText('checkpoint', num(st.checkpoint_bytes) === null ? '—' : fmtBytes(st.checkpoint_bytes));
+    // Which codec set the last version was encoded with, and why (hover: the estimates).
+    const codecs = obj(st.codecs);
+    setText('codecs', codecs.chosen ? str(codecs.chosen) + ' (' + str(codecs.policy) + ')' : (codecs.policy ? str(codecs.policy) : '—'));
+    const ce = $('codecs');
+    if (ce) ce.title = codecs.why ? str(codecs.why) : '';
     tickClock();
 
     const relays = objs(st.regions).flatMap((r) => objs(r.relays));

@@ -1,0 +1,355 @@
+//! The actor's weight pipeline: the [`Shell`] through which the receiving core
+//! ([`starling_transport::follow`], run by [`starling_transport::drive`]) acts on the weights,
+//! the store and the engine. Every decision — which source, what to fetch again, when a
+//! version may be staged or activated, which source to drop — is the core's; this file only
+//! does what it says and tells it how that went.
+//!
+//! - **Staging**: a version is begun as a [`Stager`] on the active weights (the core begins a
+//!   version only once its base is active), and each frame is decoded and checked into it as
+//!   it arrives, off the runtime's workers (`block_in_place`). The wire bytes are kept for the
+//!   journal.
+//! - **Activation**: seal (signature, every segment, base version and digest, post digest) and
+//!   commit — a bare overwrite after every check, with an undo log — then journal the delta in
+//!   the [`Store`] (durable before it is reported), load the engine at the job boundary, print
+//!   `active VERSION DIGEST` and report `Active` upstream.
+//! - **Anchors**: received next to the store while hashed (on a writer thread), checked
+//!   against the hub's seal, this model and this version, then renamed into place.
+//!
+//! Prints `upstream ROLE NAME` on each subscription, `staged VERSION` when every frame of a
+//! version is here, `restored anchor VERSION`, and `active VERSION DIGEST` after each
+//! activation (`resume` and `refetch` lines come from [`starling_transport::drive`]).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use starling_checkpoint::deltafile::Model;
+use starling_checkpoint::safetensors::Checkpoint;
+use starling_proto::anchor::AnchorSeal;
+use starling_proto::apply::{Stager, UndoLog, VersionedWeights, full_digest};
+use starling_proto::manifest::TrustPolicy;
+use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_telemetry::Metrics;
+use starling_transport::drive::Shell;
+use starling_transport::endpoint::EndpointError;
+use starling_transport::follow::Notice;
+use starling_transport::framed::{DataStreamReader, StreamFrame};
+use starling_transport::upstream::{Feed, SourceAddr, UpstreamError};
+use tokio::sync::watch;
+
+use crate::engine::Engine;
+use crate::status::ActorStatus;
+use crate::store::{Layout, Store};
+use crate::worker::PipelineStatus;
+
+/// A version being staged: its stager and its frames' wire bytes (for the journal).
+struct Staging {
+    stager: Stager,
+    raw: Vec<Vec<u8>>,
+}
+
+/// The weight pipeline: the active weights, the store and the engine.
+pub(crate) struct Pipeline<'a> {
+    pub(crate) cfg: &'a crate::ActorConfig,
+    pub(crate) name: &'a str,
+    pub(crate) trust: &'a TrustPolicy,
+    pub(crate) layout: Layout,
+    pub(crate) store: Store,
+    pub(crate) state: VersionedWeights<Model>,
+    pub(crate) metrics: &'a Metrics,
+    pub(crate) engine: Option<Arc<dyn Engine>>,
+    pub(crate) status: watch::Sender<PipelineStatus>,
+    pub(crate) shown: &'a ActorStatus,
+    pub(crate) quarantine: Duration,
+    staging: BTreeMap<u64, Staging>,
+}
+
+impl Shell for Pipeline<'_> {
+    type Error = anyhow::Error;
+    type Done = std::convert::Infallible;
+
+    /// Who the actor is and what it holds.
+    fn hello(&self) -> Message {
+        Message::Hello {
+            protocol: PROTOCOL_VERSION,
+            role: MsgRole::Actor,
+            name: self.name.to_owned(),
+            region: self.cfg.region.clone(),
+            model_id: self.cfg.model_id.clone(),
+            active: Some((self.state.version(), self.state.digest().to_bytes())),
+            link: Some(self.cfg.link.stated()),
+        }
+    }
+
+    /// A stager on the active weights (the core begins a version only on its base).
+    fn begin(&mut self, version: u64, _base: u64, _delta_id: [u8; 32]) -> bool {
+        let stager = self.state.stager();
+        self.staging.insert(
+            version,
+            Staging {
+                stager,
+                raw: Vec::new(),
+            },
+        );
+        true
+    }
+
+    /// Stages a frame against the untouched active weights (CPU work: off the runtime's
+    /// workers).
+    fn stage(&mut self, version: u64, frame: StreamFrame) -> bool {
+        let Some(s) = self.staging.get_mut(&version) else {
+            return true;
+        };
+        let weights = self.state.weights();
+        let staged =
+            tokio::task::block_in_place(|| s.stager.stage_frame(frame.as_frame(), weights));
+        s.raw.push(frame.bytes);
+        if let Err(e) = staged {
+            let e = starling_telemetry::error_chain(&e);
+            tracing::warn!(version, "staging failed ({e}); fetching it again");
+            self.staging.remove(&version);
+            return false;
+        }
+        true
+    }
+
+    fn discard(&mut self, version: u64) {
+        self.staging.remove(&version);
+    }
+
+    /// Seals and commits `version` (the weights are untouched unless every check passed),
+    /// journals it, loads it into the engine and reports it. A version that does not verify
+    /// is refused (`Some(false)`); a store or engine that fails stops the actor.
+    async fn activate(
+        &mut self,
+        feed: &mut Feed,
+        version: u64,
+        started: Instant,
+    ) -> Result<Option<bool>> {
+        let Some(s) = self.staging.remove(&version) else {
+            return Ok(Some(false));
+        };
+        let (trust, state) = (self.trust, &mut self.state);
+        let committed = tokio::task::block_in_place(|| -> Result<_> {
+            let sealed = s.stager.seal(trust)?;
+            let t = Instant::now();
+            let written = state.commit(sealed)?;
+            Ok((t.elapsed(), written))
+        });
+        let (apply, written) = match committed {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(version, "version refused: {e:#}");
+                return Ok(Some(false));
+            }
+        };
+        self.metrics.observe_transfer(started.elapsed());
+        self.metrics.observe_apply(apply);
+        self.metrics.set_active(version);
+        let frames: Vec<&[u8]> = s.raw.iter().map(Vec::as_slice).collect();
+        tokio::task::block_in_place(|| self.store.record(version, &frames, &self.state))?;
+        self.load_engine(Some(&written))?;
+        println!("active {} {}", self.state.version(), self.state.digest());
+        let digest = self.state.digest().to_bytes();
+        feed.send_current(&Message::Active { version, digest })
+            .await;
+        Ok(Some(true))
+    }
+
+    async fn background(&mut self) -> Self::Done {
+        std::future::pending().await
+    }
+
+    async fn finish(&mut self, _feed: &mut Feed, done: Self::Done) -> (u64, bool) {
+        match done {}
+    }
+
+    async fn restore(&mut self, seal: AnchorSeal, stream: DataStreamReader) -> bool {
+        let version = seal.version;
+        match self.restore_anchor(seal, stream).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(version, "anchor refused: {e:#}");
+                false
+            }
+        }
+    }
+
+    fn tick_every(&self) -> Option<Duration> {
+        self.engine.as_ref().map(|_| ENGINE_HEALTH)
+    }
+
+    /// Loads the active version into an engine that lost it (its server died and was
+    /// restarted); until that succeeds the engine's fingerprint does not match and the worker
+    /// takes no work. A failure is retried at the next check.
+    async fn tick(&mut self, _feed: &mut Feed) {
+        // Blocking: a vLLM engine may ask its server to digest the model (`--vllm-verify-every`;
+        // the check spaces itself at least 20× its own last duration).
+        let lost = self
+            .engine
+            .as_ref()
+            .is_some_and(|e| tokio::task::block_in_place(|| e.needs_reload()));
+        if !lost {
+            return;
+        }
+        let version = self.state.version();
+        tracing::warn!(
+            version,
+            "the engine lost its weights; loading the active version into it again"
+        );
+        if let Err(e) = self.load_engine(None) {
+            tracing::error!("reloading the engine failed (retrying): {e:#}");
+        }
+    }
+
+    fn subscribed(&mut self, source: &SourceAddr, _after: u64) {
+        println!("upstream {} {}", source.role.as_str(), source.name);
+        self.shown.source(&source.name, source.role.as_str(), true);
+    }
+
+    fn left(&mut self, source: &SourceAddr) {
+        self.shown.source(&source.name, source.role.as_str(), false);
+    }
+
+    fn not_reached(&mut self, error: UpstreamError) -> Result<()> {
+        if let UpstreamError::Endpoint(EndpointError::ForeignCluster { .. }) = error {
+            return Err(error).context("subscribe");
+        }
+        tracing::warn!(
+            "source not reached: {}",
+            starling_telemetry::error_chain(&error)
+        );
+        Ok(())
+    }
+
+    fn notice(&mut self, n: Notice, source: Option<&SourceAddr>) -> Result<()> {
+        let name = source.map_or("", |s| s.name.as_str());
+        match n {
+            Notice::Received { version } => {
+                println!("staged {version}");
+                self.metrics.staged();
+                self.status.send_modify(|s| s.staged = Some(version));
+            }
+            Notice::SourceDropped { why, .. } => {
+                let quarantine = self.quarantine;
+                tracing::error!(
+                    source = name,
+                    "dropping this source for {quarantine:?}: {why}"
+                );
+                self.metrics.source_dropped(name);
+            }
+            Notice::Returning { .. } => {
+                tracing::info!(
+                    from = name,
+                    "the preferred source answers again; returning to it"
+                )
+            }
+            Notice::NothingToOffer { after, .. } => tracing::warn!(
+                source = name,
+                after,
+                "neither the next delta nor a newer anchor here; trying the next source"
+            ),
+        }
+        Ok(())
+    }
+}
+
+impl<'a> Pipeline<'a> {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        cfg: &'a crate::ActorConfig,
+        name: &'a str,
+        trust: &'a TrustPolicy,
+        loaded: crate::store::Loaded,
+        metrics: &'a Metrics,
+        engine: Option<Arc<dyn Engine>>,
+        status: watch::Sender<PipelineStatus>,
+        shown: &'a ActorStatus,
+        quarantine: Duration,
+    ) -> Self {
+        let (layout, store, state) = (loaded.layout, loaded.store, loaded.state);
+        let staging = BTreeMap::new();
+        Self {
+            cfg,
+            name,
+            trust,
+            layout,
+            store,
+            state,
+            metrics,
+            engine,
+            status,
+            shown,
+            quarantine,
+            staging,
+        }
+    }
+
+    /// Restores an anchor: received next to the store while hashed (on a writer thread),
+    /// checked against size, hash and the hub's seal, this model's layout and the sealed
+    /// version; only then does it replace the active weights (renamed into place).
+    async fn restore_anchor(
+        &mut self,
+        seal: AnchorSeal,
+        mut stream: DataStreamReader,
+    ) -> Result<()> {
+        let (model_id, store_dir) = (self.cfg.model_id.as_str(), &self.cfg.store);
+        seal.verify(model_id, self.trust).context("anchor seal")?;
+        if seal.version <= self.state.version() {
+            bail!(
+                "anchor {} is not newer than active {}",
+                seal.version,
+                self.state.version()
+            );
+        }
+        std::fs::create_dir_all(store_dir).context("create store")?;
+        let partial = store_dir.join("anchor.partial");
+        starling_transport::anchor_file::receive(&seal, &mut stream, &partial).await?;
+        let layout = &self.layout;
+        let (weights, digest) = tokio::task::block_in_place(|| -> Result<_> {
+            let c = Checkpoint::open(&partial).context("open anchor")?;
+            if c.version() != Some(seal.version) {
+                bail!("anchor file says version {:?}", c.version());
+            }
+            let found: Layout = c
+                .tensors()
+                .iter()
+                .map(|t| (t.name.clone(), t.shape.clone()))
+                .collect();
+            if &found != layout {
+                bail!("anchor is not this model (tensor layout differs)");
+            }
+            let weights = c.read_all()?;
+            let names: Vec<String> = weights.keys().cloned().collect();
+            let digest = full_digest(model_id, &weights, &names);
+            Ok((weights, digest))
+        })?;
+        tokio::task::block_in_place(|| self.store.install_snapshot(&partial, seal.version))?;
+        self.state = VersionedWeights::new(model_id, weights, seal.version, digest);
+        self.staging.clear();
+        self.metrics.set_active(seal.version);
+        self.load_engine(None)?;
+        println!("restored anchor {}", seal.version);
+        println!("active {} {}", self.state.version(), self.state.digest());
+        Ok(())
+    }
+
+    /// Loads the active version into the engine (at the job boundary: a generation call in
+    /// flight keeps the version it started with) and tells the worker.
+    pub(crate) fn load_engine(&mut self, change: Option<&UndoLog>) -> Result<()> {
+        let (version, digest) = (self.state.version(), self.state.digest().to_bytes());
+        if let Some(engine) = &self.engine {
+            let weights = self.state.weights();
+            tokio::task::block_in_place(|| engine.load(weights, version, digest, change))?;
+        }
+        self.status.send_modify(|s| {
+            s.active = Some((version, digest));
+            s.staged = s.staged.filter(|&v| v > version);
+        });
+        Ok(())
+    }
+}
+
+/// How often the actor asks its engine whether it lost its weights (a dead vLLM server).
+const ENGINE_HEALTH: Duration = Duration::from_secs(1);

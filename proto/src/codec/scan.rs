@@ -1,0 +1,858 @@
+//! Vectorized scans of a part's base values for the exponent-class mask codec
+//! ([`IndexCodec::ExpClassGapsRc`](super::IndexCodec::ExpClassGapsRc)).
+//!
+//! That codec counts positions within each element's exponent class, so both sides look at
+//! the class of every base value of a part's range: the encoder needs, for each change, how
+//! many elements of the change's class precede it (its *rank* in the class, from which the
+//! class-local gaps follow), and the decoder counts each class down to its next change.
+//! Element by element that is a class lookup and a dependent counter update, about a
+//! nanosecond per element: more than the compare loop that finds the changes.
+//!
+//! Here the work per unchanged element is a handful of vector instructions. 32 base values
+//! are classified at once (shift, saturating subtract, minimum, pack: AVX2 through `pulp`'s
+//! checked dispatch, no `unsafe`). The classes of a *window* of [`TRACKED`] consecutive
+//! classes, chosen per part where most of its base values lie and moved when they drift, are
+//! counted in vector registers: the encoder subtracts each window class's lane mask from a
+//! byte accumulator (two instructions per class per 32 elements) and folds the accumulators
+//! into exact counts only where a change needs one; the decoder takes each window class's
+//! lane mask and its population count, which is all it needs until a class's count reaches
+//! its next change. Elements outside the window are counted one by one; in weights they are
+//! the rare very small magnitudes and exact zeros. The diff of the encoder's two ranges is
+//! done in the same pass, so each byte of both checkpoints is read once.
+//!
+//! Every result is an exact integer: the vector paths and the scalar reference (used where
+//! AVX2 is missing) agree bit for bit, which the tests check on adversarial bases.
+
+use super::rc::{EXP_CLASSES, EXP_LO};
+
+/// Classes counted in vector registers at once.
+pub(crate) const TRACKED: usize = 12;
+/// Elements per vector step.
+const LANES: usize = 32;
+/// Vector steps between re-choosing the window (when too many elements fell outside it).
+const RECENTER_STEPS: usize = 1024;
+/// Elements per block of the countdown.
+const BLOCK: usize = 64;
+/// Countdown blocks between re-choosing the window.
+const RECENTER_BLOCKS: usize = RECENTER_STEPS / 2;
+
+/// The exponent class of a base value (`docs/format.md`), by arithmetic.
+#[inline]
+pub(crate) fn class_of(bits: u16) -> u8 {
+    let e = (bits >> 7) & 0xFF;
+    (e.clamp(EXP_LO, EXP_LO + EXP_CLASSES as u16 - 1) - EXP_LO) as u8
+}
+
+/// The first class of the window of [`TRACKED`] consecutive classes that holds most of `hist`
+/// (the lowest such window on a tie).
+fn best_window(hist: &[u32; EXP_CLASSES]) -> usize {
+    let mut best = (0u64, 0usize);
+    for lo in 0..=EXP_CLASSES - TRACKED {
+        let s: u64 = hist[lo..lo + TRACKED].iter().map(|&h| u64::from(h)).sum();
+        if s > best.0 {
+            best = (s, lo);
+        }
+    }
+    best.1
+}
+
+/// The window for a stretch of a range, from the classes of every 8th element.
+fn stretch_window(stretch: &[u16]) -> usize {
+    let mut hist = [0u32; EXP_CLASSES];
+    for &b in stretch.iter().step_by(8) {
+        hist[usize::from(class_of(b))] += 1;
+    }
+    best_window(&hist)
+}
+
+/// The window for a range, from the classes of its first elements.
+fn initial_window(base: &[u16]) -> usize {
+    let mut hist = [0u32; EXP_CLASSES];
+    for &b in base.iter().take(4096) {
+        hist[usize::from(class_of(b))] += 1;
+    }
+    best_window(&hist)
+}
+
+/// What a ranking scan appends to: the changes (positions relative to the range start,
+/// their old and new bits when the scan diffs) and each change's rank in its class.
+#[derive(Debug)]
+pub(crate) struct RankOut<'a> {
+    pub positions: &'a mut Vec<u64>,
+    pub old: &'a mut Vec<u16>,
+    pub new: &'a mut Vec<u16>,
+    pub ranks: &'a mut Vec<u32>,
+}
+
+/// The changes of `old` → `new` (appended to `out`, with their ranks) and the number of
+/// elements of each class in `old`.
+///
+/// # Panics
+/// If the ranges differ in length or hold 2³² elements or more (callers' bugs).
+pub(crate) fn diff_ranked(old: &[u16], new: &[u16], out: &mut RankOut<'_>) -> [u32; EXP_CLASSES] {
+    assert_eq!(old.len(), new.len(), "ranked diff needs equal lengths");
+    assert!(
+        u32::try_from(old.len()).is_ok(),
+        "a part holds fewer than 2^32 elements"
+    );
+    rank(old, Changes::Diff(new), out)
+}
+
+/// The rank of each change at `positions` (strictly increasing, below `base.len()`) in its
+/// class (appended to `ranks`), and the number of elements of each class in `base`.
+///
+/// # Panics
+/// If the range holds 2³² elements or more, or positions are out of order or range.
+pub(crate) fn ranks_at(
+    base: &[u16],
+    positions: &[u64],
+    ranks: &mut Vec<u32>,
+) -> [u32; EXP_CLASSES] {
+    assert!(
+        u32::try_from(base.len()).is_ok(),
+        "a part holds fewer than 2^32 elements"
+    );
+    assert!(
+        positions.windows(2).all(|w| w[0] < w[1])
+            && positions.last().is_none_or(|&p| p < base.len() as u64),
+        "positions must be increasing and within the range"
+    );
+    let (mut p, mut o, mut n) = (Vec::new(), Vec::new(), Vec::new());
+    let mut out = RankOut {
+        positions: &mut p,
+        old: &mut o,
+        new: &mut n,
+        ranks,
+    };
+    rank(base, Changes::At(positions), &mut out)
+}
+
+/// Where the changes of a ranking scan come from.
+#[derive(Debug, Clone, Copy)]
+enum Changes<'a> {
+    /// Compare with the new range (and record positions, old and new bits).
+    Diff(&'a [u16]),
+    /// These positions (only ranks are recorded).
+    At(&'a [u64]),
+}
+
+fn rank(base: &[u16], changes: Changes<'_>, out: &mut RankOut<'_>) -> [u32; EXP_CLASSES] {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = pulp::x86::V3::try_new() {
+        return simd.vectorize(
+            #[inline(always)]
+            || v3::rank(simd, base, changes, out),
+        );
+    }
+    rank_scalar(base, changes, out, [0; EXP_CLASSES])
+}
+
+/// The reference ranking scan, one element at a time, continuing from counts `cnt`.
+fn rank_scalar(
+    base: &[u16],
+    changes: Changes<'_>,
+    out: &mut RankOut<'_>,
+    mut cnt: [u32; EXP_CLASSES],
+) -> [u32; EXP_CLASSES] {
+    // Positions are relative to the range; a continuation passes the offset already scanned
+    // through `cnt`'s sum.
+    let offset: u64 = cnt.iter().map(|&c| u64::from(c)).sum();
+    let mut at = match changes {
+        Changes::At(p) => p.iter().position(|&q| q >= offset).unwrap_or(p.len()),
+        Changes::Diff(_) => 0,
+    };
+    for (i, &o) in base.iter().enumerate().skip(offset as usize) {
+        let c = usize::from(class_of(o));
+        let changed = match changes {
+            Changes::Diff(new) => {
+                let n = new[i];
+                if n != o {
+                    out.positions.push(i as u64);
+                    out.old.push(o);
+                    out.new.push(n);
+                    true
+                } else {
+                    false
+                }
+            }
+            Changes::At(p) => {
+                if p.get(at) == Some(&(i as u64)) {
+                    at += 1;
+                    true
+                } else {
+                    false
+                }
+            }
+        };
+        if changed {
+            out.ranks.push(cnt[c]);
+        }
+        cnt[c] += 1;
+    }
+    cnt
+}
+
+/// Counts every class of `base` down from `rem`: for an element of class `c`, if `rem[c]` is
+/// zero it is a change, `change(position, c)` is called and returns the class's next gap
+/// (the new `rem[c]`); otherwise `rem[c]` is decremented. Changes are reported in position
+/// order; an error from `change` stops the scan.
+pub(crate) fn countdown<E>(
+    base: &[u16],
+    rem: &mut [u32; EXP_CLASSES],
+    change: &mut impl FnMut(u64, usize) -> Result<u32, E>,
+) -> Result<(), E> {
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = pulp::x86::V3::try_new() {
+        return simd.vectorize(
+            #[inline(always)]
+            || v3::countdown(simd, base, rem, change),
+        );
+    }
+    countdown_scalar(base, 0, rem, change)
+}
+
+/// The reference countdown, one element at a time; `start` is the position of `base[0]`.
+#[inline(always)]
+fn countdown_scalar<E>(
+    base: &[u16],
+    start: u64,
+    rem: &mut [u32; EXP_CLASSES],
+    change: &mut impl FnMut(u64, usize) -> Result<u32, E>,
+) -> Result<(), E> {
+    for (i, &b) in base.iter().enumerate() {
+        let c = usize::from(class_of(b));
+        let r = rem[c];
+        if r != 0 {
+            rem[c] = r - 1;
+        } else {
+            rem[c] = change(start + i as u64, c)?;
+        }
+    }
+    Ok(())
+}
+
+/// Position of the `r`-th (from 0) set bit of `m`, which has more than `r` set bits.
+#[inline(always)]
+fn select64(mut m: u64, r: u32) -> u32 {
+    for _ in 0..r {
+        m &= m - 1;
+    }
+    m.trailing_zeros()
+}
+
+/// Bits of a 64-lane mask strictly above lane `p` (`p < 64`).
+#[inline(always)]
+fn above64(p: u32) -> u64 {
+    u64::MAX.checked_shl(p + 1).unwrap_or(0)
+}
+
+#[cfg(target_arch = "x86_64")]
+mod v3 {
+    //! The AVX2 versions. Every intrinsic is called through `pulp`'s `V3` token, whose
+    //! existence proves the CPU has the features, inside `V3::vectorize`, which compiles
+    //! the caller for them.
+
+    use core::arch::x86_64::__m256i;
+
+    use pulp::x86::V3;
+
+    use super::{
+        BLOCK, Changes, EXP_CLASSES, LANES, RECENTER_BLOCKS, RECENTER_STEPS, RankOut, TRACKED,
+        above64, countdown_scalar, initial_window, rank_scalar, select64, stretch_window,
+    };
+
+    #[inline(always)]
+    fn load(w: &[u16; 16]) -> __m256i {
+        pulp::cast(*w)
+    }
+
+    /// The two 16-element halves of a step.
+    #[inline(always)]
+    fn halves(step: &[u16]) -> (&[u16; 16], &[u16; 16]) {
+        let (a, b) = pulp::as_arrays::<16, u16>(step).0.split_at(1);
+        (&a[0], &b[0])
+    }
+
+    /// The classes of 32 base values (`a`: elements 0–15, `b`: 16–31), one byte each, in
+    /// element order.
+    #[inline(always)]
+    fn classes(simd: V3, a: __m256i, b: __m256i) -> __m256i {
+        let x = simd.avx2;
+        let class16 = |w: __m256i| {
+            // (w << 1) >> 8 drops the sign: the exponent field, 0..=255.
+            let e = x._mm256_srli_epi16::<8>(x._mm256_slli_epi16::<1>(w));
+            let lo = simd.avx._mm256_set1_epi16(super::EXP_LO as i16);
+            let top = simd.avx._mm256_set1_epi16(EXP_CLASSES as i16 - 1);
+            x._mm256_min_epu16(x._mm256_subs_epu16(e, lo), top)
+        };
+        // packus interleaves the 128-bit halves: (a0-7, b0-7, a8-15, b8-15) → reorder.
+        let packed = x._mm256_packus_epi16(class16(a), class16(b));
+        x._mm256_permute4x64_epi64::<0b11_01_10_00>(packed)
+    }
+
+    /// Lanes of 32 elements whose old and new bits differ, as a bit mask.
+    #[inline(always)]
+    fn differ(simd: V3, oa: __m256i, ob: __m256i, na: __m256i, nb: __m256i) -> u32 {
+        let x = simd.avx2;
+        let eq = x._mm256_packs_epi16(x._mm256_cmpeq_epi16(oa, na), x._mm256_cmpeq_epi16(ob, nb));
+        let eq = x._mm256_permute4x64_epi64::<0b11_01_10_00>(eq);
+        !(x._mm256_movemask_epi8(eq) as u32)
+    }
+
+    /// Lanes of `v` equal to `c`, as a bit mask.
+    #[inline(always)]
+    fn lanes_eq(simd: V3, v: __m256i, c: __m256i) -> u32 {
+        simd.avx2
+            ._mm256_movemask_epi8(simd.avx2._mm256_cmpeq_epi8(v, c)) as u32
+    }
+
+    /// Lanes of `v` outside the window `[lo, lo + TRACKED)`, as a bit mask.
+    #[inline(always)]
+    fn outside(simd: V3, v: __m256i, lo: __m256i, k: __m256i) -> u32 {
+        let x = simd.avx2;
+        // v − lo wraps for v < lo, so "≥ TRACKED" covers both sides.
+        let rel = x._mm256_sub_epi8(v, lo);
+        x._mm256_movemask_epi8(x._mm256_cmpeq_epi8(x._mm256_max_epu8(rel, k), rel)) as u32
+    }
+
+    #[inline(always)]
+    fn splat8(simd: V3, b: usize) -> __m256i {
+        simd.avx._mm256_set1_epi8(b as i8)
+    }
+
+    /// Sum of the four u64 lanes.
+    #[inline(always)]
+    fn hsum64(v: __m256i) -> u64 {
+        let l: [u64; 4] = pulp::cast(v);
+        l[0] + l[1] + l[2] + l[3]
+    }
+
+    /// Counts of the window's classes: byte accumulators (one per class, one lane per
+    /// element position, at most 255 steps between folds) folded into u64 lane sums.
+    struct Window {
+        lo: usize,
+        acc: [__m256i; TRACKED],
+        sums: [__m256i; TRACKED],
+        cls: [__m256i; TRACKED],
+        lo_v: __m256i,
+        k_v: __m256i,
+        /// Steps accumulated since the last fold.
+        pending: usize,
+    }
+
+    impl Window {
+        #[inline(always)]
+        fn new(simd: V3, lo: usize) -> Self {
+            let zero = simd.avx._mm256_setzero_si256();
+            Self {
+                lo,
+                acc: [zero; TRACKED],
+                sums: [zero; TRACKED],
+                cls: core::array::from_fn(|t| splat8(simd, lo + t)),
+                lo_v: splat8(simd, lo),
+                k_v: splat8(simd, TRACKED),
+                pending: 0,
+            }
+        }
+
+        #[inline(always)]
+        fn add(&mut self, simd: V3, v: __m256i) {
+            let x = simd.avx2;
+            for t in 0..TRACKED {
+                self.acc[t] = x._mm256_sub_epi8(self.acc[t], x._mm256_cmpeq_epi8(v, self.cls[t]));
+            }
+            self.pending += 1;
+        }
+
+        #[inline(always)]
+        fn fold(&mut self, simd: V3) {
+            let x = simd.avx2;
+            let zero = simd.avx._mm256_setzero_si256();
+            for t in 0..TRACKED {
+                self.sums[t] =
+                    x._mm256_add_epi64(self.sums[t], x._mm256_sad_epu8(self.acc[t], zero));
+                self.acc[t] = zero;
+            }
+            self.pending = 0;
+        }
+
+        /// Moves every folded count into `cnt` (after a `fold`).
+        #[inline(always)]
+        fn drain(&mut self, simd: V3, cnt: &mut [u32; EXP_CLASSES]) {
+            let zero = simd.avx._mm256_setzero_si256();
+            for t in 0..TRACKED {
+                cnt[self.lo + t] += hsum64(self.sums[t]) as u32;
+                self.sums[t] = zero;
+            }
+        }
+
+        /// The folded count of class `c` (zero outside the window).
+        #[inline(always)]
+        fn folded(&self, c: usize) -> u32 {
+            match c.checked_sub(self.lo) {
+                Some(t) if t < TRACKED => hsum64(self.sums[t]) as u32,
+                _ => 0,
+            }
+        }
+    }
+
+    // `inline(always)` everywhere below: the intrinsics inline only into code compiled for
+    // AVX2, which is the body of `V3::vectorize`'s closure and what is inlined into it.
+    #[inline(always)]
+    pub(super) fn rank(
+        simd: V3,
+        base: &[u16],
+        changes: Changes<'_>,
+        out: &mut RankOut<'_>,
+    ) -> [u32; EXP_CLASSES] {
+        let (steps, _) = pulp::as_arrays::<LANES, u16>(base);
+        // Exact counts of every class up to the last drain (outside-window classes are
+        // counted here directly); the window holds the rest.
+        let mut cnt = [0u32; EXP_CLASSES];
+        let mut w = Window::new(simd, initial_window(base));
+        let mut outside_n = 0usize;
+        let mut at = 0usize;
+        let mut bytes = [0u8; LANES];
+        for (s, step) in steps.iter().enumerate() {
+            let i = s * LANES;
+            let (a, b) = halves(step);
+            let (oa, ob) = (load(a), load(b));
+            let v = classes(simd, oa, ob);
+            let changed = match changes {
+                Changes::Diff(new) => {
+                    let (na, nb) = halves(&new[i..i + LANES]);
+                    differ(simd, oa, ob, load(na), load(nb))
+                }
+                Changes::At(p) => {
+                    let mut m = 0u32;
+                    while let Some(&q) = p.get(at) {
+                        let d = q.wrapping_sub(i as u64);
+                        if d >= LANES as u64 {
+                            break;
+                        }
+                        m |= 1 << d;
+                        at += 1;
+                    }
+                    m
+                }
+            };
+            let off = outside(simd, v, w.lo_v, w.k_v);
+            if changed | off != 0 {
+                bytes = pulp::cast(v);
+            }
+            if changed != 0 {
+                // Ranks need exact counts at this step's start: fold the accumulators.
+                w.fold(simd);
+                let mut m = changed;
+                while m != 0 {
+                    let j = m.trailing_zeros();
+                    m &= m - 1;
+                    let c = usize::from(bytes[j as usize]);
+                    let before = lanes_eq(simd, v, splat8(simd, c)) & ((1u32 << j) - 1);
+                    out.ranks.push(cnt[c] + w.folded(c) + before.count_ones());
+                    if let Changes::Diff(new) = changes {
+                        let k = i + j as usize;
+                        out.positions.push(k as u64);
+                        out.old.push(base[k]);
+                        out.new.push(new[k]);
+                    }
+                }
+            }
+            w.add(simd, v);
+            if off != 0 {
+                outside_n += off.count_ones() as usize;
+                let mut m = off;
+                while m != 0 {
+                    let j = m.trailing_zeros();
+                    m &= m - 1;
+                    cnt[usize::from(bytes[j as usize])] += 1;
+                }
+            }
+            if w.pending == 255 {
+                w.fold(simd);
+            }
+            if (s + 1) % RECENTER_STEPS == 0 {
+                if outside_n * 32 > RECENTER_STEPS * LANES {
+                    // Too many elements fell outside: move the window where this stretch's
+                    // values lie (its folded counts go to `cnt` first).
+                    let lo = stretch_window(&base[(s + 1 - RECENTER_STEPS) * LANES..i + LANES]);
+                    if lo != w.lo {
+                        w.fold(simd);
+                        w.drain(simd, &mut cnt);
+                        w = Window::new(simd, lo);
+                    }
+                }
+                outside_n = 0;
+            }
+        }
+        w.fold(simd);
+        w.drain(simd, &mut cnt);
+        let tail = steps.len() * LANES;
+        if tail < base.len() {
+            // The last, partial step, one element at a time, continuing the counts.
+            return rank_scalar(base, changes, out, cnt);
+        }
+        let _ = tail;
+        cnt
+    }
+
+    #[inline(always)]
+    pub(super) fn countdown<E>(
+        simd: V3,
+        base: &[u16],
+        rem: &mut [u32; EXP_CLASSES],
+        change: &mut impl FnMut(u64, usize) -> Result<u32, E>,
+    ) -> Result<(), E> {
+        // Blocks of 64 elements: one population count and one comparison per window class
+        // per block decide that most classes reach no change in it.
+        let (blocks, _) = pulp::as_arrays::<BLOCK, u16>(base);
+        let mut lo = initial_window(base);
+        let mut cls: [__m256i; TRACKED] = core::array::from_fn(|t| splat8(simd, lo + t));
+        let (mut lo_v, k_v) = (splat8(simd, lo), splat8(simd, TRACKED));
+        // The window classes' counts, in a local array the loop can keep in registers.
+        let mut wrem: [u32; TRACKED] = core::array::from_fn(|t| rem[lo + t]);
+        let mut outside_n = 0usize;
+        for (s, block) in blocks.iter().enumerate() {
+            let i = s * BLOCK;
+            let (h0, h1) = block.split_at(LANES);
+            let (a, b) = halves(h0);
+            let v0 = classes(simd, load(a), load(b));
+            let (a, b) = halves(h1);
+            let v1 = classes(simd, load(a), load(b));
+            let off = u64::from(outside(simd, v0, lo_v, k_v))
+                | u64::from(outside(simd, v1, lo_v, k_v)) << 32;
+            let mut masks = [0u64; TRACKED];
+            let mut crossing = 0u32;
+            for t in 0..TRACKED {
+                let m = u64::from(lanes_eq(simd, v0, cls[t]))
+                    | u64::from(lanes_eq(simd, v1, cls[t])) << 32;
+                let n = m.count_ones();
+                let r = wrem[t];
+                // A branch, not a select: it is almost never taken at RL densities, and
+                // written branch-free the compiler turns this loop into slow vector code.
+                if n > r {
+                    // A crossing class keeps its count until its change is reached below.
+                    masks[t] = m;
+                    crossing |= 1 << t;
+                } else {
+                    wrem[t] = r - n;
+                }
+            }
+            if crossing as u64 | off == 0 {
+                continue;
+            }
+            // Events in position order: each crossing class's next change, and every element
+            // outside the window (counted down one by one).
+            outside_n += off.count_ones() as usize;
+            let mut events = off;
+            let mut c = crossing;
+            while c != 0 {
+                let t = c.trailing_zeros() as usize;
+                c &= c - 1;
+                events |= 1 << select64(masks[t], wrem[t]);
+            }
+            let bytes: [u8; BLOCK] = pulp::cast([v0, v1]);
+            while events != 0 {
+                let p = events.trailing_zeros();
+                events &= events - 1;
+                let class = usize::from(bytes[p as usize]);
+                let at = i as u64 + u64::from(p);
+                match class.checked_sub(lo) {
+                    Some(t) if t < TRACKED => {
+                        let g = change(at, class)?;
+                        let m = masks[t] & above64(p);
+                        masks[t] = m;
+                        let n = m.count_ones();
+                        if n > g {
+                            wrem[t] = g;
+                            events |= 1 << select64(m, g);
+                        } else {
+                            wrem[t] = g - n;
+                        }
+                    }
+                    _ => {
+                        let r = rem[class];
+                        rem[class] = if r != 0 { r - 1 } else { change(at, class)? };
+                    }
+                }
+            }
+            if (s + 1) % RECENTER_BLOCKS == 0 {
+                if outside_n * 32 > RECENTER_BLOCKS * BLOCK {
+                    let stretch = &base[(s + 1 - RECENTER_BLOCKS) * BLOCK..i + BLOCK];
+                    rem[lo..lo + TRACKED].copy_from_slice(&wrem);
+                    lo = stretch_window(stretch);
+                    wrem = core::array::from_fn(|t| rem[lo + t]);
+                    cls = core::array::from_fn(|t| splat8(simd, lo + t));
+                    lo_v = splat8(simd, lo);
+                }
+                outside_n = 0;
+            }
+        }
+        rem[lo..lo + TRACKED].copy_from_slice(&wrem);
+        let tail = blocks.len() * BLOCK;
+        countdown_scalar(&base[tail..], tail as u64, rem, change)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn ranks_reference(base: &[u16], positions: &[u64]) -> (Vec<u32>, [u32; EXP_CLASSES]) {
+        let mut cnt = [0u32; EXP_CLASSES];
+        let mut ranks = Vec::new();
+        let mut next = positions.iter().peekable();
+        for (i, &b) in base.iter().enumerate() {
+            let c = usize::from(class_of(b));
+            if next.next_if(|&&p| p == i as u64).is_some() {
+                ranks.push(cnt[c]);
+            }
+            cnt[c] += 1;
+        }
+        (ranks, cnt)
+    }
+
+    /// Bases that stress the window: weight-like values, every class, runs of one class,
+    /// values drifting across the classes (so the window must move), zeros and NaNs.
+    fn base_of(kind: u8, seed: u64, len: usize) -> Vec<u16> {
+        (0..len as u64)
+            .map(|i| {
+                let h = (i ^ seed.rotate_left(17)).wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 40;
+                match kind % 5 {
+                    0 => {
+                        let e = 110 + (h % 18) as u16;
+                        ((h >> 8) as u16 & 0x8000) | (e << 7) | ((h >> 16) as u16 & 0x7F)
+                    }
+                    1 => (h >> 3) as u16,
+                    2 => [0x3F80u16, 0x0000, 0x7FC0, 0x8000, 0x0001][(i / 97 % 5) as usize],
+                    3 => {
+                        // Exponent drifting from 96 to 140 across the range.
+                        let e = 96 + (i * 44 / len.max(1) as u64) as u16 + (h % 3) as u16;
+                        (e.min(255) << 7) | (h as u16 & 0x7F)
+                    }
+                    _ => (h as u16) & 0x80FF,
+                }
+            })
+            .collect()
+    }
+
+    fn check(base: &[u16], positions: &[u64]) {
+        let (want, want_totals) = ranks_reference(base, positions);
+        let mut ranks = Vec::new();
+        let totals = ranks_at(base, positions, &mut ranks);
+        assert_eq!(ranks, want);
+        assert_eq!(totals, want_totals);
+        // The same through the fused diff, with the changes made real.
+        let mut new = base.to_vec();
+        for &p in positions {
+            new[p as usize] ^= 0x0001;
+        }
+        let (mut pos, mut old, mut nw, mut rk) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let totals = diff_ranked(
+            base,
+            &new,
+            &mut RankOut {
+                positions: &mut pos,
+                old: &mut old,
+                new: &mut nw,
+                ranks: &mut rk,
+            },
+        );
+        assert_eq!(pos, positions);
+        assert_eq!(rk, want);
+        assert_eq!(totals, want_totals);
+        for (k, &p) in pos.iter().enumerate() {
+            assert_eq!(old[k], base[p as usize]);
+            assert_eq!(nw[k], new[p as usize]);
+        }
+        // The countdown finds exactly these positions from the gaps the ranks give.
+        let mut rem = [0u32; EXP_CLASSES];
+        let mut next_gaps: Vec<Vec<u32>> = vec![Vec::new(); EXP_CLASSES];
+        let mut last = [0u32; EXP_CLASSES];
+        for (&p, &r) in positions.iter().zip(&want) {
+            let c = usize::from(class_of(base[p as usize]));
+            next_gaps[c].push(r - last[c]);
+            last[c] = r + 1;
+        }
+        for c in 0..EXP_CLASSES {
+            next_gaps[c].push(want_totals[c] - last[c]);
+            next_gaps[c].reverse();
+            rem[c] = next_gaps[c].pop().expect("a first gap");
+        }
+        let gaps_then = next_gaps.clone();
+        let rem_then = rem;
+        let mut found = Vec::new();
+        countdown(base, &mut rem, &mut |p, c| {
+            found.push(p);
+            next_gaps[c].pop().ok_or(())
+        })
+        .expect("consistent gaps");
+        assert_eq!(found, positions);
+        assert!(rem.iter().all(|&r| r == 0));
+        // The scalar paths (what runs without AVX2) on their own.
+        let (mut rem, mut next_gaps) = (rem_then, gaps_then);
+        let mut found = Vec::new();
+        countdown_scalar(base, 0, &mut rem, &mut |p, c| {
+            found.push(p);
+            next_gaps[c].pop().ok_or(())
+        })
+        .expect("consistent gaps");
+        assert_eq!(found, positions);
+        let mut ranks = Vec::new();
+        let (mut p, mut o, mut n) = (Vec::new(), Vec::new(), Vec::new());
+        let mut out = RankOut {
+            positions: &mut p,
+            old: &mut o,
+            new: &mut n,
+            ranks: &mut ranks,
+        };
+        let totals = rank_scalar(base, Changes::Diff(&new), &mut out, [0; EXP_CLASSES]);
+        assert_eq!((ranks, totals), (want, want_totals));
+        assert_eq!(p, positions);
+    }
+
+    #[test]
+    fn class_of_equals_the_table() {
+        for b in 0..=u16::MAX {
+            assert_eq!(
+                usize::from(class_of(b)),
+                super::super::rc::exp_class(b),
+                "{b:#06x}"
+            );
+        }
+    }
+
+    #[test]
+    fn scans_agree_with_the_reference_on_long_and_drifting_ranges() {
+        for kind in 0..5u8 {
+            for len in [0usize, 1, 31, 32, 33, 1000, 70_000, 200_003] {
+                let base = base_of(kind, len as u64, len);
+                for every in [1u64, 2, 7, 97, 1000] {
+                    let positions: Vec<u64> = (0..len as u64)
+                        .filter(|i| (i.wrapping_mul(0xD6E8_FEB8_6659_FD93) >> 50) % every == 0)
+                        .collect();
+                    check(&base, &positions);
+                }
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn scans_agree_with_the_reference(
+            bits in proptest::collection::vec((any::<u16>(), any::<u8>()), 0..2000),
+            density in 0u8..=255,
+            kind in 0u8..6,
+        ) {
+            let base: Vec<u16> = if kind == 5 {
+                bits.iter().map(|b| b.0).collect()
+            } else {
+                base_of(kind, bits.len() as u64, bits.len())
+            };
+            let positions: Vec<u64> = bits
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| density == 255 || b.1 < density)
+                .map(|(i, _)| i as u64)
+                .collect();
+            check(&base, &positions);
+        }
+    }
+}
+
+#[cfg(test)]
+mod timing {
+    use super::*;
+
+    /// `cargo test --release -p starling-proto scan_speed -- --ignored --nocapture`
+    #[test]
+    #[ignore]
+    fn scan_speed() {
+        let n = 1 << 22;
+        let mut s = 88172645463325252u64;
+        let mut next = || {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s
+        };
+        let base: Vec<u16> = (0..n)
+            .map(|_| {
+                let g: f32 = (0..4)
+                    .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+                    .sum();
+                crate::bf16::f32_to_bf16(g * 0.03)
+            })
+            .collect();
+        for per_mille in [3u64, 10, 20, 50] {
+            let positions: Vec<u64> = (0..n as u64)
+                .filter(|_| next() % 1000 < per_mille)
+                .collect();
+            let mut ranks = Vec::new();
+            let totals = ranks_at(&base, &positions, &mut ranks);
+            let mut gaps: Vec<Vec<u32>> = vec![Vec::new(); EXP_CLASSES];
+            let mut last = [0u32; EXP_CLASSES];
+            for (&p, &r) in positions.iter().zip(&ranks) {
+                let c = usize::from(class_of(base[p as usize]));
+                gaps[c].push(r - last[c]);
+                last[c] = r + 1;
+            }
+            for c in 0..EXP_CLASSES {
+                gaps[c].push(totals[c] - last[c]);
+                gaps[c].reverse();
+            }
+            // This thread's CPU time (the machine is shared: wall time includes waiting).
+            let cpu = || -> f64 {
+                // A yield makes the kernel account the running slice first.
+                std::thread::yield_now();
+                std::fs::read_to_string("/proc/thread-self/schedstat")
+                    .ok()
+                    .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok())
+                    .map_or_else(
+                        || {
+                            std::time::SystemTime::now()
+                                .duration_since(std::time::UNIX_EPOCH)
+                                .map_or(0.0, |d| d.as_secs_f64())
+                        },
+                        |ns| ns / 1e9,
+                    )
+            };
+            let best = |f: &mut dyn FnMut()| {
+                let mut b = f64::MAX;
+                for _ in 0..7 {
+                    let t = cpu();
+                    f();
+                    b = b.min(cpu() - t);
+                }
+                b * 1e9 / n as f64
+            };
+            let run = |scalar: bool| {
+                let mut g = gaps.clone();
+                let mut rem = [0u32; EXP_CLASSES];
+                for c in 0..EXP_CLASSES {
+                    rem[c] = g[c].pop().unwrap_or(0);
+                }
+                let mut f = |_p: u64, c: usize| g[c].pop().ok_or(());
+                if scalar {
+                    countdown_scalar(&base, 0, &mut rem, &mut f)
+                } else {
+                    countdown(&base, &mut rem, &mut f)
+                }
+                .expect("consistent");
+            };
+            let (td, ts) = (best(&mut || run(false)), best(&mut || run(true)));
+            let mut r = Vec::new();
+            let tr = best(&mut || {
+                r.clear();
+                ranks_at(&base, &positions, &mut r);
+            });
+            println!(
+                "density {:.1}%: countdown {td:.3} ns/elem (scalar {ts:.3}), ranks {tr:.3} ns/elem; per change: countdown {:.1} ns, ranks {:.1} ns",
+                per_mille as f64 / 10.0,
+                td * n as f64 / positions.len() as f64,
+                tr * n as f64 / positions.len() as f64,
+            );
+        }
+    }
+}

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Every benchmark command that docs/benchmarks.md cites, run once at a small size, so that a
+# change that breaks one fails CI (`.ci/run` calls this after scripts/test.sh). The figures
+# printed mean nothing at these sizes: what is checked is that each command runs to the end
+# and exits 0. About a minute on 2 cores once the release binaries are built.
+#
+# Covered here: codec-bench, benches/memory.sh, ledger-bench (SQLite; its PostgreSQL backend
+# when STARLING_TEST_POSTGRES_URL is set), rollout-bench (makespan), engine-bench, and, as root
+# where network namespaces can be made, benches/tbf-bench.sh (else skipped, saying so).
+# wan-bench runs only with STARLING_BENCH_SMOKE_WAN=1: when this step was added it did not
+# finish at the tiny preset (its actors connected, no version was published within 5 min;
+# it still waits on the processes' stdout lines rather than their status endpoints), which
+# is to be fixed before it joins CI. Covered elsewhere: `starling demo` (starling/tests/demo.rs), fault-soak's
+# harness (tests), the vLLM bench's code path (integrations/vllm/run_tests.sh). Not run: the
+# `starling model bench` line, which needs a downloaded model (scripts/fetch-model.sh).
+#
+# Usage: scripts/bench-smoke.sh [--only NAME[,NAME...]]   (names as printed by `== NAME`)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+repo=$PWD
+only=""
+while (($#)); do
+    case $1 in
+    --only) only=,$2,; shift 2 ;;
+    *) echo "unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+
+target_dir=$(cargo metadata --format-version 1 --no-deps |
+    python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
+bin=$target_dir/release
+cargo build --release --workspace --bins -q
+work=$(mktemp -d /var/tmp/starling-bench-smoke.XXXXXX)
+trap 'rm -rf "$work"' EXIT
+
+step() { # name command... : runs it with a time limit, prints its tail on failure
+    local name=$1 t0=$SECONDS rc=0
+    shift
+    [[ -z $only || $only == *",$name,"* ]] || return 0
+    echo "== bench smoke: $name"
+    timeout 300 "$@" >"$work/$name.log" 2>&1 || rc=$?
+    if ((rc != 0)); then
+        echo "bench smoke $name failed (exit $rc): $*" >&2
+        tail -n 40 "$work/$name.log" >&2
+        exit 1
+    fi
+    echo "   ok in $((SECONDS - t0)) s"
+}
+
+step codec-bench "$bin/codec-bench" --model tiny --reps 1 --lrs 1e-4
+step memory-sh env CARGO_TARGET_DIR="$target_dir" benches/memory.sh tiny "$work/memory"
+step ledger-bench "$bin/ledger-bench" --backend sqlite --jobs 2000 --actors 8 --batch 256
+if [[ -n ${STARLING_TEST_POSTGRES_URL:-} ]]; then
+    step ledger-bench-pg "$bin/ledger-bench" --backend postgres --url "$STARLING_TEST_POSTGRES_URL" \
+        --jobs 2000 --actors 8 --batch 256
+fi
+step rollout-bench "$bin/rollout-bench" --run makespan --groups 4 --warmup 1 --batches 1 \
+    --max-new-tokens 8
+step engine-bench "$bin/engine-bench" --threads 1 --new 4
+if [[ ${STARLING_BENCH_SMOKE_WAN:-0} == 1 ]]; then
+    step wan-bench "$bin/wan-bench" --model tiny --links 100:10:0 --modes ct4 --work "$work/wan"
+else
+    echo "== bench smoke: wan-bench SKIPPED (STARLING_BENCH_SMOKE_WAN=1 runs it; see the header)"
+fi
+if [[ $(id -u) -eq 0 ]] && ip netns add "sbs-probe-$$" 2>/dev/null; then
+    ip netns del "sbs-probe-$$"
+    step tbf-bench env CARGO_TARGET_DIR="$target_dir" "$repo/benches/tbf-bench.sh" --model tiny \
+        --lr 1e-4 --reps 1 --cases ct4 --actors 1 --quiet-wait 0 --work "$work/tbf"
+else
+    echo "== bench smoke: tbf-bench SKIPPED (needs root and network namespaces)"
+fi

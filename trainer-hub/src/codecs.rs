@@ -1,0 +1,544 @@
+//! Which codecs a version is encoded with: `--codecs fast|small|auto`.
+//!
+//! The smallest codecs (`small`: positions counted within base-exponent classes and ULP
+//! steps, both range-coded) make a delta ~1.5× smaller than the first release's (`fast`:
+//! Rice or LEB128 positions, ULP residual + zstd), but cost several times the CPU per change
+//! to encode and to stage. Which of them delivers a version sooner depends on the link: over a
+//! slow link the bytes are the latency, over a fast one the encoder and the actors' staging
+//! are. With `auto` the hub decides per version, from
+//! - each region's link: what its relay (or an actor subscribed to the hub) stated in
+//!   `Hello`, or `--peer-link`; with no link known, a LAN;
+//! - this version's own pair: before it is encoded, one part-sized range of its largest
+//!   tensor is diffed, encoded and decoded with both sets (tens of milliseconds), which gives
+//!   each set's encode and decode time per element and its bytes per change, and the density;
+//! - how fast the hub's whole encodes ran against that single-core sample (its parallel
+//!   speed-up and its share of a busy machine), measured on every publish;
+//!
+//! and takes the set whose predicted latency is smallest for the slowest region:
+//! `max(encode, wire) + staging`, where encode and wire overlap because segments go out as
+//! they are encoded, and staging is the actors' decode of every change on one core at the
+//! hub's measured speed (the hub cannot measure the actors' CPUs; an actor with more cores
+//! stages faster, which only favours `small` more). `GET /v1/status` (`codecs`) and the
+//! dashboard say which set was chosen and why, with the estimates of both.
+//!
+//! The prediction is a model, not a measurement: its inputs are in the status so an operator
+//! can check it against the versions' delivery times, and pin a set (`fast`, `small`) when
+//! it is wrong.
+
+use std::time::Instant;
+
+use serde_json::{Value, json};
+use starling_checkpoint::safetensors::{Checkpoint, SourceDtype, TensorInfo};
+use starling_proto::diff::{RangeDiff, diff_range_into, diff_range_ranked_into};
+use starling_proto::segment::{CodecChoice, EncodedPart};
+use starling_transport::link::LinkProfile;
+
+/// What the operator asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum CodecPolicy {
+    /// Always the first release's codecs (fastest to encode and stage).
+    Fast,
+    /// Always the smallest codecs.
+    Small,
+    /// Per version, the set predicted to reach the slowest region first.
+    Auto,
+}
+
+impl CodecPolicy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Fast => "fast",
+            Self::Small => "small",
+            Self::Auto => "auto",
+        }
+    }
+}
+
+/// A set of codecs the encoder may choose from, per part.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CodecSet {
+    Small,
+    Fast,
+}
+
+impl CodecSet {
+    pub const ALL: [CodecSet; 2] = [CodecSet::Small, CodecSet::Fast];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Small => "small",
+            Self::Fast => "fast",
+        }
+    }
+
+    /// The encoder's candidates.
+    pub fn choice(self) -> CodecChoice {
+        match self {
+            Self::Small => CodecChoice::default(),
+            Self::Fast => CodecChoice::fast(),
+        }
+    }
+
+    fn index(self) -> usize {
+        match self {
+            Self::Small => 0,
+            Self::Fast => 1,
+        }
+    }
+}
+
+/// Elements of the sample (one encoder part).
+const SAMPLE_ELEMS: usize = 1 << 22;
+
+/// Weight of a new observation in the running figures.
+const EMA: f64 = 0.5;
+
+/// One set's cost on the sample, one core.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct SampleCost {
+    /// Diff and encode, seconds.
+    encode_s: f64,
+    /// Decode against the base (what staging does besides the digest), seconds.
+    decode_s: f64,
+    /// Coded payload bytes.
+    bytes: u64,
+}
+
+/// Both sets measured on one range of a version's pair.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sample {
+    tensor: String,
+    elements: u64,
+    changes: u64,
+    costs: [SampleCost; 2],
+}
+
+/// Diffs, encodes and decodes one part-sized range of the largest BF16 tensor of `old` →
+/// `new` with both sets. `None` when the checkpoints have no BF16 tensor or it cannot be
+/// read (the choice then falls back to the last one or the policy's default).
+pub fn sample(old: &Checkpoint, new: &Checkpoint) -> Option<Sample> {
+    let (to, tn) = old
+        .tensors()
+        .iter()
+        .zip(new.tensors())
+        .filter(|(t, _)| t.dtype == SourceDtype::Bf16)
+        .max_by_key(|(t, _)| t.numel())?;
+    let numel = to.numel();
+    let len = usize::try_from(numel).ok()?.min(SAMPLE_ELEMS);
+    let start = (numel - len as u64) / 2;
+    let o = range(old, to, start, len)?;
+    let n = range(new, tn, start, len)?;
+    let mut costs = [SampleCost {
+        encode_s: 0.0,
+        decode_s: 0.0,
+        bytes: 0,
+    }; 2];
+    let mut changes = 0;
+    let mut d = RangeDiff::default();
+    for set in CodecSet::ALL {
+        let t = Instant::now();
+        match set {
+            CodecSet::Small => diff_range_ranked_into(&o, &n, &mut d),
+            CodecSet::Fast => diff_range_into(&o, &n, &mut d),
+        }
+        let part = EncodedPart::encode(&to.name, start, &o, &n, &d, &set.choice());
+        let encode_s = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        let decoded = part.decode_changes(&o).ok()?;
+        let decode_s = t.elapsed().as_secs_f64();
+        changes = decoded.positions.len() as u64;
+        costs[set.index()] = SampleCost {
+            encode_s,
+            decode_s,
+            bytes: part.payload_len() as u64,
+        };
+    }
+    Some(Sample {
+        tensor: to.name.clone(),
+        elements: len as u64,
+        changes,
+        costs,
+    })
+}
+
+fn range(c: &Checkpoint, t: &TensorInfo, start: u64, len: usize) -> Option<Vec<u16>> {
+    if let Some(s) = c.bf16_range(t, start, len) {
+        return Some(s.to_vec());
+    }
+    let mut v = vec![0u16; len];
+    c.read_bf16(t, start, &mut v).ok()?;
+    Some(v)
+}
+
+/// A subscriber's link, as the board knows it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PeerLink {
+    pub peer: String,
+    pub region: String,
+    pub link: LinkProfile,
+}
+
+/// One set's predicted delivery of a version.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Estimate {
+    pub set: CodecSet,
+    pub bytes: f64,
+    pub encode_s: f64,
+    /// On the slowest link.
+    pub wire_s: f64,
+    pub stage_s: f64,
+    pub latency_s: f64,
+}
+
+impl Estimate {
+    fn json(&self) -> Value {
+        json!({
+            "set": self.set.name(),
+            "bytes": self.bytes.round(),
+            "encode_s": round3(self.encode_s),
+            "wire_s": round3(self.wire_s),
+            "stage_s": round3(self.stage_s),
+            "latency_s": round3(self.latency_s),
+        })
+    }
+}
+
+fn round3(x: f64) -> f64 {
+    (x * 1000.0).round() / 1000.0
+}
+
+/// The choice for one version.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Decision {
+    pub version: u64,
+    pub set: CodecSet,
+    pub why: String,
+    pub estimates: Vec<Estimate>,
+    /// The slowest link the estimates assumed (`None`: no link known, a LAN).
+    pub slowest: Option<PeerLink>,
+}
+
+/// Costs assumed before anything was measured (codec-bench on the 2-vCPU development
+/// machine, 1–5% density): per element scanned and per change, one core.
+const PRIOR_ENCODE_NS_PER_ELEM: [f64; 2] = [1.0, 0.6];
+const PRIOR_BYTES_PER_CHANGE: [f64; 2] = [0.8, 1.25];
+const PRIOR_DECODE_NS_PER_CHANGE: [f64; 2] = [70.0, 25.0];
+
+/// The per-version chooser. Owned by the hub; every method is cheap but `sample`.
+#[derive(Debug)]
+pub struct Chooser {
+    policy: CodecPolicy,
+    /// Whole encodes' wall time ÷ the sample's one-core prediction for the same set.
+    speedup: [Option<f64>; 2],
+    /// Changes of the last version (a step resembles the one before).
+    last_changes: Option<u64>,
+    last: Option<Decision>,
+    /// The last whole encode: set, wall seconds, changes.
+    observed: Option<(CodecSet, f64, u64)>,
+    threads: usize,
+}
+
+impl Chooser {
+    pub fn new(policy: CodecPolicy, encode_threads: usize) -> Self {
+        Self {
+            policy,
+            speedup: [None; 2],
+            last_changes: None,
+            last: None,
+            observed: None,
+            threads: encode_threads.max(1),
+        }
+    }
+
+    pub fn policy(&self) -> CodecPolicy {
+        self.policy
+    }
+
+    /// Predicts both sets' delivery of the next version (`elements` in the model) over
+    /// `links` and picks one under the policy.
+    pub fn decide(
+        &mut self,
+        version: u64,
+        elements: u64,
+        sample: Option<&Sample>,
+        links: &[PeerLink],
+    ) -> Decision {
+        let density = sample.map(|s| s.changes as f64 / s.elements.max(1) as f64);
+        let changes = self
+            .last_changes
+            .map(|c| c as f64)
+            .or(density.map(|d| d * elements as f64))
+            .unwrap_or(0.01 * elements as f64);
+        let slowest = links
+            .iter()
+            .min_by_key(|l| l.link.rate_bps)
+            .cloned()
+            .or_else(|| {
+                Some(PeerLink {
+                    peer: "(none known)".into(),
+                    region: "LAN".into(),
+                    link: LinkProfile::LAN,
+                })
+            });
+        let estimates: Vec<Estimate> = CodecSet::ALL
+            .into_iter()
+            .map(|set| {
+                let i = set.index();
+                let measured = sample.filter(|s| s.changes > 0).map(|s| s.costs[i]);
+                let (per_elem_s, bytes_per_change, decode_per_change_s) = match (sample, measured) {
+                    (Some(s), Some(c)) => (
+                        c.encode_s / s.elements as f64,
+                        c.bytes as f64 / s.changes as f64,
+                        c.decode_s / s.changes as f64,
+                    ),
+                    _ => (
+                        PRIOR_ENCODE_NS_PER_ELEM[i] * 1e-9,
+                        PRIOR_BYTES_PER_CHANGE[i],
+                        PRIOR_DECODE_NS_PER_CHANGE[i] * 1e-9,
+                    ),
+                };
+                // The whole encode runs on several cores (and shares them with whatever else
+                // the machine does): scale the one-core figure by what the last encodes
+                // achieved, with this set or, not measured yet, the other one.
+                let speedup = self.speedup[i]
+                    .or(self.speedup[1 - i])
+                    .unwrap_or(1.0 / self.threads as f64);
+                let encode_s = per_elem_s * elements as f64 * speedup;
+                let bytes = bytes_per_change * changes;
+                let wire_s = slowest.as_ref().map_or(0.0, |l| {
+                    bytes * 8.0 / l.link.rate_bps.max(1) as f64 + l.link.rtt.as_secs_f64()
+                });
+                let stage_s = decode_per_change_s * changes;
+                Estimate {
+                    set,
+                    bytes,
+                    encode_s,
+                    wire_s,
+                    stage_s,
+                    latency_s: encode_s.max(wire_s) + stage_s,
+                }
+            })
+            .collect();
+        let best = estimates
+            .iter()
+            .min_by(|a, b| a.latency_s.total_cmp(&b.latency_s))
+            .map_or(CodecSet::Small, |e| e.set);
+        let set = match self.policy {
+            CodecPolicy::Fast => CodecSet::Fast,
+            CodecPolicy::Small => CodecSet::Small,
+            CodecPolicy::Auto => best,
+        };
+        let why = explain(self.policy, set, &estimates, slowest.as_ref(), sample);
+        let d = Decision {
+            version,
+            set,
+            why,
+            estimates,
+            slowest,
+        };
+        self.last = Some(d.clone());
+        d
+    }
+
+    /// What a whole encode with `set` did: `changes` in `elements`, `wall_s` seconds.
+    pub fn observe(
+        &mut self,
+        set: CodecSet,
+        elements: u64,
+        sample: Option<&Sample>,
+        changes: u64,
+        wall_s: f64,
+    ) {
+        self.last_changes = Some(changes);
+        self.observed = Some((set, wall_s, changes));
+        let Some(s) = sample else { return };
+        let one_core = s.costs[set.index()].encode_s / s.elements.max(1) as f64 * elements as f64;
+        if one_core > 0.0 && wall_s > 0.0 {
+            let r = wall_s / one_core;
+            let e = &mut self.speedup[set.index()];
+            *e = Some(e.map_or(r, |old| old * (1.0 - EMA) + r * EMA));
+        }
+    }
+
+    /// The `codecs` object of `GET /v1/status`.
+    pub fn status(&self) -> Value {
+        let Some(d) = &self.last else {
+            return json!({
+                "policy": self.policy.name(),
+                "chosen": null,
+                "why": "no version encoded since the hub started",
+            });
+        };
+        json!({
+            "policy": self.policy.name(),
+            "version": d.version,
+            "chosen": d.set.name(),
+            "why": d.why,
+            "slowest_link": d.slowest.as_ref().map(|l| json!({
+                "peer": l.peer,
+                "region": l.region,
+                "rate_mbit": l.link.rate_bps as f64 / 1e6,
+                "rtt_ms": l.link.rtt.as_secs_f64() * 1e3,
+            })),
+            "estimates": d.estimates.iter().map(Estimate::json).collect::<Vec<_>>(),
+            "encode_speedup": CodecSet::ALL.iter().map(|s| (s.name(), self.speedup[s.index()])).collect::<std::collections::BTreeMap<_, _>>(),
+            "last_encode": self.observed.map(|(s, w, c)| json!({
+                "set": s.name(), "wall_s": round3(w), "changes": c,
+            })),
+        })
+    }
+}
+
+fn explain(
+    policy: CodecPolicy,
+    set: CodecSet,
+    estimates: &[Estimate],
+    slowest: Option<&PeerLink>,
+    sample: Option<&Sample>,
+) -> String {
+    let link = slowest.map_or_else(
+        || "no link known".to_owned(),
+        |l| {
+            format!(
+                "slowest link {} ({}) {:.0} Mbit/s, {:.0} ms",
+                l.region,
+                l.peer,
+                l.link.rate_bps as f64 / 1e6,
+                l.link.rtt.as_secs_f64() * 1e3
+            )
+        },
+    );
+    let each: Vec<String> = estimates
+        .iter()
+        .map(|e| {
+            format!(
+                "{} {:.2} s = max(encode {:.2}, wire {:.2}) + staging {:.2}",
+                e.set.name(),
+                e.latency_s,
+                e.encode_s,
+                e.wire_s,
+                e.stage_s
+            )
+        })
+        .collect();
+    let basis = match sample {
+        Some(s) if s.changes > 0 => format!(
+            "measured on {} elements of {} ({:.2}% changed)",
+            s.elements,
+            s.tensor,
+            100.0 * s.changes as f64 / s.elements as f64
+        ),
+        _ => "no measured sample: prior costs".to_owned(),
+    };
+    match policy {
+        CodecPolicy::Auto => format!(
+            "auto: {} predicts the earliest delivery ({}; {link}; {basis})",
+            set.name(),
+            each.join("; ")
+        ),
+        p => format!(
+            "pinned by --codecs {} (predicted: {}; {link}; {basis})",
+            p.name(),
+            each.join("; ")
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// One part of 4 M elements, as codec-bench measures the sets on one core: small
+    /// 2 ms + 40 ns per change to encode, 70 ns per change to decode, 0.8 bytes per change;
+    /// fast half the encode, 25 ns per change to decode, 1.2 bytes per change.
+    fn sample(changes: u64) -> Sample {
+        let c = changes as f64;
+        Sample {
+            tensor: "t".into(),
+            elements: 1 << 22,
+            changes,
+            costs: [
+                SampleCost {
+                    encode_s: 0.002 + c * 40e-9,
+                    decode_s: c * 70e-9,
+                    bytes: changes * 8 / 10,
+                },
+                SampleCost {
+                    encode_s: 0.001 + c * 20e-9,
+                    decode_s: c * 25e-9,
+                    bytes: changes * 12 / 10,
+                },
+            ],
+        }
+    }
+
+    fn link(mbit: u64, rtt_ms: u64) -> Vec<PeerLink> {
+        vec![PeerLink {
+            peer: "r1".into(),
+            region: "eu".into(),
+            link: LinkProfile {
+                rate_bps: mbit * 1_000_000,
+                rtt: Duration::from_millis(rtt_ms),
+            },
+        }]
+    }
+
+    #[test]
+    fn slow_links_get_the_small_codecs_and_fast_links_the_fast_ones() {
+        let s = sample(100_000);
+        let elements = 2_000_000_000;
+        let mut c = Chooser::new(CodecPolicy::Auto, 16);
+        // 50 Mbit/s: the wire dominates; the smaller delta wins.
+        let d = c.decide(1, elements, Some(&s), &link(50, 50));
+        assert_eq!(d.set, CodecSet::Small, "{}", d.why);
+        // 10 Gbit/s: encode and staging dominate; the cheaper codecs win.
+        let d = c.decide(2, elements, Some(&s), &link(10_000, 1));
+        assert_eq!(d.set, CodecSet::Fast, "{}", d.why);
+        assert!(d.why.starts_with("auto: fast"), "{}", d.why);
+        // The slowest region decides.
+        let mut both = link(10_000, 1);
+        both.extend(link(50, 50));
+        assert_eq!(c.decide(3, elements, Some(&s), &both).set, CodecSet::Small);
+    }
+
+    #[test]
+    fn a_pinned_policy_is_kept_and_says_so() {
+        let s = sample(100_000);
+        let mut c = Chooser::new(CodecPolicy::Small, 16);
+        let d = c.decide(1, 2_000_000_000, Some(&s), &link(10_000, 1));
+        assert_eq!(d.set, CodecSet::Small);
+        assert!(d.why.starts_with("pinned by --codecs small"), "{}", d.why);
+        let st = c.status();
+        assert_eq!(st["chosen"], "small");
+        assert_eq!(st["policy"], "small");
+        assert_eq!(st["estimates"].as_array().map(Vec::len), Some(2));
+    }
+
+    #[test]
+    fn observed_encodes_scale_the_prediction() {
+        let s = sample(100_000);
+        let elements = 1u64 << 30;
+        let mut c = Chooser::new(CodecPolicy::Auto, 1);
+        let before = c.decide(1, elements, Some(&s), &link(1000, 1)).estimates[0].encode_s;
+        // The whole encode took a quarter of the one-core prediction (4 cores).
+        let one_core = s.costs[0].encode_s / f64::from(1u32 << 22) * elements as f64;
+        c.observe(CodecSet::Small, elements, Some(&s), 100_000, one_core / 4.0);
+        let after = c.decide(2, elements, Some(&s), &link(1000, 1)).estimates[0].encode_s;
+        assert!(
+            (after - before / 4.0).abs() < 1e-9 * before,
+            "{before} → {after}"
+        );
+    }
+
+    #[test]
+    fn without_a_sample_or_links_it_still_decides() {
+        let mut c = Chooser::new(CodecPolicy::Auto, 2);
+        let d = c.decide(1, 1_000_000, None, &[]);
+        assert!(d.why.contains("prior costs"), "{}", d.why);
+        assert!(d.estimates.iter().all(|e| e.latency_s.is_finite()));
+        // A sample without changes falls back to the priors for what it cannot measure.
+        let d = c.decide(2, 1_000_000, Some(&sample(0)), &[]);
+        assert!(d.estimates.iter().all(|e| e.latency_s.is_finite()));
+    }
+}

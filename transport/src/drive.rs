@@ -1,0 +1,237 @@
+//! The loop every receiving shell runs: the core's actions ([`crate::follow`]) carried out
+//! against a [`Feed`] (QUIC) and a [`Shell`] (what the relay or the actor does with a version:
+//! forward and cache it, or stage, commit and journal it), and what comes back handed to the
+//! core. The relay and the actor implement [`Shell`] and call [`run`]; neither has a loop of
+//! its own.
+//!
+//! Prints the lines tests and operators read that both shells share: `resume VERSION have N`
+//! when a new connection continues a half-received version, `refetch VERSION` when (part of)
+//! one is asked for again (counted in the feed's metrics by source).
+
+use std::time::{Duration, Instant};
+
+use starling_proto::anchor::AnchorSeal;
+use starling_proto::msg::Message;
+use tokio_util::sync::CancellationToken;
+
+use crate::follow::{Action, Event, Follower, GaveUp, Notice};
+use crate::framed::{DataStreamReader, StreamFrame};
+use crate::upstream::{Feed, Input, SourceAddr, UpstreamError};
+
+/// What a receiving shell does with versions; [`run`] calls it as the core says.
+#[allow(async_fn_in_trait)]
+pub trait Shell {
+    /// Why the shell stops (a fatal refusal, a disk that fails).
+    type Error: From<GaveUp>;
+    /// What the background work of [`activate`](Self::activate) ends with.
+    type Done;
+
+    /// The `Hello` to say to a source.
+    fn hello(&self) -> Message;
+    /// Makes ready to stage `version`; `false`: it could not (the core starts it over).
+    fn begin(&mut self, version: u64, base: u64, delta_id: [u8; 32]) -> bool;
+    /// Stages a frame of `version`; `false`: it failed, and what was staged of the version is
+    /// gone.
+    fn stage(&mut self, version: u64, frame: StreamFrame) -> bool;
+    /// Forgets what was staged of `version`.
+    fn discard(&mut self, version: u64);
+    /// Verifies `version` whole and makes it active: `Some(active)` when done at once, `None`
+    /// when it goes on in the background ([`background`](Self::background)).
+    async fn activate(
+        &mut self,
+        feed: &mut Feed,
+        version: u64,
+        started: Instant,
+    ) -> Result<Option<bool>, Self::Error>;
+    /// The end of the background activation under way (never, if none is). Cancellation-safe.
+    async fn background(&mut self) -> Self::Done;
+    /// Completes a background activation: the version and whether it is active.
+    async fn finish(&mut self, feed: &mut Feed, done: Self::Done) -> (u64, bool);
+    /// Receives and installs the anchor `seal` describes from `stream`; `false` (logged) if
+    /// it did not check out.
+    async fn restore(&mut self, seal: AnchorSeal, stream: DataStreamReader) -> bool;
+    /// How often [`tick`](Self::tick) runs (none: never).
+    fn tick_every(&self) -> Option<Duration> {
+        None
+    }
+    /// Periodic work (a relay's ping, an actor's engine health check).
+    async fn tick(&mut self, _feed: &mut Feed) {}
+    /// The upstream answered a ping.
+    fn pong(&mut self, _nonce: u64) {}
+    /// Subscribed to `source` after `after`.
+    fn subscribed(&mut self, source: &SourceAddr, after: u64);
+    /// The connection to `source` ended (lost, or left).
+    fn left(&mut self, source: &SourceAddr);
+    /// A source was not reached: `Err` if that is fatal (another cluster's credentials, a
+    /// refusal), else it is logged.
+    fn not_reached(&mut self, error: UpstreamError) -> Result<(), Self::Error>;
+    /// Something worth telling an operator (`source`: the source it concerns).
+    fn notice(&mut self, notice: Notice, source: Option<&SourceAddr>) -> Result<(), Self::Error>;
+}
+
+/// Runs `core` with `feed` and `shell` until `stop` is cancelled (the core then leaves its
+/// source) or the core or the shell gives up.
+pub async fn run<S: Shell>(
+    core: &mut Follower<StreamFrame>,
+    feed: &mut Feed,
+    shell: &mut S,
+    stop: &CancellationToken,
+) -> Result<(), S::Error> {
+    let mut tick = shell.tick_every().map(tokio::time::interval);
+    loop {
+        actions(core, feed, shell).await?;
+        if core.is_stopped() {
+            return Ok(());
+        }
+        let timer = core.poll_timeout().map(tokio::time::Instant::from_std);
+        let step = tokio::select! {
+            _ = stop.cancelled() => Step::Stop,
+            input = feed.next() => Step::Input(input),
+            _ = sleep_until(timer) => Step::Timer,
+            done = shell.background() => Step::Done(done),
+            _ = next_tick(&mut tick) => Step::Tick,
+        };
+        match step {
+            Step::Stop => core.handle(Instant::now(), Event::Shutdown),
+            Step::Input(Input::Event(ev)) => {
+                if let Event::Lost { .. } = ev
+                    && let Some(s) = core.source().and_then(|id| feed.source(id))
+                {
+                    shell.left(s);
+                }
+                core.handle(Instant::now(), ev);
+            }
+            Step::Input(Input::ConnectFailed { conn, error }) => {
+                shell.not_reached(error)?;
+                core.handle(Instant::now(), Event::ConnectFailed { conn });
+            }
+            Step::Input(Input::Pong(nonce)) => shell.pong(nonce),
+            Step::Timer => core.handle_timeout(Instant::now()),
+            Step::Done(done) => {
+                let (version, active) = shell.finish(feed, done).await;
+                core.handle(Instant::now(), activation(version, active));
+            }
+            Step::Tick => shell.tick(feed).await,
+        }
+    }
+}
+
+/// What woke the loop.
+enum Step<D> {
+    Stop,
+    Input(Input),
+    Timer,
+    Done(D),
+    Tick,
+}
+
+fn activation(version: u64, active: bool) -> Event<StreamFrame> {
+    if active {
+        Event::Activated { version }
+    } else {
+        Event::ActivationFailed { version }
+    }
+}
+
+/// Runs the core's actions until it has none, feeding back what they led to.
+pub async fn actions<S: Shell>(
+    core: &mut Follower<StreamFrame>,
+    feed: &mut Feed,
+    shell: &mut S,
+) -> Result<(), S::Error> {
+    while let Some(action) = core.poll_action() {
+        let now = Instant::now;
+        match action {
+            Action::Connect { conn, source, .. } => feed.connect(conn, source, shell.hello()),
+            Action::Send { conn, message } => {
+                match &message {
+                    Message::Resume { version, have } => {
+                        println!("resume {version} have {}", have.len());
+                    }
+                    Message::Fetch { version, seqs } => {
+                        println!("refetch {version}");
+                        feed.refetching(*version, seqs.len());
+                    }
+                    Message::FetchAnchor { after_version } => {
+                        tracing::info!(after_version, "asking for the newest anchor");
+                    }
+                    _ => {}
+                }
+                if feed.send(conn, &message).await
+                    && let Message::Subscribe { after_version } = message
+                    && let Some(s) = feed.current()
+                {
+                    tracing::info!(source = %s.name, role = s.role.as_str(), after_version, "subscribed");
+                    shell.subscribed(s, after_version);
+                }
+            }
+            Action::Disconnect { conn } => {
+                if let Some(s) = feed.disconnect(conn).and_then(|s| feed.source(s)) {
+                    shell.left(s);
+                }
+            }
+            Action::Begin {
+                version,
+                base,
+                delta_id,
+            } => {
+                if !shell.begin(version, base, delta_id) {
+                    core.handle(now(), Event::StageFailed { version });
+                }
+            }
+            Action::Stage { version, frame } => {
+                if !shell.stage(version, frame) {
+                    core.handle(now(), Event::StageFailed { version });
+                }
+            }
+            Action::Discard { version } => shell.discard(version),
+            Action::Activate { version, started } => {
+                if let Some(active) = shell.activate(feed, version, started).await? {
+                    core.handle(now(), activation(version, active));
+                }
+            }
+            Action::RestoreAnchor { conn, version } => {
+                let restored = match feed.take_anchor(conn) {
+                    Some((seal, stream)) => shell.restore(seal, stream).await,
+                    None => false,
+                };
+                let ev = if restored {
+                    Event::AnchorRestored { conn, version }
+                } else {
+                    Event::AnchorFailed { conn }
+                };
+                core.handle(now(), ev);
+            }
+            Action::Probe { source, .. } => feed.probe(source, shell.hello()),
+            Action::Notice(n) => {
+                let source = match &n {
+                    Notice::SourceDropped { source, .. }
+                    | Notice::Returning { from: source }
+                    | Notice::NothingToOffer { source, .. } => feed.source(*source),
+                    Notice::Received { .. } => None,
+                };
+                shell.notice(n, source)?;
+            }
+            Action::GiveUp(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Sleeps until `at`, or forever without one.
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The next tick of `tick`, or never without one.
+async fn next_tick(tick: &mut Option<tokio::time::Interval>) {
+    match tick {
+        Some(t) => {
+            t.tick().await;
+        }
+        None => std::future::pending().await,
+    }
+}

@@ -1,0 +1,1098 @@
+//! The receiving core shared by relays and actors: a version on its way in, from announce to
+//! activation, with no I/O and no clock (quinn-proto's shape).
+//!
+//! A [`Follower`] is told what happened ([`Event`]: a source answered or was lost, a stripe
+//! started, a frame arrived, a stripe ended, a `Commit`, a refusal, an anchor offered, a
+//! staging or an activation done or failed, a probe's answer, a shutdown) with the current
+//! time, and queues what to do about it ([`Action`]: connect, subscribe, send a request,
+//! begin/stage/discard a version, activate one, restore an anchor, probe the preferred
+//! source, disconnect). Timers are [`Follower::poll_timeout`] and
+//! [`Follower::handle_timeout`]. Which source to follow, and when to leave or go back to one,
+//! is the [`SourcePolicy`] beside it.
+//!
+//! The shells run the actions: the actor (`starling-actor`) stages frames into a `Stager`
+//! against its active weights and activates by sealing and committing; the relay
+//! (`starling-relay`) stages by forwarding to its subscribers and assembling, and activates by
+//! verifying the whole version and caching it. Both run QUIC, disk and engine work; neither
+//! decides anything this core decides.
+//!
+//! # Invariants (checked after every event by the simulation in `sim.rs`)
+//! - Versions are activated in order, one at a time, each only once every frame of it is
+//!   here, staged without error, and its `Commit` came: never out of order, never
+//!   half-applied (the shell's activation verifies the whole before it writes anything).
+//! - An actor stages a version only on top of its base ([`FollowConfig::stage_ahead`] off):
+//!   later versions are buffered here until their base is active, then staged.
+//! - A version that failed staging or activation is fetched again (never silently dropped:
+//!   `Commit` is sent once, so a dropped version would never activate), up to
+//!   [`Bounds::max_refetches`] times per source before the source counts as broken.
+//! - What a source sends is bounded before it is held ([`Bounds`]): a version at most the model
+//!   coded densely, every version in flight at most twice that, none too far ahead. A source
+//!   that breaks a bound is dropped with everything it sent and left alone for a while.
+//! - Events of a connection the core has left are ignored (each carries its [`ConnId`]).
+//! - On a new connection a half-received version continues (`Resume`) only where the source
+//!   holds it whole (its `Welcome` says so); otherwise the source streams it again and what is
+//!   already here is dropped as duplicate.
+
+pub mod policy;
+#[cfg(test)]
+mod sim;
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::time::{Duration, Instant};
+
+use starling_proto::msg::{MAX_SEQS, Message, RefuseReason};
+
+use crate::reception::{Added, FrameInfo, Reception};
+pub use policy::{GaveUp, PolicyConfig, SourceId, SourcePolicy};
+
+/// How long a receiver waits for the anchor it asked a source for before it leaves the
+/// source (which then has neither the next delta nor a newer anchor).
+pub const ANCHOR_PATIENCE: Duration = Duration::from_secs(2);
+
+/// One connection to a source, numbered by the core; events name the connection they came on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ConnId(pub u64);
+
+/// What a receiver holds a source to (an actor's bounds against a hostile or broken source).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bounds {
+    /// The most wire bytes one version may take; every version in flight together at most
+    /// twice this. A source that sends more of one version is dropped; versions beyond the
+    /// next one that would take more than twice this together are dropped here (not the
+    /// source: a subscriber far behind gets a run of versions back to back) and streamed
+    /// again once the versions before them are active.
+    pub version_cap: u64,
+    /// The furthest ahead of the active version a source may announce a version out of
+    /// order (an honest source never skips one: it streams each version after the one
+    /// before, so a subscriber far behind sees a run of versions, never a jump).
+    pub max_ahead: u64,
+    /// The furthest ahead a source may announce at all (what a long honest catch-up needs,
+    /// and a bound on what the versions in flight cost here).
+    pub max_versions: u64,
+    /// How many times one version may be fetched again from one source.
+    pub max_refetches: u32,
+}
+
+impl Bounds {
+    /// The bounds for a model of `bf16_bytes` bytes: a delta is never larger than the model
+    /// coded densely plus framing (an eighth more, and 1 MiB for a small model's manifest);
+    /// a jump of at most 8 versions, a run of at most 1024; 5 refetches.
+    pub fn for_model(bf16_bytes: u64) -> Self {
+        Self {
+            version_cap: bf16_bytes + bf16_bytes / 8 + (1 << 20),
+            max_ahead: 8,
+            max_versions: 1024,
+            max_refetches: 5,
+        }
+    }
+}
+
+/// How a receiver receives.
+#[derive(Debug, Clone)]
+pub struct FollowConfig {
+    /// Every version is staged at first sight (a relay forwards and assembles any version);
+    /// else only the version after the active one is, and later ones are buffered here until
+    /// their base is active (an actor decodes against its base's values).
+    pub stage_ahead: bool,
+    /// Bounds a source is held to (none: the source is trusted, as a relay trusts the hub).
+    pub bounds: Option<Bounds>,
+    /// The receiver can restore an anchor (a relay needs a disk cache for one).
+    pub anchors: bool,
+    /// When a source has neither the next delta nor a newer anchor: `None` tries the next
+    /// source at once; `Some(pause)` the same source again after `pause`.
+    pub unavailable_retry: Option<Duration>,
+}
+
+impl FollowConfig {
+    /// An actor's: stages on top of its base only, bounded.
+    pub fn actor(bounds: Bounds) -> Self {
+        Self {
+            stage_ahead: false,
+            bounds: Some(bounds),
+            anchors: true,
+            unavailable_retry: None,
+        }
+    }
+
+    /// A relay's: forwards everything at once, trusts the hub, waits 5 s before asking again
+    /// for what the hub does not have.
+    pub fn relay(anchors: bool) -> Self {
+        Self {
+            stage_ahead: true,
+            bounds: None,
+            anchors,
+            unavailable_retry: Some(Duration::from_secs(5)),
+        }
+    }
+}
+
+/// What happened, as the shell tells it. `F` is the shell's frame (its bytes); the core only
+/// holds it while a version waits for its base, and hands it back in [`Action::Stage`].
+#[derive(Debug)]
+pub enum Event<F> {
+    /// The source of `conn` answered `Hello`: it holds versions up to `latest`.
+    Connected { conn: ConnId, latest: u64 },
+    /// The source of `conn` was not reached (or refused this receiver for now).
+    ConnectFailed { conn: ConnId },
+    /// The connection ended.
+    Lost { conn: ConnId },
+    /// A stripe of a transmission of `version` began.
+    StreamStarted {
+        conn: ConnId,
+        version: u64,
+        base: u64,
+        delta_id: [u8; 32],
+        transmission: u32,
+        stripes: u16,
+    },
+    /// A verified frame of `version` (`bytes` on the wire), on a stripe of `transmission`.
+    Frame {
+        conn: ConnId,
+        version: u64,
+        delta_id: [u8; 32],
+        transmission: u32,
+        info: FrameInfo,
+        bytes: u64,
+        frame: F,
+    },
+    /// A stripe ended, cleanly or broken (what came after the damage is lost).
+    StreamEnded {
+        conn: ConnId,
+        version: u64,
+        delta_id: [u8; 32],
+        transmission: u32,
+        stripes: u16,
+    },
+    /// The source committed `version`.
+    Commit { conn: ConnId, version: u64 },
+    /// The source refused a request.
+    Refused { conn: ConnId, reason: RefuseReason },
+    /// The source is sending an anchor of `version` on `conn`.
+    AnchorOffered { conn: ConnId, version: u64 },
+    /// The anchor asked for in [`Action::RestoreAnchor`] on `conn` is now the active version.
+    AnchorRestored { conn: ConnId, version: u64 },
+    /// The anchor offered on `conn` did not check out, or did not arrive (nothing changed).
+    AnchorFailed { conn: ConnId },
+    /// A frame of `version` did not stage (it does not decode against the base, or the
+    /// shell could not start the version); what was staged of it is gone.
+    StageFailed { version: u64 },
+    /// `version` is active (committed, durable, reported).
+    Activated { version: u64 },
+    /// `version` did not verify as a whole; nothing of it was applied.
+    ActivationFailed { version: u64 },
+    /// A probe of `source` ended: it answered holding `latest`, or did not answer.
+    Probed {
+        source: SourceId,
+        latest: Option<u64>,
+    },
+    /// The process is stopping: leave the source, start nothing new.
+    Shutdown,
+}
+
+/// What to do, in order.
+#[derive(Debug)]
+pub enum Action<F> {
+    /// Connect to `source` and say `Hello` holding `active`; answer with
+    /// [`Event::Connected`] or [`Event::ConnectFailed`] for `conn`.
+    Connect {
+        conn: ConnId,
+        source: SourceId,
+        active: u64,
+    },
+    /// Send `message` (`Subscribe`, `Resume`, `Fetch`, `FetchAnchor`) on `conn`.
+    Send { conn: ConnId, message: Message },
+    /// Close `conn`; nothing more from it is wanted.
+    Disconnect { conn: ConnId },
+    /// Make ready to stage `version` (actor: a stager on the active weights; relay: a live
+    /// version its subscribers are sent, and an assembler). Replaces an unfinished one.
+    Begin {
+        version: u64,
+        base: u64,
+        delta_id: [u8; 32],
+    },
+    /// Stage a frame of `version` (in the order given); on failure answer
+    /// [`Event::StageFailed`].
+    Stage { version: u64, frame: F },
+    /// Forget what was staged of `version`.
+    Discard { version: u64 },
+    /// Verify `version` whole and make it active (its first stripe began at `started`);
+    /// answer [`Event::Activated`] or [`Event::ActivationFailed`].
+    Activate { version: u64, started: Instant },
+    /// Receive the anchor of `version` offered on `conn`; answer [`Event::AnchorRestored`] or
+    /// [`Event::AnchorFailed`].
+    RestoreAnchor { conn: ConnId, version: u64 },
+    /// Ask `source` (in a task of its own) which version it holds; answer [`Event::Probed`].
+    Probe { source: SourceId, active: u64 },
+    /// For logs, status and metrics.
+    Notice(Notice),
+    /// Every source failed too often: stop.
+    GiveUp(GaveUp),
+}
+
+/// Things worth telling an operator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    /// Every frame of `version` is here (its verification follows).
+    Received { version: u64 },
+    /// `source` broke a bound and is left alone for a while.
+    SourceDropped { source: SourceId, why: Misbehaviour },
+    /// The preferred source answers again: leaving `from` for it.
+    Returning { from: SourceId },
+    /// `source` has neither the next delta nor an anchor newer than `after`.
+    NothingToOffer { source: SourceId, after: u64 },
+}
+
+/// How a source broke a bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum Misbehaviour {
+    #[error(
+        "it announced version {version} after {newest}, more than {max_ahead} ahead of the active {active}"
+    )]
+    TooFarAhead {
+        version: u64,
+        newest: u64,
+        active: u64,
+        max_ahead: u64,
+    },
+    #[error(
+        "it sent more than {cap} bytes of version {version}, more than the whole model coded densely"
+    )]
+    VersionTooLarge { version: u64, cap: u64 },
+    #[error("version {version} failed verification {attempts} times from it")]
+    KeepsFailing { version: u64, attempts: u32 },
+}
+
+/// Old behaviours the simulation replays to show it catches them (tests only).
+#[cfg(test)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Regression {
+    None,
+    /// Before 7230b72: the preferred relay probed every 2 s, returned to only when a probe
+    /// found nothing half-received.
+    ProbeEvery2sBetweenVersionsOnly,
+    /// Before 029593f: a buffered version that failed to stage when its base became active
+    /// was dropped without being fetched again.
+    DropBufferedOnStageFailure,
+}
+
+/// Where a version on its way in stands.
+#[derive(Debug)]
+enum Stage<F> {
+    /// Its base is not active yet: its frames wait here, as they came.
+    Buffering(Vec<F>),
+    /// Begun in the shell: each frame is staged on arrival.
+    Staging,
+}
+
+#[derive(Debug)]
+struct Pending<F> {
+    reception: Reception,
+    stage: Stage<F>,
+    /// Wire bytes held for this version (buffered here or staged in the shell).
+    held: u64,
+    /// [`Notice::Received`] was given.
+    said_received: bool,
+    /// The newest transmission of it begun on this connection.
+    newest_transmission: Option<u32>,
+    /// It started over after a failure: frames of these transmissions and older (the same
+    /// bytes that failed, still on their way) are not wanted.
+    stale_through: Option<u32>,
+    /// Its staging began from frames buffered while its base was not active.
+    #[cfg(test)]
+    from_buffer: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Link {
+    /// No connection; the next attempt is due then.
+    Down {
+        retry_at: Instant,
+    },
+    Connecting {
+        conn: ConnId,
+        source: SourceId,
+    },
+    Up {
+        conn: ConnId,
+        source: SourceId,
+        /// When an anchor was asked for on this connection.
+        anchor_asked: Option<Instant>,
+        /// An anchor is being restored from it.
+        restoring: bool,
+    },
+    /// Shut down or given up.
+    Stopped,
+}
+
+/// The receiving core: see the module docs.
+#[derive(Debug)]
+pub struct Follower<F> {
+    cfg: FollowConfig,
+    policy: SourcePolicy,
+    active: u64,
+    pending: BTreeMap<u64, Pending<F>>,
+    commits: BTreeSet<u64>,
+    retries: BTreeMap<u64, u32>,
+    /// The version the shell is activating.
+    activating: Option<u64>,
+    /// The newest version announced on this connection (or done when it began).
+    newest_announced: u64,
+    /// Versions were dropped to stay within the bound: subscribe again once the next one is
+    /// active.
+    shed: bool,
+    link: Link,
+    next_conn: u64,
+    out: VecDeque<Action<F>>,
+    #[cfg(test)]
+    pub(crate) regression: Regression,
+}
+
+impl<F> Follower<F> {
+    /// A receiver holding `active`, about to connect to the first usable source.
+    pub fn new(cfg: FollowConfig, policy: SourcePolicy, active: u64, now: Instant) -> Self {
+        Self {
+            cfg,
+            policy,
+            active,
+            pending: BTreeMap::new(),
+            commits: BTreeSet::new(),
+            retries: BTreeMap::new(),
+            activating: None,
+            newest_announced: active,
+            shed: false,
+            link: Link::Down { retry_at: now },
+            next_conn: 0,
+            out: VecDeque::new(),
+            #[cfg(test)]
+            regression: Regression::None,
+        }
+    }
+
+    /// The newest active version.
+    pub fn active(&self) -> u64 {
+        self.active
+    }
+
+    /// The newest version that needs nothing more from a source: active, or being activated.
+    pub fn done_through(&self) -> u64 {
+        self.active.max(self.activating.unwrap_or(0))
+    }
+
+    /// Wire bytes held for versions on their way in (buffered here or staged in the shell).
+    pub fn held_bytes(&self) -> u64 {
+        self.pending.values().map(|p| p.held).sum()
+    }
+
+    /// Versions with frames here, not yet active.
+    pub fn pending_versions(&self) -> impl Iterator<Item = u64> + '_ {
+        self.pending.keys().copied()
+    }
+
+    /// The source followed now (connected or being connected to).
+    pub fn source(&self) -> Option<SourceId> {
+        match self.link {
+            Link::Connecting { source, .. } | Link::Up { source, .. } => Some(source),
+            _ => None,
+        }
+    }
+
+    /// The connection followed now.
+    pub fn connection(&self) -> Option<ConnId> {
+        match self.link {
+            Link::Connecting { conn, .. } | Link::Up { conn, .. } => Some(conn),
+            _ => None,
+        }
+    }
+
+    /// Whether the core stopped (shut down or gave up).
+    pub fn is_stopped(&self) -> bool {
+        matches!(self.link, Link::Stopped)
+    }
+
+    pub fn policy(&self) -> &SourcePolicy {
+        &self.policy
+    }
+
+    /// The next action to run.
+    pub fn poll_action(&mut self) -> Option<Action<F>> {
+        self.out.pop_front()
+    }
+
+    /// When [`handle_timeout`](Self::handle_timeout) is due next.
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        let retry = match self.link {
+            Link::Down { retry_at } => Some(retry_at),
+            _ => None,
+        };
+        let probe = match self.link {
+            Link::Up { .. } => self.policy.probe_due(),
+            _ => None,
+        };
+        let anchor = match self.link {
+            Link::Up {
+                anchor_asked: Some(at),
+                restoring: false,
+                ..
+            } => Some(at + ANCHOR_PATIENCE),
+            _ => None,
+        };
+        [retry, probe, anchor].into_iter().flatten().min()
+    }
+
+    /// Runs what is due at `now`: the next connection attempt, a probe.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        if let Link::Down { retry_at } = self.link
+            && retry_at <= now
+        {
+            match self.policy.choose(now) {
+                Ok(source) => {
+                    let conn = ConnId(self.next_conn);
+                    self.next_conn += 1;
+                    self.link = Link::Connecting { conn, source };
+                    self.out.push_back(Action::Connect {
+                        conn,
+                        source,
+                        active: self.active,
+                    });
+                }
+                Err(at) => self.link = Link::Down { retry_at: at },
+            }
+        }
+        if let Link::Up {
+            anchor_asked: Some(at),
+            restoring: false,
+            ..
+        } = self.link
+            && at + ANCHOR_PATIENCE <= now
+        {
+            self.nothing_to_offer(now);
+        }
+        if matches!(self.link, Link::Up { .. })
+            && let Some(source) = self.policy.start_probe(now)
+        {
+            self.out.push_back(Action::Probe {
+                source,
+                active: self.active,
+            });
+        }
+    }
+
+    /// Handles one event at `now`.
+    pub fn handle(&mut self, now: Instant, event: Event<F>) {
+        match event {
+            Event::Connected { conn, latest } => self.connected(now, conn, latest),
+            Event::ConnectFailed { conn } => {
+                if let Link::Connecting { conn: c, source } = self.link
+                    && c == conn
+                {
+                    match self.policy.not_reached(source, now) {
+                        Ok(retry_at) => self.link = Link::Down { retry_at },
+                        Err(e) => self.give_up(e),
+                    }
+                }
+            }
+            Event::Lost { conn } => {
+                if let Some(source) = self.source_of(conn) {
+                    self.link = Link::Down { retry_at: now };
+                    if let Err(e) = self.policy.lost(source) {
+                        self.give_up(e);
+                    }
+                }
+            }
+            Event::StreamStarted {
+                conn,
+                version,
+                base,
+                delta_id,
+                transmission,
+                stripes,
+            } => {
+                if self.receiving(conn) {
+                    self.stream_started(now, version, base, delta_id, transmission, stripes);
+                }
+            }
+            Event::Frame {
+                conn,
+                version,
+                delta_id,
+                transmission,
+                info,
+                bytes,
+                frame,
+            } => {
+                if self.receiving(conn) {
+                    self.frame(version, delta_id, transmission, info, bytes, frame);
+                }
+            }
+            Event::StreamEnded {
+                conn,
+                version,
+                delta_id,
+                transmission,
+                stripes,
+            } => {
+                if self.receiving(conn)
+                    && let Some(p) = self.pending.get_mut(&version)
+                    && p.reception.delta_id == delta_id
+                    && let Some(seqs) = p.reception.stream_ended(transmission, stripes)
+                {
+                    self.refetch(now, version, seqs, false);
+                }
+            }
+            Event::Commit { conn, version } => {
+                let ahead = self.cfg.bounds.map_or(u64::MAX, |b| b.max_versions);
+                if self.receiving(conn)
+                    && version > self.active
+                    && version <= self.active.saturating_add(ahead)
+                {
+                    self.commits.insert(version);
+                }
+            }
+            Event::Refused { conn, reason } => {
+                if self.receiving(conn) && reason == RefuseReason::VersionUnavailable {
+                    self.unavailable(now);
+                }
+            }
+            Event::AnchorOffered { conn, version } => {
+                if self.receiving(conn) {
+                    if version > self.done_through() && self.cfg.anchors {
+                        if let Link::Up { restoring, .. } = &mut self.link {
+                            *restoring = true;
+                        }
+                        self.out.push_back(Action::RestoreAnchor { conn, version });
+                    } else {
+                        self.leave(now, false);
+                    }
+                }
+            }
+            Event::AnchorRestored { conn, version } => self.restored(now, conn, version),
+            Event::AnchorFailed { conn } => {
+                if let Link::Up {
+                    conn: c,
+                    restoring: true,
+                    ..
+                } = self.link
+                    && c == conn
+                {
+                    self.leave(now, false);
+                }
+            }
+            Event::StageFailed { version } => self.stage_failed(now, version),
+            Event::Activated { version } => {
+                self.activated(version);
+                if self.shed && self.activating.is_none() {
+                    // Versions were dropped to stay within the bound: the source streams
+                    // them again after what is active now.
+                    self.shed = false;
+                    self.leave(now, true);
+                }
+            }
+            Event::ActivationFailed { version } => {
+                if self.activating == Some(version) {
+                    self.activating = None;
+                    self.start_over(now, version);
+                }
+            }
+            Event::Probed { source, latest } => {
+                let half = self.pending.contains_key(&(self.active + 1));
+                // Not in the middle of restoring an anchor: probe again later.
+                let restoring = matches!(
+                    self.link,
+                    Link::Up {
+                        restoring: true,
+                        ..
+                    }
+                );
+                let latest = latest.filter(|_| !restoring);
+                if source == SourceId(0)
+                    && self.policy.probed(latest, self.active, half, now)
+                    && let Link::Up { conn, source, .. } = self.link
+                {
+                    self.out
+                        .push_back(Action::Notice(Notice::Returning { from: source }));
+                    self.out.push_back(Action::Disconnect { conn });
+                    self.policy.go_back();
+                    self.link = Link::Down { retry_at: now };
+                    self.handle_timeout(now);
+                }
+            }
+            Event::Shutdown => {
+                if let Some(conn) = self.connection() {
+                    self.out.push_back(Action::Disconnect { conn });
+                }
+                self.link = Link::Stopped;
+            }
+        }
+        self.check_bounds(now);
+        self.activate_ready();
+    }
+
+    fn source_of(&self, conn: ConnId) -> Option<SourceId> {
+        match self.link {
+            Link::Connecting { conn: c, source }
+            | Link::Up {
+                conn: c, source, ..
+            } if c == conn => Some(source),
+            _ => None,
+        }
+    }
+
+    /// Whether data events of `conn` count: it is the connection followed, not restoring.
+    fn receiving(&self, conn: ConnId) -> bool {
+        matches!(self.link, Link::Up { conn: c, restoring: false, .. } if c == conn)
+    }
+
+    fn connected(&mut self, now: Instant, conn: ConnId, latest: u64) {
+        let Link::Connecting { conn: c, source } = self.link else {
+            return;
+        };
+        if c != conn {
+            return;
+        }
+        self.policy.connected(source, now);
+        self.shed = false;
+        // A new source numbers its transmissions afresh: what was outstanding is not.
+        for p in self.pending.values_mut() {
+            p.reception.reset_requests();
+            p.newest_transmission = None;
+            p.stale_through = None;
+        }
+        let next = self.done_through() + 1;
+        // Continue the next version from what is here only where the source holds it whole;
+        // else it is streamed again and what is here is dropped as duplicate.
+        let resume = self
+            .pending
+            .get(&next)
+            .map(|p| p.reception.have())
+            .filter(|have| latest >= next && !have.is_empty() && have.len() <= MAX_SEQS);
+        let after = if resume.is_some() { next } else { next - 1 };
+        self.newest_announced = after;
+        self.out.push_back(Action::Send {
+            conn,
+            message: Message::Subscribe {
+                after_version: after,
+            },
+        });
+        if let Some(have) = resume {
+            self.out.push_back(Action::Send {
+                conn,
+                message: Message::Resume {
+                    version: next,
+                    have,
+                },
+            });
+        }
+        self.link = Link::Up {
+            conn,
+            source,
+            anchor_asked: None,
+            restoring: false,
+        };
+    }
+
+    fn stream_started(
+        &mut self,
+        now: Instant,
+        version: u64,
+        base: u64,
+        delta_id: [u8; 32],
+        transmission: u32,
+        stripes: u16,
+    ) {
+        if version <= self.done_through() {
+            return;
+        }
+        if let Some(b) = self.cfg.bounds {
+            let jump = version > self.newest_announced.saturating_add(1);
+            if version > self.active.saturating_add(b.max_versions)
+                || (jump && version > self.active.saturating_add(b.max_ahead))
+            {
+                return self.misbehaved(
+                    now,
+                    Misbehaviour::TooFarAhead {
+                        version,
+                        newest: self.newest_announced,
+                        active: self.active,
+                        max_ahead: b.max_ahead,
+                    },
+                );
+            }
+        }
+        self.newest_announced = self.newest_announced.max(version);
+        let same = self
+            .pending
+            .get(&version)
+            .is_some_and(|p| p.reception.delta_id == delta_id);
+        if !same {
+            // A different delta under the same number replaces an unfinished one (its
+            // producer failed and published again).
+            if self.pending.contains_key(&version) {
+                self.forget(version);
+            }
+            let stage = if self.cfg.stage_ahead || version == self.active + 1 {
+                self.out.push_back(Action::Begin {
+                    version,
+                    base,
+                    delta_id,
+                });
+                Stage::Staging
+            } else {
+                Stage::Buffering(Vec::new())
+            };
+            self.pending.insert(
+                version,
+                Pending {
+                    reception: Reception::new(version, base, delta_id, now),
+                    stage,
+                    held: 0,
+                    said_received: false,
+                    newest_transmission: None,
+                    stale_through: None,
+                    #[cfg(test)]
+                    from_buffer: false,
+                },
+            );
+        }
+        if let Some(p) = self.pending.get_mut(&version) {
+            p.reception.stream_started(transmission, stripes);
+            p.newest_transmission = p.newest_transmission.max(Some(transmission));
+        }
+    }
+
+    fn frame(
+        &mut self,
+        version: u64,
+        delta_id: [u8; 32],
+        transmission: u32,
+        info: FrameInfo,
+        bytes: u64,
+        frame: F,
+    ) {
+        let Some(p) = self.pending.get_mut(&version) else {
+            return;
+        };
+        if p.reception.delta_id != delta_id
+            || p.stale_through.is_some_and(|t| transmission <= t)
+            || p.reception.frame(info) == Added::Duplicate
+        {
+            return;
+        }
+        p.held += bytes;
+        if p.reception.complete() && !p.said_received {
+            p.said_received = true;
+            self.out
+                .push_back(Action::Notice(Notice::Received { version }));
+        }
+        match &mut p.stage {
+            Stage::Buffering(frames) => frames.push(frame),
+            Stage::Staging => self.out.push_back(Action::Stage { version, frame }),
+        }
+    }
+
+    /// The bounds on what the current source sent: a source that sent more of one version
+    /// than a version can hold is dropped; versions beyond the next one that take more than
+    /// the bound for everything in flight are dropped (newest first), to be streamed again.
+    fn check_bounds(&mut self, now: Instant) {
+        let Some(b) = self.cfg.bounds else {
+            return;
+        };
+        let over = self
+            .pending
+            .iter()
+            .find(|(_, p)| p.held > b.version_cap)
+            .map(|(&version, _)| version);
+        if let Some(version) = over {
+            return self.misbehaved(
+                now,
+                Misbehaviour::VersionTooLarge {
+                    version,
+                    cap: b.version_cap,
+                },
+            );
+        }
+        while self.held_bytes() > 2 * b.version_cap {
+            let Some(&newest) = self.pending.keys().next_back() else {
+                break;
+            };
+            if newest <= self.active + 1 {
+                break;
+            }
+            self.forget(newest);
+            self.shed = true;
+        }
+    }
+
+    /// Drops the current source for breaking a bound, with everything it sent.
+    fn misbehaved(&mut self, now: Instant, why: Misbehaviour) {
+        let (Link::Up { conn, source, .. } | Link::Connecting { conn, source }) = self.link else {
+            return;
+        };
+        self.out
+            .push_back(Action::Notice(Notice::SourceDropped { source, why }));
+        let versions: Vec<u64> = self.pending.keys().copied().collect();
+        for v in versions {
+            self.forget(v);
+        }
+        self.out.push_back(Action::Disconnect { conn });
+        self.link = Link::Down { retry_at: now };
+        if let Err(e) = self.policy.misbehaved(source, now) {
+            self.give_up(e);
+        }
+    }
+
+    /// Leaves the current source (it has nothing for us, or we subscribe afresh): `again`
+    /// comes back to the same one.
+    fn leave(&mut self, now: Instant, again: bool) {
+        if let Some(conn) = self.connection()
+            && let Some(source) = self.source()
+        {
+            self.out.push_back(Action::Disconnect { conn });
+            self.policy.leave(source, again);
+            self.link = Link::Down { retry_at: now };
+        }
+    }
+
+    /// The source does not retain what was asked for: ask it for its newest anchor, once per
+    /// connection. Refusals that follow are of requests sent before (a `Subscribe` and a
+    /// `Resume` can both be refused); whether an anchor comes is decided by
+    /// [`ANCHOR_PATIENCE`] in [`handle_timeout`](Self::handle_timeout).
+    fn unavailable(&mut self, now: Instant) {
+        let Link::Up {
+            conn, anchor_asked, ..
+        } = &mut self.link
+        else {
+            return;
+        };
+        let conn = *conn;
+        if anchor_asked.is_some() {
+            return;
+        }
+        if !self.cfg.anchors {
+            return self.nothing_to_offer(now);
+        }
+        *anchor_asked = Some(now);
+        let after_version = self.done_through();
+        self.out.push_back(Action::Send {
+            conn,
+            message: Message::FetchAnchor { after_version },
+        });
+    }
+
+    /// The source has neither the next delta nor a newer anchor: leave it.
+    fn nothing_to_offer(&mut self, now: Instant) {
+        let Some(source) = self.source() else {
+            return;
+        };
+        let after = self.done_through();
+        self.policy.nothing_to_offer(source, after);
+        self.out
+            .push_back(Action::Notice(Notice::NothingToOffer { source, after }));
+        match self.cfg.unavailable_retry {
+            None => self.leave(now, false),
+            Some(pause) => {
+                self.leave(now, true);
+                self.link = Link::Down {
+                    retry_at: now + pause,
+                };
+            }
+        }
+    }
+
+    fn restored(&mut self, now: Instant, conn: ConnId, version: u64) {
+        let restoring = matches!(self.link, Link::Up { conn: c, restoring: true, .. } if c == conn);
+        if !restoring || version <= self.active {
+            return;
+        }
+        let versions: Vec<u64> = self.pending.keys().copied().collect();
+        for v in versions {
+            self.forget(v);
+        }
+        self.active = version;
+        self.activating = None;
+        self.commits.clear();
+        self.retries.clear();
+        // The subscription was after the old version: subscribe afresh, from the preferred
+        // source on (it may hold the deltas after the anchor though it had no anchor).
+        if let Some(conn) = self.connection() {
+            self.out.push_back(Action::Disconnect { conn });
+        }
+        self.policy.go_back();
+        self.link = Link::Down { retry_at: now };
+    }
+
+    /// Drops what is held of `version`, here and in the shell.
+    fn forget(&mut self, version: u64) {
+        if let Some(p) = self.pending.remove(&version)
+            && matches!(p.stage, Stage::Staging)
+        {
+            self.out.push_back(Action::Discard { version });
+        }
+    }
+
+    /// A frame of `version` did not stage: what is staged of it is gone in the shell. The
+    /// version starts over and is fetched whole again.
+    fn stage_failed(&mut self, now: Instant, version: u64) {
+        let Some(_p) = self.pending.get(&version) else {
+            return;
+        };
+        #[cfg(test)]
+        if self.regression == Regression::DropBufferedOnStageFailure && _p.from_buffer {
+            // Before 029593f the actor dropped a version whose buffered frames failed to
+            // stage at its base's activation, and fetched nothing.
+            self.forget(version);
+            return;
+        }
+        // What was queued for it behind the frame that failed is moot: its other frames, and
+        // an activation asked for when its last frame came in.
+        let before = self.out.len();
+        self.out.retain(|a| {
+            !matches!(a, Action::Stage { version: v, .. } | Action::Activate { version: v, .. }
+                if *v == version)
+        });
+        if self.activating == Some(version) {
+            if self.out.len() == before {
+                // The shell took the activation already: its ActivationFailed starts over.
+                return;
+            }
+            self.activating = None;
+        }
+        self.start_over(now, version);
+    }
+
+    /// `version` failed staging or activation: what is here of it is dropped (here and in the
+    /// shell), its transmission bookkeeping kept (stripes still under way keep counting), and
+    /// the whole version is fetched again.
+    fn start_over(&mut self, now: Instant, version: u64) {
+        let Some(p) = self.pending.get_mut(&version) else {
+            return;
+        };
+        let staging = matches!(p.stage, Stage::Staging);
+        p.reception.restart();
+        p.held = 0;
+        p.said_received = false;
+        p.stale_through = p.newest_transmission;
+        p.stage = Stage::Buffering(Vec::new());
+        let (base, delta_id) = (p.reception.base, p.reception.delta_id);
+        if staging {
+            self.out.push_back(Action::Discard { version });
+        }
+        if self.cfg.stage_ahead || version == self.active + 1 {
+            if let Some(p) = self.pending.get_mut(&version) {
+                p.stage = Stage::Staging;
+            }
+            self.out.push_back(Action::Begin {
+                version,
+                base,
+                delta_id,
+            });
+        }
+        self.refetch(now, version, Vec::new(), true);
+    }
+
+    /// Asks the source for `seqs` of `version` again (all of it when empty). `failed`: what
+    /// it sent failed verification (counted against [`Bounds::max_refetches`]); else parts of
+    /// it were lost on the way (a stripe cut short), which says nothing against the source.
+    fn refetch(&mut self, now: Instant, version: u64, seqs: Vec<u32>, failed: bool) {
+        // Only on a subscription: a connection still being made streams every version after
+        // what is done once it subscribes.
+        let Link::Up { conn, .. } = self.link else {
+            return;
+        };
+        if failed {
+            let n = self.retries.entry(version).or_default();
+            *n += 1;
+            let attempts = *n;
+            if let Some(b) = self.cfg.bounds
+                && attempts > b.max_refetches
+            {
+                // This source keeps sending what does not verify: the next one starts
+                // afresh.
+                self.retries.remove(&version);
+                return self.misbehaved(
+                    now,
+                    Misbehaviour::KeepsFailing {
+                        version,
+                        attempts: b.max_refetches,
+                    },
+                );
+            }
+        }
+        self.out.push_back(Action::Send {
+            conn,
+            message: Message::Fetch { version, seqs },
+        });
+    }
+
+    fn activated(&mut self, version: u64) {
+        if self.activating != Some(version) {
+            return;
+        }
+        self.activating = None;
+        self.pending.remove(&version);
+        self.commits.remove(&version);
+        self.retries.remove(&version);
+        self.active = version;
+        self.policy.activated();
+        if let Link::Up { anchor_asked, .. } = &mut self.link {
+            *anchor_asked = None;
+        }
+        self.commits.retain(|&v| v > version);
+        // Versions at or below the active one will not be needed again.
+        let stale: Vec<u64> = self.pending.range(..=version).map(|(&v, _)| v).collect();
+        for v in stale {
+            self.forget(v);
+        }
+        // The next version becomes the one staged on arrival: what was buffered of it is
+        // staged now, in the order it came.
+        let next = version + 1;
+        if let Some(p) = self.pending.get_mut(&next)
+            && let Stage::Buffering(frames) = std::mem::replace(&mut p.stage, Stage::Staging)
+        {
+            #[cfg(test)]
+            {
+                p.from_buffer = true;
+            }
+            self.out.push_back(Action::Begin {
+                version: next,
+                base: p.reception.base,
+                delta_id: p.reception.delta_id,
+            });
+            for frame in frames {
+                self.out.push_back(Action::Stage {
+                    version: next,
+                    frame,
+                });
+            }
+        }
+    }
+
+    /// Asks the shell to activate the next version once it is whole, staged and committed
+    /// (one at a time, in order).
+    fn activate_ready(&mut self) {
+        if self.activating.is_some() || self.is_stopped() {
+            return;
+        }
+        let next = self.active + 1;
+        let Some(p) = self.pending.get(&next) else {
+            return;
+        };
+        if self.commits.contains(&next)
+            && p.reception.complete()
+            && matches!(p.stage, Stage::Staging)
+        {
+            self.activating = Some(next);
+            self.out.push_back(Action::Activate {
+                version: next,
+                started: p.reception.started,
+            });
+        }
+    }
+
+    fn give_up(&mut self, e: GaveUp) {
+        if let Some(conn) = self.connection() {
+            self.out.push_back(Action::Disconnect { conn });
+        }
+        self.link = Link::Stopped;
+        self.out.push_back(Action::GiveUp(e));
+    }
+}
