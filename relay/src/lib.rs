@@ -21,8 +21,9 @@
 //!   its cache (`anchors.rs`), restarts its chain there, and offers that anchor to its actors
 //!   that are behind too: one full checkpoint over the WAN per region, not per actor.
 //! - One QUIC endpoint: actors connect to the relay's listening endpoint, which also carries
-//!   the subscription to the hub (unless it listens on loopback only and the hub is
-//!   elsewhere: then a second, client-only endpoint does).
+//!   the subscription to the hub where routing towards the hub would pick the listening
+//!   address as its source (it listens on every address, or on the one facing the hub);
+//!   otherwise (loopback, or the region's LAN address) a second, client-only endpoint does.
 //! - **Stopping** (SIGTERM): the relay leaves the hub, lets a verification in flight finish
 //!   and forwards what it has verified to the actors subscribed, within [`SHUTDOWN_GRACE`].
 
