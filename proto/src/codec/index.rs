@@ -776,21 +776,9 @@ mod timing {
     #[ignore]
     fn exp_class_gaps_speed() {
         let n = 1 << 22;
-        let mut s = 88172645463325252u64;
-        let mut next = || {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            s
-        };
-        let base: Vec<u16> = (0..n)
-            .map(|_| {
-                let g: f32 = (0..4)
-                    .map(|_| (next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
-                    .sum();
-                crate::bf16::f32_to_bf16(g * 0.03)
-            })
-            .collect();
+        let mut next = super::super::synthetic::XorShift::default();
+        let base = super::super::synthetic::weights(&mut next, n);
+        let mut next = || next.next_u64();
         for off in [112u16, 114] {
             let positions: Vec<u64> = base
                 .iter()

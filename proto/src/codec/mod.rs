@@ -19,6 +19,40 @@ pub mod rc;
 pub(crate) mod scan;
 pub mod value;
 
+/// Synthetic BF16 weights for the codecs' timing tests: a sum of four uniforms (close to a
+/// Gaussian) scaled like a trained layer's weights, from a fixed xorshift stream.
+#[cfg(test)]
+mod synthetic {
+    pub(super) struct XorShift(u64);
+
+    impl Default for XorShift {
+        fn default() -> Self {
+            Self(88172645463325252)
+        }
+    }
+
+    impl XorShift {
+        pub(super) fn next_u64(&mut self) -> u64 {
+            let s = &mut self.0;
+            *s ^= *s << 13;
+            *s ^= *s >> 7;
+            *s ^= *s << 17;
+            *s
+        }
+    }
+
+    pub(super) fn weights(rng: &mut XorShift, n: usize) -> Vec<u16> {
+        (0..n)
+            .map(|_| {
+                let g: f32 = (0..4)
+                    .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+                    .sum();
+                crate::bf16::f32_to_bf16(g * 0.03)
+            })
+            .collect()
+    }
+}
+
 use crate::error::DecodeError;
 
 /// How the sorted change positions of a sparse part are coded.
