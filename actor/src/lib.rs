@@ -23,6 +23,7 @@
 //! results (the hub accepts them before the actor exits; the jobs it had not started are
 //! released when its connection closes).
 
+mod claim_depth;
 pub mod cli;
 pub mod engine;
 mod pipeline;

@@ -6,11 +6,14 @@
 //! down. The worker says `Work`, then runs one event loop over the connection:
 //!
 //! - **Pipelined claims.** It claims its next jobs while the current ones generate: a `Claim`
-//!   goes out whenever it holds at most `--claim` jobs, so it holds at most 2 × `--claim`, and
-//!   the next generation starts the moment the current one ends instead of a claim round trip
-//!   later (150 ms per job batch on the demo's far link). Replies come back in request order
-//!   (the hub answers each message before reading the next), so the loop matches them to a
-//!   queue of what it asked. An empty `Jobs` waits 100 ms before the next claim.
+//!   goes out whenever it holds at most one claim's worth, so it holds at most two, and the
+//!   next generation starts the moment the current one ends instead of a claim round trip
+//!   later (150 ms per job batch on the demo's far link). A claim's worth is `--claim` jobs,
+//!   or as many as the engine gets through in one round trip if that is more
+//!   (`claim_depth`). Replies come back in request order (the hub answers each
+//!   message before reading the next), so the loop matches them to a queue of what it asked.
+//!   An empty `Jobs` waits 100 ms before the next claim, or less: a version staged or
+//!   activated meanwhile (the share it may be waiting for) claims at once.
 //! - **Generation** runs on a blocking thread, one call at a time, after waiting (bounded)
 //!   until the engine holds at least each job's version (an actor scheduled while D(v) was
 //!   still arriving activates v first). Its results are submitted at once; the verdicts are
@@ -49,6 +52,7 @@ use tokio::sync::{Mutex, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
+use crate::claim_depth::ClaimDepth;
 use crate::engine::{Engine, JobProgress};
 
 /// Where the weight pipeline stands, as the worker reports it.
@@ -67,8 +71,10 @@ pub struct WorkerConfig {
     pub region: String,
     pub model_id: String,
     pub hardware: String,
-    /// Jobs (groups) claimed per generation call; at most twice this many are held at once
-    /// (the next call's jobs are claimed while the current call generates).
+    /// Jobs (groups) claimed per generation call, at least; more where the engine gets
+    /// through more in one round trip to the hub (`claim_depth`). At most two
+    /// claims' worth are held at once (the next call's jobs are claimed while the current
+    /// call generates).
     pub claim: u32,
 }
 
@@ -139,7 +145,7 @@ enum Awaiting {
 struct Running {
     jobs: Vec<u64>,
     progress: Arc<JobProgress>,
-    task: tokio::task::JoinHandle<Result<Vec<JobResult>>>,
+    task: tokio::task::JoinHandle<Result<(Vec<JobResult>, Duration)>>,
 }
 
 impl Drop for Running {
@@ -214,7 +220,9 @@ async fn session(
         engine.clone(),
         status.clone(),
     )));
-    let claim = cfg.claim.max(1) as usize;
+    let mut depth = ClaimDepth::new(cfg.claim);
+    let mut pipeline_moved = status.clone();
+    let mut watching = true;
     let mut awaiting: VecDeque<Awaiting> = VecDeque::new();
     let mut queued: VecDeque<Vec<JobSpec>> = VecDeque::new();
     let mut running: Option<Running> = None;
@@ -250,6 +258,7 @@ async fn session(
         }
         let held = running.as_ref().map_or(0, |r| r.jobs.len())
             + queued.iter().map(Vec::len).sum::<usize>();
+        let claim = depth.size(conn.rtt()) as usize;
         let claiming = awaiting.contains(&Awaiting::Jobs);
         let may_claim = !draining && !claiming && held <= claim && in_step(engine, status);
         let claim_at = tokio::time::Instant::from_std(next_claim);
@@ -290,7 +299,8 @@ async fn session(
             }
             done = finished(&mut running) => {
                 running = None;
-                let results = done.context("generation task")?.context("generate")?;
+                let (results, took) = done.context("generation task")?.context("generate")?;
+                depth.observe(results.len(), took);
                 // Each `Submit` carries what fits one message; a result too large for any
                 // goes alone (the hub refuses it by name), so it sinks none of the others.
                 for part in split_for_messages(results, MAX_MESSAGE_BODY) {
@@ -314,6 +324,11 @@ async fn session(
                 send(&mut *tx.lock().await, &Message::Claim { max }).await?;
                 awaiting.push_back(Awaiting::Jobs);
             }
+            // A version staged or activated: a share may be waiting for it; claim now.
+            moved = pipeline_moved.changed(), if watching => {
+                watching = moved.is_ok();
+                next_claim = Instant::now();
+            }
             // Fenced (or a claim already out with nothing else to do): look again soon.
             _ = tokio::time::sleep(Duration::from_millis(100)), if !may_claim => {}
             _ = stop.cancelled(), if !draining => {}
@@ -334,7 +349,7 @@ impl Drop for CloseOnDrop {
 /// The end of the generation in flight (never, if none is).
 async fn finished(
     running: &mut Option<Running>,
-) -> Result<Result<Vec<JobResult>>, tokio::task::JoinError> {
+) -> Result<Result<(Vec<JobResult>, Duration)>, tokio::task::JoinError> {
     match running {
         Some(r) => (&mut r.task).await,
         None => std::future::pending().await,
@@ -357,9 +372,11 @@ fn start_generation(engine: &Arc<dyn Engine>, jobs: Vec<JobSpec>) -> Running {
     let (eng, counts) = (engine.clone(), progress.clone());
     let task = tokio::spawn(async move {
         wait_for_version(&eng, &jobs).await;
-        tokio::task::spawn_blocking(move || eng.generate(&jobs, &counts))
+        let started = Instant::now();
+        let results = tokio::task::spawn_blocking(move || eng.generate(&jobs, &counts))
             .await
-            .context("generation thread")?
+            .context("generation thread")??;
+        Ok((results, started.elapsed()))
     });
     Running {
         jobs: ids,

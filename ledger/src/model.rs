@@ -249,6 +249,9 @@ pub struct ActorInfo {
     pub tau: f64,
     /// How many deliveries τ was measured from.
     pub measured: u64,
+    /// The round trip its first delivery after idleness costs beyond its work, in seconds,
+    /// once measured (`schedule::learn`).
+    pub latency_s: Option<f64>,
     /// Last heartbeat.
     pub last_heartbeat: Timestamp,
     /// When a share of it last timed out unclaimed, if it has not claimed since.
@@ -346,6 +349,9 @@ pub struct SubmitCall<'a> {
     pub unscored: &'a [JobId],
     /// Refusals the hub decided.
     pub refused: &'a [HubRefusal],
+    /// The hub's estimate of the round-trip time to the actor (its connection's), which the
+    /// first delivery after idleness is measured without (`schedule::learn`).
+    pub round_trip: Option<std::time::Duration>,
 }
 
 /// An accepted result waiting for its reward service.

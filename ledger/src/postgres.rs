@@ -368,10 +368,11 @@ impl PgStore {
             }
         }
         let interval =
-            schedule::interval_after_claim(who.busy_since, held_before, jobs.len(), now, max_gap);
+            schedule::interval_after_claim(who.busy, held_before, jobs.len(), now, max_gap);
         sqlx::query(sql::ACTOR_CLAIMED)
             .bind(actor.as_str())
-            .bind(interval.map(Timestamp::millis))
+            .bind(interval.map(|i| i.since.millis()))
+            .bind(i64::from(interval.is_some_and(|i| i.fresh)))
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -623,11 +624,13 @@ impl PgStore {
                     return Err(SubmitError::Conflict);
                 }
             }
-            if let Some(tau) = sql::settle_submit(&who, &decided, now, beta) {
+            if let Some(e) = sql::settle_submit(&who, &decided, now, beta, call.round_trip) {
                 sqlx::query(sql::SETTLE_ACTOR)
                     .bind(actor.as_str())
-                    .bind(tau)
+                    .bind(e.tau)
                     .bind(now.millis())
+                    .bind(e.latency_s)
+                    .bind(e.tokens_per_job)
                     .execute(&mut *tx)
                     .await?;
             }
@@ -709,14 +712,14 @@ const PG_INSERT_JOBS: &str = "INSERT INTO jobs (batch_id, version, prompt, state
 const PG_BATCH_FOR_UPDATE: &str =
     "SELECT id, version, size, sampling, scheduled_at FROM batches WHERE id = $1 FOR UPDATE";
 
-const PG_ACTORS_FOR_UPDATE: &str = "SELECT id, active_version, staged_version, tau, last_heartbeat, \
-     stalled_at FROM actors ORDER BY id FOR UPDATE";
+const PG_ACTORS_FOR_UPDATE: &str = "SELECT id, active_version, staged_version, tau, latency_s, \
+     tokens_per_job, last_heartbeat, stalled_at FROM actors ORDER BY id FOR UPDATE";
 
-const PG_ACTOR_TAU_FOR_UPDATE: &str =
-    "SELECT tau, measured, busy_since FROM actors WHERE id = $1 FOR UPDATE";
+const PG_ACTOR_TAU_FOR_UPDATE: &str = "SELECT tau, measured, busy_since, interval_fresh, \
+     latency_s, tokens_per_job FROM actors WHERE id = $1 FOR UPDATE";
 
 const PG_ACTOR_FOR_CLAIM: &str = "SELECT active_version, staged_version, tau, measured, busy_since, \
-     session FROM actors WHERE id = $1 FOR UPDATE";
+     interval_fresh, session FROM actors WHERE id = $1 FOR UPDATE";
 
 const PG_ACTOR_SESSION_FOR_UPDATE: &str = "SELECT session FROM actors WHERE id = $1 FOR UPDATE";
 

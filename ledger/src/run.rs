@@ -224,7 +224,7 @@ const LEASES_BY_ACTOR: &str = "SELECT lease_holder, COUNT(*) AS n FROM jobs \
      WHERE state = 'leased' GROUP BY lease_holder ORDER BY lease_holder";
 const JOB_PAYLOAD: &str = "SELECT id, batch_id, version, prompt FROM jobs WHERE id = $1";
 const ALL_ACTORS: &str = "SELECT id, region, hardware, active_version, staged_version, tau, \
-     measured, last_heartbeat, stalled_at FROM actors ORDER BY id";
+     measured, latency_s, last_heartbeat, stalled_at FROM actors ORDER BY id";
 
 fn version_record<R: Get>(r: &R) -> Result<VersionRecord, sqlx::Error> {
     Ok(VersionRecord {

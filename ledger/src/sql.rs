@@ -19,6 +19,7 @@ pub(crate) trait Get {
     fn string(&self, c: &str) -> Result<String, sqlx::Error>;
     fn opt_string(&self, c: &str) -> Result<Option<String>, sqlx::Error>;
     fn f64(&self, c: &str) -> Result<f64, sqlx::Error>;
+    fn opt_f64(&self, c: &str) -> Result<Option<f64>, sqlx::Error>;
     fn bytes(&self, c: &str) -> Result<Vec<u8>, sqlx::Error>;
 }
 
@@ -38,6 +39,9 @@ macro_rules! impl_get {
                 self.try_get(c)
             }
             fn f64(&self, c: &str) -> Result<f64, sqlx::Error> {
+                self.try_get(c)
+            }
+            fn opt_f64(&self, c: &str) -> Result<Option<f64>, sqlx::Error> {
                 self.try_get(c)
             }
             fn bytes(&self, c: &str) -> Result<Vec<u8>, sqlx::Error> {
@@ -66,7 +70,8 @@ pub(crate) const INSERT_JOB: &str = "INSERT INTO jobs (batch_id, version, prompt
      VALUES ($1, $2, $3, 'posted', $4)";
 pub(crate) const BATCH_BY_ID: &str =
     "SELECT id, version, size, sampling, scheduled_at FROM batches WHERE id = $1";
-pub(crate) const ACTORS_FOR_SCHEDULE: &str = "SELECT id, active_version, staged_version, tau, last_heartbeat, stalled_at FROM actors ORDER BY id";
+pub(crate) const ACTORS_FOR_SCHEDULE: &str = "SELECT id, active_version, staged_version, tau, \
+     latency_s, tokens_per_job, last_heartbeat, stalled_at FROM actors ORDER BY id";
 pub(crate) const SET_TAU: &str = "UPDATE actors SET tau = $2 WHERE id = $1";
 pub(crate) const ASSIGN_JOBS: &str = "UPDATE jobs SET state = 'pending', assignee = $1 \
      WHERE id IN (SELECT id FROM jobs WHERE batch_id = $2 AND state = 'posted' ORDER BY id LIMIT $3)";
@@ -74,16 +79,18 @@ pub(crate) const INSERT_ASSIGNMENT: &str =
     "INSERT INTO assignments (batch_id, actor_id, count, commit_version) VALUES ($1, $2, $3, $4)";
 pub(crate) const MARK_SCHEDULED: &str = "UPDATE batches SET scheduled_at = $2 WHERE id = $1";
 pub(crate) const ACTOR_FOR_CLAIM: &str = "SELECT active_version, staged_version, tau, measured, \
-     busy_since, session FROM actors WHERE id = $1";
-pub(crate) const ACTOR_TAU: &str = "SELECT tau, measured, busy_since FROM actors WHERE id = $1";
+     busy_since, interval_fresh, session FROM actors WHERE id = $1";
+pub(crate) const ACTOR_TAU: &str = "SELECT tau, measured, busy_since, interval_fresh, latency_s, \
+     tokens_per_job FROM actors WHERE id = $1";
 pub(crate) const HELD_BUDGET: &str = "SELECT COUNT(*) AS n, CAST(COALESCE(SUM(budget), 0) AS BIGINT) AS budget \
      FROM jobs WHERE state = 'leased' AND lease_holder = $1";
 pub(crate) const ACTOR_CLAIMED: &str =
-    "UPDATE actors SET busy_since = $2, stalled_at = NULL WHERE id = $1";
+    "UPDATE actors SET busy_since = $2, interval_fresh = $3, stalled_at = NULL WHERE id = $1";
 pub(crate) const TOUCH_ASSIGNMENT: &str =
     "UPDATE assignments SET claimed_at = $3 WHERE batch_id = $1 AND actor_id = $2";
-pub(crate) const SETTLE_ACTOR: &str =
-    "UPDATE actors SET tau = $2, measured = measured + 1, busy_since = $3 WHERE id = $1";
+pub(crate) const SETTLE_ACTOR: &str = "UPDATE actors SET tau = $2, measured = measured + 1, \
+     busy_since = $3, interval_fresh = 0, latency_s = $4, tokens_per_job = $5 \
+     WHERE id = $1";
 pub(crate) const EXTEND_LEASE: &str = "UPDATE jobs SET lease_expires = $2, progress_tokens = $3, \
      progress_at = $4 WHERE id = $1 AND state = 'leased' AND lease_holder = $5";
 pub(crate) const RELEASE_SESSION: &str = "UPDATE jobs SET state = CASE WHEN attempts >= $3 THEN 'failed' ELSE 'pending' END, \
@@ -96,7 +103,8 @@ pub(crate) const RELEASE_OTHER_SESSIONS: &str = "UPDATE jobs SET state = CASE WH
 pub(crate) const ACTOR_SESSION: &str = "SELECT session FROM actors WHERE id = $1";
 pub(crate) const UNASSIGN_ACTOR: &str =
     "UPDATE jobs SET assignee = NULL WHERE state = 'pending' AND assignee = $1";
-pub(crate) const ACTOR_IDLE: &str = "UPDATE actors SET busy_since = NULL WHERE id = $1";
+pub(crate) const ACTOR_IDLE: &str =
+    "UPDATE actors SET busy_since = NULL, interval_fresh = 0 WHERE id = $1";
 /// Actors holding a share (batch, actor) nobody claimed from since `$1`: counted from the
 /// last claim from the share, or from the batch's scheduling. They are marked stalled at `$2`.
 pub(crate) const MARK_STALLED: &str = "UPDATE actors SET stalled_at = $2 WHERE stalled_at IS NULL AND id IN \
@@ -113,7 +121,7 @@ pub(crate) const RELEASE_UNCLAIMED: &str = "UPDATE jobs SET assignee = NULL WHER
 pub(crate) const RELEASE_SILENT: &str = "UPDATE jobs SET assignee = NULL WHERE state = 'pending' \
      AND assignee IN (SELECT id FROM actors WHERE last_heartbeat < $1)";
 pub(crate) const ACTOR_BY_ID: &str = "SELECT id, region, hardware, active_version, staged_version, tau, \
-     measured, last_heartbeat, stalled_at FROM actors WHERE id = $1";
+     measured, latency_s, last_heartbeat, stalled_at FROM actors WHERE id = $1";
 pub(crate) const JOB_VIEW: &str = "SELECT j.id, j.state, j.attempts, j.lease_holder, r.actor_id \
      FROM jobs j LEFT JOIN results r ON r.job_id = j.id WHERE j.id = $1";
 pub(crate) const COMMITTED_FROM: &str =
@@ -164,6 +172,8 @@ pub(crate) fn actor_states<R: Get>(
                 active: opt_version(r.opt_i64("active_version")?)?,
                 staged: opt_version(r.opt_i64("staged_version")?)?,
                 tau: r.f64("tau")?,
+                latency_s: r.opt_f64("latency_s")?.unwrap_or(0.0),
+                tokens_per_job: r.opt_f64("tokens_per_job")?,
                 alive: r.i64("last_heartbeat")? >= cutoff,
                 stalled: r.opt_i64("stalled_at")?.is_some(),
             })
@@ -235,7 +245,7 @@ pub(crate) struct ClaimingActor {
     pub(crate) runnable: Option<i64>,
     pub(crate) tau: f64,
     pub(crate) measured: bool,
-    pub(crate) busy_since: Option<Timestamp>,
+    pub(crate) busy: Option<schedule::Interval>,
     pub(crate) session: i64,
 }
 
@@ -250,7 +260,7 @@ pub(crate) fn claiming_actor<R: Get>(r: &R) -> Result<ClaimingActor, sqlx::Error
         runnable,
         tau: r.f64("tau")?,
         measured: r.i64("measured")? > 0,
-        busy_since: r.opt_i64("busy_since")?.map(Timestamp::from_millis),
+        busy: interval(r)?,
         session: r.i64("session")?,
     })
 }
@@ -281,31 +291,44 @@ pub(crate) fn progress_row<R: Get>(
     ))
 }
 
+/// The actor's open delivery interval (`busy_since`, `interval_fresh`).
+fn interval<R: Get>(r: &R) -> Result<Option<schedule::Interval>, sqlx::Error> {
+    let fresh = r.i64("interval_fresh")? != 0;
+    Ok(r.opt_i64("busy_since")?.map(|ms| schedule::Interval {
+        since: Timestamp::from_millis(ms),
+        fresh,
+    }))
+}
+
 /// What a submit transaction reads of its actor to measure it.
 pub(crate) struct SettlingActor {
-    pub(crate) tau: f64,
-    pub(crate) measured: bool,
-    pub(crate) busy_since: Option<Timestamp>,
+    pub(crate) estimate: schedule::Estimate,
+    pub(crate) busy: Option<schedule::Interval>,
 }
 
 pub(crate) fn settling_actor<R: Get>(r: &R) -> Result<SettlingActor, sqlx::Error> {
     Ok(SettlingActor {
-        tau: r.f64("tau")?,
-        measured: r.i64("measured")? > 0,
-        busy_since: r.opt_i64("busy_since")?.map(Timestamp::from_millis),
+        estimate: schedule::Estimate {
+            tau: r.f64("tau")?,
+            measured: r.i64("measured")? > 0,
+            latency_s: r.opt_f64("latency_s")?,
+            tokens_per_job: r.opt_f64("tokens_per_job")?,
+        },
+        busy: interval(r)?,
     })
 }
 
-/// The new τ and the start of the next interval after an accepted submit (`None`: nothing
-/// was accepted, nothing changes): the accepted tokens over the wall time since the actor's
-/// interval started (its previous accepted submit, or the claim that ended its idleness), or
-/// since the earliest of these leases if no interval is open.
+/// The actor's new estimate after an accepted submit (`None`: nothing was accepted, nothing
+/// changes): the accepted tokens over the wall time since the actor's interval started (its
+/// previous accepted submit, or the claim that ended its idleness), or since the earliest of
+/// these leases if no interval is open ([`schedule::learn`]). The next interval starts now.
 pub(crate) fn settle_submit(
     actor: &SettlingActor,
     decided: &Decided<'_>,
     now: Timestamp,
     beta: f64,
-) -> Option<f64> {
+    round_trip: Option<Duration>,
+) -> Option<schedule::Estimate> {
     if decided.accepted.is_empty() {
         return None;
     }
@@ -314,23 +337,27 @@ pub(crate) fn settle_submit(
         .iter()
         .map(|(s, _)| u64::from(s.tokens))
         .sum();
-    let start = actor.busy_since.unwrap_or_else(|| {
+    let open = actor.busy.unwrap_or_else(|| {
         let earliest = decided
             .accepted
             .iter()
             .filter_map(|(_, r)| r.leased_at)
             .min()
             .unwrap_or(now.millis());
-        Timestamp::from_millis(earliest)
+        schedule::Interval {
+            since: Timestamp::from_millis(earliest),
+            fresh: true,
+        }
     });
-    let elapsed = u64::try_from(now.millis().saturating_sub(start.millis())).unwrap_or(0);
-    Some(schedule::settle(
-        actor.tau,
-        actor.measured,
-        beta,
+    let elapsed_ms = u64::try_from(now.millis().saturating_sub(open.since.millis())).unwrap_or(0);
+    let delivery = schedule::Delivery {
         tokens,
-        elapsed,
-    ))
+        jobs: decided.accepted.len() as u64,
+        elapsed_ms,
+        fresh: open.fresh,
+        round_trip,
+    };
+    Some(schedule::learn(&actor.estimate, &delivery, beta))
 }
 
 pub(crate) fn job_rows<R: Get>(rows: &[R]) -> Result<HashMap<i64, JobRow>, sqlx::Error> {
@@ -519,6 +546,7 @@ pub(crate) fn actor_info<R: Get>(r: &R) -> Result<ActorInfo, crate::error::ReadE
         staged: opt_version(r.opt_i64("staged_version")?)?,
         tau: r.f64("tau")?,
         measured: u64::try_from(r.i64("measured")?).unwrap_or(0),
+        latency_s: r.opt_f64("latency_s")?,
         last_heartbeat: Timestamp::from_millis(r.i64("last_heartbeat")?),
         stalled_since: r.opt_i64("stalled_at")?.map(Timestamp::from_millis),
     })

@@ -438,10 +438,11 @@ impl SqliteStore {
             }
         }
         let interval =
-            schedule::interval_after_claim(who.busy_since, held_before, jobs.len(), now, max_gap);
+            schedule::interval_after_claim(who.busy, held_before, jobs.len(), now, max_gap);
         sqlx::query(sql::ACTOR_CLAIMED)
             .bind(actor.as_str())
-            .bind(interval.map(Timestamp::millis))
+            .bind(interval.map(|i| i.since.millis()))
+            .bind(i64::from(interval.is_some_and(|i| i.fresh)))
             .execute(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -672,11 +673,13 @@ impl SqliteStore {
                     return Err(SubmitError::Conflict);
                 }
             }
-            if let Some(tau) = sql::settle_submit(&who, &decided, now, beta) {
+            if let Some(e) = sql::settle_submit(&who, &decided, now, beta, call.round_trip) {
                 sqlx::query(sql::SETTLE_ACTOR)
                     .bind(actor.as_str())
-                    .bind(tau)
+                    .bind(e.tau)
                     .bind(now.millis())
+                    .bind(e.latency_s)
+                    .bind(e.tokens_per_job)
                     .execute(&mut *tx)
                     .await?;
             }

@@ -471,20 +471,28 @@ async fn a_lease_covers_the_held_budget_at_the_measured_throughput(l: &Ledger) {
     assert_eq!(next[0].lease_expires, at(44_500));
     let pipelined = l.claim(&actor("a"), 1, at(4_600)).await.unwrap();
     assert_eq!(pipelined[0].lease_expires, at(84_600));
-    // 100 tokens over the 6 s since its last accepted submit (round trip included): the EMA
-    // moves towards 16.7 tokens/s.
+    // 100 tokens over the 6 s since its last accepted submit (round trip included): its first
+    // delivery while busy, which measures its rate alone and replaces the τ of its first
+    // delivery after idleness (that one had the claim's round trip folded in).
     l.submit(&actor("a"), &[ok(&next[0])], at(10_000))
         .await
         .unwrap();
     let tau = l.actor(&actor("a")).await.unwrap().tau;
-    let expected = 0.9 * 50.0 + 0.1 * (100.0 / 6.0);
+    let expected = 100.0 / 6.0;
     assert!(
         (tau - expected).abs() < 1e-9,
         "tau {tau}, expected {expected}"
     );
+    // The next busy delivery moves it by the EMA: 100 tokens in 1 s.
     l.submit(&actor("a"), &[ok(&pipelined[0])], at(11_000))
         .await
         .unwrap();
+    let tau = l.actor(&actor("a")).await.unwrap().tau;
+    let expected = 0.9 * (100.0 / 6.0) + 0.1 * 100.0;
+    assert!(
+        (tau - expected).abs() < 1e-9,
+        "tau {tau}, expected {expected}"
+    );
     // Idle (a claim that found nothing), then a job 32× as long: its interval starts at the
     // claim, not at the last submit, and its lease is 32× a short one's.
     assert!(
@@ -512,12 +520,16 @@ async fn a_lease_covers_the_held_budget_at_the_measured_throughput(l: &Ledger) {
     l.submit(&actor("a"), &[ok(&long[0])], at(72_000))
         .await
         .unwrap();
-    let tau = l.actor(&actor("a")).await.unwrap().tau;
+    // Its first delivery after idleness: 100 tokens in 1 s, faster than its τ of 25 tokens/s
+    // allows, so no latency and τ moves by the EMA towards 100 tokens/s.
+    let info = l.actor(&actor("a")).await.unwrap();
     let expected = 0.9 * tau_before + 0.1 * 100.0;
     assert!(
-        (tau - expected).abs() < 1e-9,
-        "tau {tau}, expected {expected}"
+        (info.tau - expected).abs() < 1e-9,
+        "tau {}, expected {expected}",
+        info.tau
     );
+    assert_eq!(info.latency_s, Some(0.0));
     // The floor holds.
     let tiny = l
         .post_batch_budgeted(v(0), &prompts(1), &[1], "{}", 1, at(80_000))
@@ -795,7 +807,8 @@ async fn sqlite_state_and_measurements_survive_reopen() {
     // 2 × (100 + 100) / 150 s = 2.67 s: the same lease as before the restart would give.
     let next = reopened.claim(&actor("a"), 1, at(2_200)).await.unwrap();
     assert_eq!(next[0].lease_expires, at(2_200 + 2_666));
-    // The interval opened before the restart goes on: 200 tokens over 1.2 s.
+    // The interval opened before the restart goes on: 200 tokens over 1.2 s, its first
+    // delivery while busy (it replaces the τ measured after idleness).
     let out = reopened
         .submit(
             &actor("a"),
@@ -809,10 +822,7 @@ async fn sqlite_state_and_measurements_survive_reopen() {
         "leases survive a restart"
     );
     let tau = reopened.actor(&actor("a")).await.unwrap().tau;
-    assert!(
-        (tau - (0.9 * 150.0 + 0.1 * 200.0 / 1.2)).abs() < 1e-9,
-        "{tau}"
-    );
+    assert!((tau - 200.0 / 1.2).abs() < 1e-9, "{tau}");
     reopened.check_invariants().await.unwrap();
     db.cleanup(reopened).await;
 }

@@ -65,6 +65,9 @@ pub(crate) struct WorkerContext {
     pub(crate) limits: WorkerLimits,
     /// Woken when results were stored waiting for their reward service.
     pub(crate) scorer: Arc<Notify>,
+    /// The actor's connection: its round-trip time measures the actor's latency apart from
+    /// its rate (`starling_ledger::schedule::learn`).
+    pub(crate) conn: quinn::Connection,
 }
 
 /// The largest oversized `Submit` the hub reads past (to refuse its result by name) instead
@@ -447,6 +450,7 @@ async fn submit(cx: &WorkerContext, actor: &ActorId, results: Vec<JobResult>) ->
         results: &subs,
         unscored: &unscored,
         refused: &refused,
+        round_trip: Some(cx.conn.rtt()),
     };
     let outcomes = ledger
         .submit_call(actor, call, now())

@@ -205,6 +205,7 @@ async fn build(hub: &Hub) -> anyhow::Result<Value> {
                 "behind": active.map(|v| version.saturating_sub(v)),
                 "source": b.source,
                 "tokens_per_s": a.tau,
+                "latency_s": a.latency_s,
                 "share": newest_shares.get(name).map(|&n| f64::from(n) / f64::from(share_total.max(1))),
                 "leases": leases.get(name).copied().unwrap_or(0),
                 "accepted": b.accepted,
