@@ -14,6 +14,7 @@
 
 use std::ffi::OsString;
 use std::io::{self, Write};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 /// One line of a panel.
@@ -322,21 +323,35 @@ impl PageGrid {
 #[derive(Debug)]
 struct ChartLayout {
     title: Point,
-    legend: Point,
+    /// Each legend line: where it starts and the series it holds.
+    legend: Vec<(Point, Range<usize>)>,
     plot: Rect,
 }
 
 impl ChartLayout {
-    /// The legend shares the title's line, right-aligned, when both fit;
-    /// otherwise it gets its own line below the title.
+    /// The legend shares the title's line, right-aligned, when both fit; otherwise it gets
+    /// lines of its own below the title, right-aligned, as many as its entries need.
     fn compute(metrics: Metrics, grid: &PageGrid, slot: Rect, chart: &Chart<'_>) -> Self {
+        let series = &chart.panel.series;
         let title_width = metrics.text_width(&chart.panel.title);
-        let legend_width = legend_width(metrics, &chart.panel.series);
-        let shared_line =
-            title_width + metrics.legend_spacing() + legend_width <= grid.plot_width();
-        let header_lines = if shared_line { 1 } else { 2 };
-        let legend_left = (grid.plot_right + 1 - legend_width).max(grid.plot_left);
-        let legend_top = slot.top + (header_lines - 1) * metrics.line_height();
+        let rows = legend_rows(metrics, series, grid.plot_width());
+        let shared_line = rows.len() <= 1
+            && title_width + metrics.legend_spacing() + legend_width(metrics, series)
+                <= grid.plot_width();
+        let first_row = if shared_line { 0 } else { 1 };
+        let header_lines = first_row + i64::try_from(rows.len()).unwrap_or(i64::MAX).max(1);
+        let legend = rows
+            .into_iter()
+            .zip(first_row..)
+            .map(|(row, line)| {
+                let width = legend_width(metrics, &series[row.clone()]);
+                let at = Point {
+                    x: (grid.plot_right + 1 - width).max(grid.plot_left),
+                    y: slot.top + line * metrics.line_height(),
+                };
+                (at, row)
+            })
+            .collect();
         let plot_top = slot.top + header_lines * metrics.line_height() + metrics.gap();
         let below_plot = metrics.tick_length() + metrics.line_height() + metrics.panel_spacing();
         let plot_bottom = slot.top + slot.height - below_plot;
@@ -345,10 +360,7 @@ impl ChartLayout {
                 x: grid.plot_left,
                 y: slot.top,
             },
-            legend: Point {
-                x: legend_left,
-                y: legend_top,
-            },
+            legend,
             plot: Rect::new(
                 grid.plot_left,
                 plot_top,
@@ -403,13 +415,15 @@ fn draw_chart(
 ) {
     let title = fit_text(&chart.panel.title, layout.plot.width, metrics.scale);
     draw_title(canvas, metrics, layout.title, title);
-    draw_legend(
-        canvas,
-        metrics,
-        &chart.panel.series,
-        layout.legend,
-        layout.plot.right(),
-    );
+    for (origin, row) in &layout.legend {
+        draw_legend(
+            canvas,
+            metrics,
+            &chart.panel.series[row.clone()],
+            *origin,
+            layout.plot.right(),
+        );
+    }
     if layout.plot.is_degenerate() {
         return;
     }
@@ -559,6 +573,31 @@ fn legend_width(metrics: Metrics, series: &[Series]) -> i64 {
         .sum();
     let count = i64::try_from(series.len()).unwrap_or(i64::MAX);
     entries + (count - 1).max(0) * metrics.legend_spacing()
+}
+
+/// The legend's entries in lines of at most `width` pixels, greedily, in order (an entry
+/// wider than a line gets a line of its own and is cut off when drawn).
+fn legend_rows(metrics: Metrics, series: &[Series], width: i64) -> Vec<Range<usize>> {
+    let mut rows = Vec::new();
+    let mut start = 0;
+    let mut used = 0;
+    for (i, entry) in series.iter().enumerate() {
+        let w = legend_entry_width(metrics, entry);
+        if i > start && used + metrics.legend_spacing() + w > width {
+            rows.push(start..i);
+            start = i;
+            used = 0;
+        }
+        used += if i > start {
+            metrics.legend_spacing() + w
+        } else {
+            w
+        };
+    }
+    if start < series.len() {
+        rows.push(start..series.len());
+    }
+    rows
 }
 
 fn legend_entry_width(metrics: Metrics, series: &Series) -> i64 {
@@ -1229,6 +1268,42 @@ mod tests {
             with_line > legend_only + 500,
             "{with_line} vs {legend_only}"
         );
+    }
+
+    #[test]
+    fn a_legend_too_wide_for_one_line_wraps_and_shows_every_series() {
+        // The real run's comparison: four modes with long names (the fourth was cut off).
+        let colors = [BLUE, ORANGE, [44, 160, 44], [148, 103, 189]];
+        let names = [
+            "delta (round 1)",
+            "no-transfer (round 1)",
+            "full-broadcast (round 1)",
+            "full-broadcast-exclusive (round 1)",
+        ];
+        let empty = |n: usize| {
+            vec![panel(
+                "reward per step",
+                names[..n]
+                    .iter()
+                    .zip(colors)
+                    .map(|(name, c)| series(name, c, Vec::new()))
+                    .collect(),
+            )]
+        };
+        let pixels = render_rgb(&empty(4), "step", 900, 720);
+        for c in colors {
+            assert!(count_color(&pixels, c) > 0, "{c:?} is in the legend");
+        }
+        let metrics = Metrics::choose(900, 720, 1);
+        let all = empty(4);
+        let rows = legend_rows(metrics, &all[0].series, 700);
+        assert!(rows.len() >= 2, "{rows:?}");
+        assert_eq!(rows.first().map(|r| r.start), Some(0));
+        assert_eq!(rows.last().map(|r| r.end), Some(4));
+        for r in &rows {
+            assert!(r.len() == 1 || legend_width(metrics, &all[0].series[r.clone()]) <= 700);
+        }
+        assert_eq!(legend_rows(metrics, &empty(1)[0].series, 700), vec![0..1]);
     }
 
     #[test]
