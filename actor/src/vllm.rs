@@ -20,7 +20,8 @@
 //!   digest; a server that exits is noticed (`needs_reload`) and started again from the
 //!   actor's weights before the worker takes work again. With `--vllm-url` alone it attaches
 //!   to a running server (resuming it first if an actor stopped between pause and resume left
-//!   it paused) and, if that holds another version, loads the actor's in full. A full load
+//!   it paused) and, if that holds another version (the extension's `starling_status` says
+//!   so, or attach's digest differs), loads the actor's in full. A full load
 //!   runs between pause and resume as a patch does: the pause clears vLLM's prefix cache,
 //!   whose blocks were computed with the weights being replaced.
 //!
@@ -481,9 +482,18 @@ impl VllmEngine {
             self.resume()?;
         }
         held.served = Some(self.served_name()?);
-        let version_s = version.to_string();
-        let attached = self.rpc("starling_attach", &[&self.model_id, &version_s])?;
-        if Self::digest_of(&attached)? != digest {
+        let t = Instant::now();
+        // A server attached to that says it holds another version (what the actor before
+        // this one left) is loaded in full at once: that load is digested and checked, and
+        // attach's whole-model digest (tens of seconds on 2 busy cores) would only confirm
+        // the mismatch.
+        let other = materialized.is_none() && self.claims_other(digest);
+        let load = other || {
+            let version_s = version.to_string();
+            let attached = self.rpc("starling_attach", &[&self.model_id, &version_s])?;
+            Self::digest_of(&attached)? != digest
+        };
+        if load {
             // It was started from another version (attached to a running server): load ours.
             let path = match materialized {
                 Some(p) => p,
@@ -491,10 +501,33 @@ impl VllmEngine {
             };
             self.load_full(&path, version, digest)?;
         }
+        tracing::info!(
+            version,
+            how = if load { "loaded in full" } else { "attached" },
+            ms = t.elapsed().as_millis() as u64,
+            "vLLM holds the actor's version"
+        );
         // Attach and the full load both digested the whole model.
         self.whole_digest_checked();
         self.set_proven(Some(Fingerprint { version, digest }));
         Ok(())
+    }
+
+    /// Whether the extension's own record (`starling_status`, no digest computed) says the
+    /// server holds something other than `digest`: another model or version, or a fenced
+    /// state. No record, or no answer: false (attach decides).
+    fn claims_other(&self, digest: [u8; 16]) -> bool {
+        let Ok(r) = self.rpc("starling_status", &[]) else {
+            return false;
+        };
+        let st = &r[0];
+        if st["fenced"].as_bool() == Some(true) {
+            return true;
+        }
+        match st["digest"].as_str().and_then(|d| parse_digest(d).ok()) {
+            Some(held) => held != digest || st["model_id"].as_str() != Some(&self.model_id),
+            None => false,
+        }
     }
 
     fn whole_digest_checked(&self) {
