@@ -106,7 +106,8 @@ pub(crate) struct RealArgs {
         requires = "model"
     )]
     pub(crate) python: PathBuf,
-    /// Add a vLLM actor to the near region (it starts its own vLLM server with --python).
+    /// Add a vLLM actor to the near region, attached to a vLLM server the demo starts once
+    /// with --python and shares between the modes of --compare.
     #[arg(long, requires = "model")]
     pub(crate) vllm: bool,
     /// The quick demo's links (eu 200 Mbit/s, ap 50 Mbit/s) instead of links where a full

@@ -26,10 +26,11 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use starling_actor::shared_dir::version_file_name;
 
-use crate::cluster::{Cluster, Mode, Spec, VllmSetup, path};
+use crate::cluster::{Cluster, Mode, Spec, path};
 use crate::links::Region;
 use crate::plot::{Panel, Series, render_png};
 use crate::procs::Proc;
+use crate::vllm_server::{VllmServer, VllmSetup};
 
 /// The first step whose batch waits for a freshly published version.
 pub(crate) const STEADY_FROM: u32 = 3;
@@ -113,11 +114,13 @@ pub(crate) struct Published {
     pub(crate) path: PathBuf,
 }
 
-/// One run in `mode`, in `out` (created); returns its summary.
+/// One run in `mode`, in `out` (created), its vLLM actor (if any) attached to `vllm`;
+/// returns its summary.
 pub(crate) fn run_mode(
     s: &RealSettings,
     mode: RunMode,
     regions: &[Region],
+    mut vllm: Option<&mut VllmServer>,
     out: &Path,
 ) -> Result<Value> {
     std::fs::create_dir_all(out.join("checkpoints"))
@@ -137,11 +140,12 @@ pub(crate) fn run_mode(
         http_port: s.http_port,
         seed: s.seed,
         engine_slowdown: s.engine_slowdown,
-        vllm: s.vllm.as_ref(),
+        vllm: vllm.as_ref().map(|v| v.addr),
     };
     let mut cluster = Cluster::start(&spec, out)?;
-    // vLLM loads the model and warms up before its actor registers: minutes on 2 cores.
-    let within = if s.vllm.is_some() { 900 } else { 120 };
+    // The vLLM actor digests the running server's weights and, after another mode, loads
+    // version 0 in full and digests them again: tens of seconds on 2 busy cores.
+    let within = if vllm.is_some() { 300 } else { 120 };
     cluster.wait_ready(Duration::from_secs(within))?;
     println!(
         "   every actor holds version 0 and is registered for work ({:.0} s); training\n",
@@ -208,6 +212,9 @@ pub(crate) fn run_mode(
             break;
         }
         cluster.check_alive()?;
+        if let Some(v) = vllm.as_deref_mut() {
+            v.check_alive()?;
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
     let last = steps.last().map(|r| r.published.version).unwrap_or(0);
@@ -688,6 +695,26 @@ pub(crate) fn run(a: &crate::demo::DemoArgs, regions: &[Region], out: &Path) -> 
             .unwrap_or_else(|| a.groups() * (a.steps() as usize).div_ceil(4)),
     };
     check_python(&settings)?;
+    // The runs, before anything starts: a mistyped --modes costs no vLLM start-up.
+    let modes = if a.compare {
+        a.real
+            .modes
+            .iter()
+            .map(|m| parse_mode(m))
+            .collect::<Result<Vec<_>>>()?
+    } else {
+        let mode = if a.full_broadcast {
+            Mode::FullBroadcast
+        } else if a.no_transfer {
+            Mode::NoTransfer
+        } else {
+            Mode::Delta
+        };
+        vec![RunMode {
+            mode,
+            exclude_late: false,
+        }]
+    };
     println!(
         "== Starling real run: GRPO on {} with the SDK's PyTorch trainer ({} steps, {} prompts x {} samples, lr {}, up to {} new tokens)",
         settings.model.display(),
@@ -697,28 +724,22 @@ pub(crate) fn run(a: &crate::demo::DemoArgs, regions: &[Region], out: &Path) -> 
         settings.lr,
         settings.max_new_tokens
     );
-    if !a.compare {
-        let mode = if a.full_broadcast {
-            Mode::FullBroadcast
-        } else if a.no_transfer {
-            Mode::NoTransfer
-        } else {
-            Mode::Delta
-        };
-        let rm = RunMode {
-            mode,
-            exclude_late: false,
-        };
-        run_mode(&settings, rm, regions, out)?;
-        return Ok(());
+    // One vLLM server for the whole invocation (vllm_server.rs), confined to `out`, under
+    // which every mode's actor store lies; dropped (stopped) when this returns.
+    let mut vllm = match &settings.vllm {
+        Some(setup) => Some(VllmServer::start(
+            setup,
+            &settings.model,
+            out,
+            &out.join("vllm-server.log"),
+        )?),
+        None => None,
+    };
+    if a.compare {
+        compare(a, &settings, &modes, regions, vllm.as_mut(), out)
+    } else {
+        run_mode(&settings, modes[0], regions, vllm.as_mut(), out).map(|_| ())
     }
-    let modes = a
-        .real
-        .modes
-        .iter()
-        .map(|m| parse_mode(m))
-        .collect::<Result<Vec<_>>>()?;
-    compare(a, &settings, &modes, regions, out)
 }
 
 fn parse_mode(name: &str) -> Result<RunMode> {
@@ -793,6 +814,7 @@ fn compare(
     s: &RealSettings,
     modes: &[RunMode],
     regions: &[Region],
+    mut vllm: Option<&mut VllmServer>,
     out: &Path,
 ) -> Result<()> {
     let rounds = a.rounds.max(1);
@@ -809,7 +831,7 @@ fn compare(
                 "\n== round {round}/{rounds} ({:.0} s so far)",
                 t0.elapsed().as_secs_f64()
             );
-            let summary = run_mode(&settings, mode, regions, &dir)?;
+            let summary = run_mode(&settings, mode, regions, vllm.as_deref_mut(), &dir)?;
             runs.push((round, mode, summary));
         }
     }
