@@ -35,6 +35,12 @@ use crate::vllm_server::{VllmServer, VllmSetup};
 /// The first step whose batch waits for a freshly published version.
 pub(crate) const STEADY_FROM: u32 = 3;
 
+/// How long a run waits, once the trainer has finished, for its last version to reach every
+/// actor. A full checkpoint may take minutes more to cross the slow link; the run does not
+/// wait for it: a version not arrived by then is reported as not arrived (null) and left out
+/// of the mean transfer times.
+pub(crate) const ARRIVAL_WAIT: Duration = Duration::from_secs(30);
+
 /// How a run delivers weights, and whether a late region's share waits for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct RunMode {
@@ -218,12 +224,19 @@ pub(crate) fn run_mode(
         std::thread::sleep(Duration::from_millis(100));
     }
     let last = steps.last().map(|r| r.published.version).unwrap_or(0);
-    // The last version's arrival (a full checkpoint over the slowest link takes minutes).
-    cluster.wait_all_reach(last, Duration::from_secs(600));
+    cluster.wait_all_reach(last, ARRIVAL_WAIT);
     let arrivals: BTreeMap<u64, BTreeMap<String, Option<f64>>> = published_at
         .iter()
         .map(|(&v, &t)| (v, cluster.region_arrival(t, v)))
         .collect();
+    let late = not_arrived(&arrivals);
+    for (region, versions) in &late {
+        println!(
+            "   {region}: version(s) {} not arrived within {} s after the run (left out of its mean transfer)",
+            join(versions),
+            ARRIVAL_WAIT.as_secs()
+        );
+    }
     let taus = actor_taus(&cluster);
     let wall_s = t_start.elapsed().as_secs_f64();
     let link_stats = cluster.stop();
@@ -235,6 +248,7 @@ pub(crate) fn run_mode(
         regions,
         &steps,
         &arrivals,
+        &late,
         &taus,
         &link_stats,
         wall_s,
@@ -407,6 +421,29 @@ fn mean(xs: impl Iterator<Item = f64>) -> f64 {
     if n == 0 { f64::NAN } else { s / n as f64 }
 }
 
+/// Per region, the versions that had not reached all its actors (`None` in `arrivals`).
+fn not_arrived(
+    arrivals: &BTreeMap<u64, BTreeMap<String, Option<f64>>>,
+) -> BTreeMap<String, Vec<u64>> {
+    let mut late: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for (&v, regions) in arrivals {
+        for (region, at) in regions {
+            if at.is_none() {
+                late.entry(region.clone()).or_default().push(v);
+            }
+        }
+    }
+    late
+}
+
+fn join(versions: &[u64]) -> String {
+    versions
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn fmt_s(s: Option<f64>) -> String {
     s.map(|s| format!("{s:.2}")).unwrap_or_else(|| "-".into())
 }
@@ -434,6 +471,7 @@ fn summarize(
     regions: &[Region],
     steps: &[TrainerStep],
     arrivals: &BTreeMap<u64, BTreeMap<String, Option<f64>>>,
+    late: &BTreeMap<String, Vec<u64>>,
     taus: &BTreeMap<String, f64>,
     links: &BTreeMap<&'static str, starling_netem::ProxyStats>,
     wall_s: f64,
@@ -496,6 +534,8 @@ fn summarize(
             )
         })
         .collect();
+    // Over the versions that arrived (within ARRIVAL_WAIT of the run's end for the last ones):
+    // NaN, written as null, where none did.
     let transfer: BTreeMap<&str, f64> = regions
         .iter()
         .map(|r| {
@@ -570,6 +610,8 @@ fn summarize(
         "delta_density": mean(steps.iter().map(|r| r.published.density)),
         "density_per_step": steps.iter().map(|r| r.published.density).collect::<Vec<_>>(),
         "mean_transfer_s": transfer,
+        "arrival_wait_s": ARRIVAL_WAIT.as_secs(),
+        "not_arrived": late,
         "link_bytes": links.iter().map(|(name, st)| (name.to_string(), json!({
             "to_region": st.down.delivered_bytes, "to_hub": st.up.delivered_bytes,
         }))).collect::<BTreeMap<_, _>>(),
@@ -886,17 +928,25 @@ fn compare(
         "vs ideal",
         "vs full"
     );
+    // A region none of whose versions arrived has no transfer time.
+    let secs = |x: f64| {
+        if x.is_finite() {
+            format!("{x:.1}")
+        } else {
+            "-".to_owned()
+        }
+    };
     for &mode in modes {
         let m = mode.name();
         println!(
-            "{:<26} {:>8.1} {:>7.1} {:>7.1} {:>11.2} {:>7.1} {:>7.1} {:>6.3}->{:<6.3} {:>8.3} {:>8.2}",
+            "{:<26} {:>8.1} {:>7.1} {:>7.1} {:>11.2} {:>7} {:>7} {:>6.3}->{:<6.3} {:>8.3} {:>8.2}",
             m,
             fig(&m, "steps_per_hour"),
             fig(&m, "rollout_tokens_per_s"),
             fig(&m, "median_step_s"),
             fig(&m, "bytes_per_version") / 1e6,
-            fig(&m, "transfer_eu_s"),
-            fig(&m, "transfer_ap_s"),
+            secs(fig(&m, "transfer_eu_s")),
+            secs(fig(&m, "transfer_ap_s")),
             fig(&m, "reward_first_quarter"),
             fig(&m, "reward_last_quarter"),
             fig(&m, "steps_per_hour") / ideal,
@@ -915,6 +965,24 @@ fn compare(
     println!(
         "\n   steady state from step {STEADY_FROM}; vs ideal: steps/hour over no-transfer's; vs full: over full-broadcast's (every region taking part)"
     );
+    println!(
+        "   eu s, ap s: mean publish-to-active time over the versions that arrived; a version not arrived within {} s after the run is left out",
+        ARRIVAL_WAIT.as_secs()
+    );
+    for (round, mode, v) in &runs {
+        if let Some(late) = v["not_arrived"].as_object().filter(|l| !l.is_empty()) {
+            let line: Vec<String> = late
+                .iter()
+                .map(|(region, versions)| format!("{region} version(s) {versions}"))
+                .collect();
+            println!(
+                "   {} (round {round}): not arrived within {} s after the run: {}",
+                mode.name(),
+                ARRIVAL_WAIT.as_secs(),
+                line.join("; ")
+            );
+        }
+    }
     println!("   ratios: {ratios}");
     let report = json!({
         "rounds": rounds,
