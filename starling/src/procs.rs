@@ -268,3 +268,56 @@ pub(crate) fn tail(path: &Path, n: usize) -> String {
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The processes of group `pgid` that are running.
+    fn members(pgid: i32) -> usize {
+        std::fs::read_dir("/proc")
+            .expect("read /proc")
+            .filter_map(Result::ok)
+            .filter_map(|e| proc_stat(&format!("{}/stat", e.path().display())))
+            .filter(|(state, group)| state != "Z" && *group == pgid)
+            .count()
+    }
+
+    fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    #[test]
+    fn dropping_a_group_leader_stops_every_process_of_its_group() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "sleep 60 & sleep 60 & wait"]);
+        let p = Proc::spawn_group("sleepers", cmd, &dir.path().join("log")).expect("spawn");
+        let pgid = -p.target;
+        assert!(pgid > 0, "a group's target is minus its id");
+        wait_for("the shell and its two sleeps", || members(pgid) == 3);
+        drop(p);
+        assert_eq!(members(pgid), 0);
+        assert!(!children().contains(&-pgid), "left in the registry");
+    }
+
+    #[test]
+    fn a_group_whose_leader_exited_is_stopped_all_the_same() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "sleep 60 & exit 0"]);
+        let mut p = Proc::spawn_group("orphan", cmd, &dir.path().join("log")).expect("spawn");
+        let pgid = -p.target;
+        wait_for("the shell to exit", || {
+            p.exited().is_ok_and(|s| s.is_some())
+        });
+        wait_for("its sleep", || members(pgid) == 1);
+        assert!(p.still_running(), "a group with a live member runs");
+        drop(p);
+        assert_eq!(members(pgid), 0);
+    }
+}
