@@ -1058,3 +1058,32 @@ fn compare_panels(runs: &[(u32, RunMode, Value)]) -> Vec<Panel> {
         },
     ]
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_not_arrived_are_listed_per_region_and_left_out_of_the_mean() {
+        let at = |eu: Option<f64>, ap: Option<f64>| {
+            BTreeMap::from([("eu".to_owned(), eu), ("ap".to_owned(), ap)])
+        };
+        let arrivals = BTreeMap::from([
+            (1, at(Some(2.0), Some(4.0))),
+            (2, at(Some(3.0), None)),
+            (3, at(None, None)),
+        ]);
+        let late = not_arrived(&arrivals);
+        assert_eq!(late.get("ap"), Some(&vec![2, 3]));
+        assert_eq!(late.get("eu"), Some(&vec![3]));
+        assert_eq!(join(&late["ap"]), "2, 3");
+        let ap = mean(arrivals.values().filter_map(|m| m["ap"]));
+        assert_eq!(ap, 4.0);
+        // A region none of whose versions arrived has no mean: null in JSON, skipped by the
+        // comparison's median.
+        let none = mean(std::iter::empty());
+        assert!(none.is_nan());
+        assert_eq!(json!(none), Value::Null);
+        assert!(median(vec![none, 1.0, 3.0]) == 2.0);
+    }
+}
