@@ -11,7 +11,9 @@
 #   3. a Python with torch, transformers and vLLM's CPU build (integrations/vllm/install.sh, the
 #      venv the vLLM tests use); where vLLM's CPU build cannot run here, the run goes on without
 #      the vLLM actor, with the SDK's test venv (torch + transformers) for the trainer.
-# Then `starling demo --model DIR --compare` with the vLLM actor: ~35 minutes on 2 cores.
+# Then `starling demo --model DIR --compare` with the vLLM actor, one vLLM server shared by the
+# four modes (started once, stopped with the run): ~40-45 minutes on 2 cores (an estimate from
+# a shortened run; docs/real-run.md, "Time"), ~20 GB written under OUT.
 # Extra arguments go to `starling demo` (e.g. --fast-links, --steps 6, --modes delta,full-broadcast).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -19,7 +19,11 @@
 //!   `/health`, attaches (`starling_attach`: vLLM digests all its parameters) and checks the
 //!   digest; a server that exits is noticed (`needs_reload`) and started again from the
 //!   actor's weights before the worker takes work again. With `--vllm-url` alone it attaches
-//!   to a running server and, if that holds another version, loads the actor's in full.
+//!   to a running server (resuming it first if an actor stopped between pause and resume left
+//!   it paused) and, if that holds another version (the extension's `starling_status` says
+//!   so, or attach's digest differs), loads the actor's in full. A full load
+//!   runs between pause and resume as a patch does: the pause clears vLLM's prefix cache,
+//!   whose blocks were computed with the weights being replaced.
 //!
 //! - **Who can reach it.** vLLM's dev routes carry no authentication, so the server stays on
 //!   loopback: `--vllm-url` must be a loopback address and a started server is given `--host`
@@ -335,7 +339,8 @@ impl VllmEngine {
             .is_ok_and(|r| r.ok())
     }
 
-    fn probe_dev_routes(&self) -> Result<()> {
+    /// Probes the dev routes (`GET /is_paused`) and answers whether generation is paused.
+    fn probe_dev_routes(&self) -> Result<bool> {
         let r = self.call("GET", "/is_paused", None, Duration::from_secs(30))?;
         if r.status == 404 {
             bail!(
@@ -343,6 +348,15 @@ impl VllmEngine {
                  actor pauses generation around each weight update)",
                 self.settings.addr
             );
+        }
+        let v: Value = serde_json::from_str(&r.body).context("/is_paused is not JSON")?;
+        Ok(v["is_paused"].as_bool() == Some(true))
+    }
+
+    fn resume(&self) -> Result<()> {
+        let r = self.call("POST", "/resume", None, RPC_TIMEOUT)?;
+        if !r.ok() {
+            bail!("vLLM did not resume ({}): {}", r.status, r.body.trim());
         }
         Ok(())
     }
@@ -460,11 +474,26 @@ impl VllmEngine {
         } else {
             None
         };
-        self.probe_dev_routes()?;
+        if self.probe_dev_routes()? {
+            // Left paused by an actor stopped between pause and resume (a server attached to
+            // outlives its actors): generation would wait forever. Whatever it wrote, the
+            // attach digest below finds.
+            tracing::warn!(addr = %self.settings.addr, "vLLM was paused; resuming it");
+            self.resume()?;
+        }
         held.served = Some(self.served_name()?);
-        let version_s = version.to_string();
-        let attached = self.rpc("starling_attach", &[&self.model_id, &version_s])?;
-        if Self::digest_of(&attached)? != digest {
+        let t = Instant::now();
+        // A server attached to that says it holds another version (what the actor before
+        // this one left) is loaded in full at once: that load is digested and checked, and
+        // attach's whole-model digest (tens of seconds on 2 busy cores) would only confirm
+        // the mismatch.
+        let other = materialized.is_none() && self.claims_other(digest);
+        let load = other || {
+            let version_s = version.to_string();
+            let attached = self.rpc("starling_attach", &[&self.model_id, &version_s])?;
+            Self::digest_of(&attached)? != digest
+        };
+        if load {
             // It was started from another version (attached to a running server): load ours.
             let path = match materialized {
                 Some(p) => p,
@@ -472,10 +501,33 @@ impl VllmEngine {
             };
             self.load_full(&path, version, digest)?;
         }
+        tracing::info!(
+            version,
+            how = if load { "loaded in full" } else { "attached" },
+            ms = t.elapsed().as_millis() as u64,
+            "vLLM holds the actor's version"
+        );
         // Attach and the full load both digested the whole model.
         self.whole_digest_checked();
         self.set_proven(Some(Fingerprint { version, digest }));
         Ok(())
+    }
+
+    /// Whether the extension's own record (`starling_status`, no digest computed) says the
+    /// server holds something other than `digest`: another model or version, or a fenced
+    /// state. No record, or no answer: false (attach decides).
+    fn claims_other(&self, digest: [u8; 16]) -> bool {
+        let Ok(r) = self.rpc("starling_status", &[]) else {
+            return false;
+        };
+        let st = &r[0];
+        if st["fenced"].as_bool() == Some(true) {
+            return true;
+        }
+        match st["digest"].as_str().and_then(|d| parse_digest(d).ok()) {
+            Some(held) => held != digest || st["model_id"].as_str() != Some(&self.model_id),
+            None => false,
+        }
     }
 
     fn whole_digest_checked(&self) {
@@ -485,11 +537,20 @@ impl VllmEngine {
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Instant::now();
     }
 
-    /// `starling_load_full` of a materialized checkpoint, checked against `digest`.
+    /// `starling_load_full` of a materialized checkpoint, checked against `digest`, between
+    /// `POST /pause?mode=wait` and `POST /resume` as a patch is: the pause also clears vLLM's
+    /// prefix cache, whose blocks hold keys and values computed with the weights being
+    /// replaced (a server attached to after another run, which generated for the same
+    /// prompts on other weights, would otherwise serve them).
     fn load_full(&self, path: &Path, version: u64, digest: [u8; 16]) -> Result<()> {
+        let r = self.call("POST", "/pause?mode=wait", None, RPC_TIMEOUT)?;
+        if !r.ok() {
+            bail!("vLLM refused to pause ({}): {}", r.status, r.body.trim());
+        }
         let (p, v) = (path.display().to_string(), version.to_string());
-        let r = self.rpc("starling_load_full", &[&p, &self.model_id, &v])?;
-        let got = Self::digest_of(&r)?;
+        let loaded = self.rpc("starling_load_full", &[&p, &self.model_id, &v]);
+        let resumed = self.resume();
+        let got = Self::digest_of(&loaded?)?;
         if got != digest {
             bail!(
                 "vLLM holds digest {} after loading version {version} in full, not {}",
@@ -497,7 +558,7 @@ impl VllmEngine {
                 hex(&digest)
             );
         }
-        Ok(())
+        resumed
     }
 
     /// Writes the patch that turns `base` into `version` (`docs/vllm.md`), atomically.
@@ -576,7 +637,7 @@ impl VllmEngine {
         }
         let p = path.display().to_string();
         let applied = self.rpc("starling_apply", &[&p, &self.settings.apply_mode]);
-        let resumed = self.call("POST", "/resume", None, RPC_TIMEOUT);
+        let resumed = self.resume();
         let got = Self::digest_of(&applied?)?;
         if got != digest {
             bail!(
@@ -585,15 +646,7 @@ impl VllmEngine {
                 hex(&digest)
             );
         }
-        let resumed = resumed?;
-        if !resumed.ok() {
-            bail!(
-                "vLLM did not resume ({}): {}",
-                resumed.status,
-                resumed.body.trim()
-            );
-        }
-        Ok(())
+        resumed
     }
 
     /// Whether the periodic check of vLLM's whole digest is due.

@@ -56,19 +56,8 @@ pub(crate) struct Spec<'a> {
     pub(crate) seed: u64,
     /// Every built-in engine runs this many times slower again, on top of `3 / speed`.
     pub(crate) engine_slowdown: f64,
-    /// How vLLM actors start their server.
-    pub(crate) vllm: Option<&'a VllmSetup>,
-}
-
-/// What a vLLM actor needs to start its server.
-#[derive(Debug, Clone)]
-pub(crate) struct VllmSetup {
-    /// A Python with vLLM's CPU build.
-    pub(crate) python: PathBuf,
-    /// The directory that holds the `starling_vllm` extension package.
-    pub(crate) extension: PathBuf,
-    /// vLLM's `--max-num-seqs`.
-    pub(crate) max_num_seqs: u32,
+    /// The running vLLM server a vLLM actor attaches to (`vllm_server.rs`).
+    pub(crate) vllm: Option<SocketAddr>,
 }
 
 /// A running cluster; dropping it stops every process (use [`Cluster::stop`] for the links'
@@ -152,6 +141,17 @@ impl Cluster {
         if spec.mode == Mode::NoTransfer {
             std::fs::create_dir_all(&shared)
                 .with_context(|| format!("create {}", shared.display()))?;
+        }
+        let vllm_actors = spec
+            .regions
+            .iter()
+            .flat_map(|r| &r.actors)
+            .filter(|a| a.vllm)
+            .count();
+        if vllm_actors > 1 {
+            bail!(
+                "{vllm_actors} vLLM actors, but one vLLM server: two actors would patch each other's weights"
+            );
         }
         let mut links = Vec::new();
         let mut procs = Vec::new();
@@ -368,32 +368,16 @@ fn engine_args(spec: &Spec<'_>, a: &ActorSpec) -> Result<Vec<String>> {
             format!("{}", spec.engine_slowdown * 3.0 / f64::from(a.speed)),
         ]);
     }
-    let Some(v) = spec.vllm else {
-        bail!(
-            "actor {} runs vLLM, but no Python with vLLM was given",
-            a.name
-        );
+    let Some(addr) = spec.vllm else {
+        bail!("actor {} runs vLLM, but no vLLM server was started", a.name);
     };
-    let port = free_tcp_port()?.port();
-    // The server's own command line (`sh -c`): the actor substitutes the directory it writes
-    // its version to for {model}, starts it in its own process group and supervises it.
-    let cmd = format!(
-        "env VLLM_SERVER_DEV_MODE=1 PYTHONPATH={ext} VLLM_CPU_KVCACHE_SPACE=1 VLLM_LOGGING_LEVEL=WARNING \
-         {py} -m vllm.entrypoints.openai.api_server --model {{model}} --host 127.0.0.1 --port {port} \
-         --enforce-eager --dtype bfloat16 --max-model-len 1024 --max-num-seqs {seqs} --seed 0 \
-         --logprobs-mode processed_logprobs \
-         --worker-extension-cls starling_vllm.extension.StarlingWorkerExtension",
-        ext = v.extension.display(),
-        py = v.python.display(),
-        seqs = v.max_num_seqs,
-    );
+    // --vllm-url alone: the actor attaches to the demo's server (digest checked, version 0
+    // loaded in full if the server holds another) and never starts or stops it.
     Ok(vec![
         "--engine".into(),
         "vllm".into(),
         "--vllm-url".into(),
-        format!("127.0.0.1:{port}"),
-        "--vllm-cmd".into(),
-        cmd,
+        addr.to_string(),
     ])
 }
 
@@ -448,7 +432,7 @@ fn free_udp_port() -> Result<SocketAddr> {
     s.local_addr().context("find a free UDP port")
 }
 
-fn free_tcp_port() -> Result<SocketAddr> {
+pub(crate) fn free_tcp_port() -> Result<SocketAddr> {
     let s = TcpListener::bind("127.0.0.1:0").context("find a free TCP port")?;
     s.local_addr().context("find a free TCP port")
 }

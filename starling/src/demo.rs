@@ -45,7 +45,9 @@ pub(crate) struct DemoArgs {
     /// Prompt groups per batch [default: 32; with --model 8].
     #[arg(long)]
     groups: Option<usize>,
-    /// Samples per group [default: 8; with --model 4].
+    /// Samples per group [default: 8; with --model 2: on 2 cores, half the generation, behaviour
+    /// check and backward pass per step; a group of two still has advantages ±1 when its
+    /// samples' rewards differ].
     #[arg(short = 'n', long)]
     samples: Option<u32>,
     /// The trainer's AdamW learning rate [default: 3e-3 for the demo's toy model; with
@@ -106,7 +108,8 @@ pub(crate) struct RealArgs {
         requires = "model"
     )]
     pub(crate) python: PathBuf,
-    /// Add a vLLM actor to the near region (it starts its own vLLM server with --python).
+    /// Add a vLLM actor to the near region, attached to a vLLM server the demo starts once
+    /// with --python and shares between the modes of --compare.
     #[arg(long, requires = "model")]
     pub(crate) vllm: bool,
     /// The quick demo's links (eu 200 Mbit/s, ap 50 Mbit/s) instead of links where a full
@@ -153,7 +156,7 @@ impl DemoArgs {
         self.groups.unwrap_or(if self.real() { 8 } else { 32 })
     }
     pub(crate) fn samples(&self) -> u32 {
-        self.samples.unwrap_or(if self.real() { 4 } else { 8 })
+        self.samples.unwrap_or(if self.real() { 2 } else { 8 })
     }
     pub(crate) fn lr(&self) -> f64 {
         self.lr.unwrap_or(if self.real() { 3e-6 } else { 3e-3 })

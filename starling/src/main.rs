@@ -19,6 +19,7 @@ mod model;
 mod plot;
 mod procs;
 mod real;
+mod vllm_server;
 mod watch;
 
 #[derive(Parser, Debug)]

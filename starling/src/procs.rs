@@ -3,6 +3,10 @@
 //! (SIGTERM, a grace period, then SIGKILL: an actor stops its vLLM server on SIGTERM, and a
 //! SIGKILLed one would leave the server's processes running).
 //!
+//! A child started with [`Proc::spawn_group`] leads its own process group (the vLLM server,
+//! whose engine runs in processes of its own): every signal goes to the whole group, and it
+//! counts as running while any process of the group does.
+//!
 //! A demo stopped by a signal runs no destructor, so every live child is also in a registry
 //! that [`stop_children_on_signal`] uses: on SIGTERM or SIGINT the demo passes SIGTERM on to
 //! its children (which drain within their own grace periods), waits for them, SIGKILLs any
@@ -10,6 +14,7 @@
 
 use std::collections::BTreeSet;
 use std::fs::File;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,8 +25,9 @@ use anyhow::{Context, Result, bail};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 
-/// The children alive now, by process id.
-static CHILDREN: Mutex<BTreeSet<u32>> = Mutex::new(BTreeSet::new());
+/// The children alive now, by what a signal is sent to: a process id, or minus a process
+/// group's id (`kill(2)`'s convention).
+static CHILDREN: Mutex<BTreeSet<i32>> = Mutex::new(BTreeSet::new());
 
 /// Set once a signal asked the demo to stop: from then on the signal thread owns the exit.
 static STOPPING: AtomicBool = AtomicBool::new(false);
@@ -38,7 +44,7 @@ pub(crate) fn wait_if_stopping() {
 /// own grace period is 10 s).
 pub(crate) const CHILD_GRACE: Duration = Duration::from_secs(12);
 
-fn children() -> std::sync::MutexGuard<'static, BTreeSet<u32>> {
+fn children() -> std::sync::MutexGuard<'static, BTreeSet<i32>> {
     CHILDREN.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -63,40 +69,63 @@ pub(crate) fn stop_children_on_signal() -> Result<()> {
 
 /// SIGTERM to every child, then SIGKILL to those still running after [`CHILD_GRACE`].
 fn stop_children() {
-    let pids: Vec<Pid> = children()
-        .iter()
-        .filter_map(|&p| i32::try_from(p).ok())
-        .map(Pid::from_raw)
-        .collect();
-    for &p in &pids {
-        let _ = kill(p, Signal::SIGTERM);
+    let targets: Vec<i32> = children().iter().copied().collect();
+    for &t in &targets {
+        let _ = kill(Pid::from_raw(t), Signal::SIGTERM);
     }
     let deadline = Instant::now() + CHILD_GRACE;
-    while Instant::now() < deadline && pids.iter().any(|&p| running(p)) {
+    while Instant::now() < deadline && targets.iter().any(|&t| running(t)) {
         std::thread::sleep(Duration::from_millis(50));
     }
-    for &p in pids.iter().filter(|&&p| running(p)) {
-        let _ = kill(p, Signal::SIGKILL);
+    for &t in targets.iter().filter(|&&t| running(t)) {
+        let _ = kill(Pid::from_raw(t), Signal::SIGKILL);
     }
 }
 
-/// Whether `pid` is still running (not gone, not a zombie waiting to be reaped).
-fn running(pid: Pid) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| {
-            s.rsplit_once(')')
-                .and_then(|(_, rest)| rest.split_whitespace().next().map(|st| st != "Z"))
-        })
-        .unwrap_or(false)
+/// Whether `target` is still running (not gone, not a zombie waiting to be reaped): a process
+/// id, or minus a process group's id (then: any process of the group).
+fn running(target: i32) -> bool {
+    if target < 0 {
+        return group_running(-target);
+    }
+    proc_stat(&format!("/proc/{target}/stat")).is_some_and(|(state, _)| state != "Z")
 }
 
-/// A running child process; dropping it kills and reaps it.
+/// Whether any process of group `pgid` is running (zombies left out).
+fn group_running(pgid: i32) -> bool {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return false;
+    };
+    dir.filter_map(Result::ok)
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .filter_map(|e| proc_stat(&format!("{}/stat", e.path().display())))
+        .any(|(state, group)| state != "Z" && group == pgid)
+}
+
+/// A process's state letter and process group, from `/proc/PID/stat` (after the command
+/// name, which may hold spaces and parentheses: `pid (comm) state ppid pgrp …`).
+fn proc_stat(path: &str) -> Option<(String, i32)> {
+    let s = std::fs::read_to_string(path).ok()?;
+    let (_, rest) = s.rsplit_once(')')?;
+    let mut fields = rest.split_whitespace();
+    let state = fields.next()?.to_owned();
+    let group = fields.nth(1)?.parse().ok()?;
+    Some((state, group))
+}
+
+/// A running child process; dropping it kills and reaps it (and, for a group leader, every
+/// process of its group).
 #[derive(Debug)]
 pub(crate) struct Proc {
     pub(crate) name: String,
     pub(crate) log: PathBuf,
     child: Child,
+    /// What signals go to: the process id, or minus its group's id.
+    target: i32,
 }
 
 impl Proc {
@@ -110,7 +139,18 @@ impl Proc {
 
     /// Starts `cmd` (another program: the Python trainer) with stdout and stderr appended to
     /// `log`.
-    pub(crate) fn spawn(name: &str, mut cmd: Command, log: &Path) -> Result<Self> {
+    pub(crate) fn spawn(name: &str, cmd: Command, log: &Path) -> Result<Self> {
+        Self::spawn_as(name, cmd, log, false)
+    }
+
+    /// Starts `cmd` as the leader of a new process group, with stdout and stderr appended to
+    /// `log`: stopping it stops every process it started (vLLM's engine processes).
+    pub(crate) fn spawn_group(name: &str, mut cmd: Command, log: &Path) -> Result<Self> {
+        cmd.process_group(0);
+        Self::spawn_as(name, cmd, log, true)
+    }
+
+    fn spawn_as(name: &str, mut cmd: Command, log: &Path, group: bool) -> Result<Self> {
         let out = File::create(log).with_context(|| format!("create {}", log.display()))?;
         let err = out.try_clone().context("duplicate a log handle")?;
         let child = cmd
@@ -119,11 +159,19 @@ impl Proc {
             .stderr(err)
             .spawn()
             .with_context(|| format!("start {name}"))?;
-        children().insert(child.id());
+        let Ok(pid) = i32::try_from(child.id()) else {
+            let mut child = child;
+            let _ = child.kill();
+            let _ = child.wait();
+            bail!("start {name}: process id {} out of range", child.id());
+        };
+        let target = if group { -pid } else { pid };
+        children().insert(target);
         Ok(Self {
             name: name.to_owned(),
             log: log.to_owned(),
             child,
+            target,
         })
     }
 
@@ -152,8 +200,16 @@ impl Proc {
     /// started itself (an actor its vLLM server, whose engine processes a SIGKILLed actor
     /// would leave running).
     pub(crate) fn terminate(&self) {
-        if let Ok(pid) = i32::try_from(self.child.id()) {
-            let _ = kill(Pid::from_raw(pid), Signal::SIGTERM);
+        let _ = kill(Pid::from_raw(self.target), Signal::SIGTERM);
+    }
+
+    /// Whether the process (for a group leader: any process of its group) still runs.
+    /// Reaps nothing, so a group's id cannot be reused while it is being signalled.
+    fn still_running(&mut self) -> bool {
+        if self.target < 0 {
+            group_running(-self.target)
+        } else {
+            matches!(self.child.try_wait(), Ok(None))
         }
     }
 }
@@ -170,17 +226,20 @@ pub(crate) fn stop_all(procs: Vec<Proc>) {
 impl Drop for Proc {
     /// SIGTERM, up to [`CHILD_GRACE`] to exit, then SIGKILL; reaped either way.
     fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
+        if self.still_running() {
             self.terminate();
             let deadline = Instant::now() + CHILD_GRACE;
-            while Instant::now() < deadline && matches!(self.child.try_wait(), Ok(None)) {
+            while Instant::now() < deadline && self.still_running() {
                 std::thread::sleep(Duration::from_millis(50));
             }
         }
-        // Best effort: the child may already be gone.
+        // Best effort: the child (or its group) may already be gone.
+        if self.target < 0 && group_running(-self.target) {
+            let _ = kill(Pid::from_raw(self.target), Signal::SIGKILL);
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
-        children().remove(&self.child.id());
+        children().remove(&self.target);
     }
 }
 
@@ -208,4 +267,57 @@ pub(crate) fn tail(path: &Path, n: usize) -> String {
     let text = std::fs::read_to_string(path).unwrap_or_default();
     let lines: Vec<&str> = text.lines().collect();
     lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The processes of group `pgid` that are running.
+    fn members(pgid: i32) -> usize {
+        std::fs::read_dir("/proc")
+            .expect("read /proc")
+            .filter_map(Result::ok)
+            .filter_map(|e| proc_stat(&format!("{}/stat", e.path().display())))
+            .filter(|(state, group)| state != "Z" && *group == pgid)
+            .count()
+    }
+
+    fn wait_for(what: &str, mut done: impl FnMut() -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !done() {
+            assert!(Instant::now() < deadline, "timed out waiting for {what}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    #[test]
+    fn dropping_a_group_leader_stops_every_process_of_its_group() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "sleep 60 & sleep 60 & wait"]);
+        let p = Proc::spawn_group("sleepers", cmd, &dir.path().join("log")).expect("spawn");
+        let pgid = -p.target;
+        assert!(pgid > 0, "a group's target is minus its id");
+        wait_for("the shell and its two sleeps", || members(pgid) == 3);
+        drop(p);
+        assert_eq!(members(pgid), 0);
+        assert!(!children().contains(&-pgid), "left in the registry");
+    }
+
+    #[test]
+    fn a_group_whose_leader_exited_is_stopped_all_the_same() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "sleep 60 & exit 0"]);
+        let mut p = Proc::spawn_group("orphan", cmd, &dir.path().join("log")).expect("spawn");
+        let pgid = -p.target;
+        wait_for("the shell to exit", || {
+            p.exited().is_ok_and(|s| s.is_some())
+        });
+        wait_for("its sleep", || members(pgid) == 1);
+        assert!(p.still_running(), "a group with a live member runs");
+        drop(p);
+        assert_eq!(members(pgid), 0);
+    }
 }

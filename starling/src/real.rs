@@ -26,13 +26,20 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use starling_actor::shared_dir::version_file_name;
 
-use crate::cluster::{Cluster, Mode, Spec, VllmSetup, path};
+use crate::cluster::{Cluster, Mode, Spec, path};
 use crate::links::Region;
 use crate::plot::{Panel, Series, render_png};
 use crate::procs::Proc;
+use crate::vllm_server::{VllmServer, VllmSetup};
 
 /// The first step whose batch waits for a freshly published version.
 pub(crate) const STEADY_FROM: u32 = 3;
+
+/// How long a run waits, once the trainer has finished, for its last version to reach every
+/// actor. A full checkpoint may take minutes more to cross the slow link; the run does not
+/// wait for it: a version not arrived by then is reported as not arrived (null) and left out
+/// of the mean transfer times.
+pub(crate) const ARRIVAL_WAIT: Duration = Duration::from_secs(30);
 
 /// How a run delivers weights, and whether a late region's share waits for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,11 +120,13 @@ pub(crate) struct Published {
     pub(crate) path: PathBuf,
 }
 
-/// One run in `mode`, in `out` (created); returns its summary.
+/// One run in `mode`, in `out` (created), its vLLM actor (if any) attached to `vllm`;
+/// returns its summary.
 pub(crate) fn run_mode(
     s: &RealSettings,
     mode: RunMode,
     regions: &[Region],
+    mut vllm: Option<&mut VllmServer>,
     out: &Path,
 ) -> Result<Value> {
     std::fs::create_dir_all(out.join("checkpoints"))
@@ -137,11 +146,12 @@ pub(crate) fn run_mode(
         http_port: s.http_port,
         seed: s.seed,
         engine_slowdown: s.engine_slowdown,
-        vllm: s.vllm.as_ref(),
+        vllm: vllm.as_ref().map(|v| v.addr),
     };
     let mut cluster = Cluster::start(&spec, out)?;
-    // vLLM loads the model and warms up before its actor registers: minutes on 2 cores.
-    let within = if s.vllm.is_some() { 900 } else { 120 };
+    // The vLLM actor digests the running server's weights and, after another mode, loads
+    // version 0 in full and digests them again: tens of seconds on 2 busy cores.
+    let within = if vllm.is_some() { 300 } else { 120 };
     cluster.wait_ready(Duration::from_secs(within))?;
     println!(
         "   every actor holds version 0 and is registered for work ({:.0} s); training\n",
@@ -208,15 +218,25 @@ pub(crate) fn run_mode(
             break;
         }
         cluster.check_alive()?;
+        if let Some(v) = vllm.as_deref_mut() {
+            v.check_alive()?;
+        }
         std::thread::sleep(Duration::from_millis(100));
     }
     let last = steps.last().map(|r| r.published.version).unwrap_or(0);
-    // The last version's arrival (a full checkpoint over the slowest link takes minutes).
-    cluster.wait_all_reach(last, Duration::from_secs(600));
+    cluster.wait_all_reach(last, ARRIVAL_WAIT);
     let arrivals: BTreeMap<u64, BTreeMap<String, Option<f64>>> = published_at
         .iter()
         .map(|(&v, &t)| (v, cluster.region_arrival(t, v)))
         .collect();
+    let late = not_arrived(&arrivals);
+    for (region, versions) in &late {
+        println!(
+            "   {region}: version(s) {} not arrived within {} s after the run (left out of its mean transfer)",
+            join(versions),
+            ARRIVAL_WAIT.as_secs()
+        );
+    }
     let taus = actor_taus(&cluster);
     let wall_s = t_start.elapsed().as_secs_f64();
     let link_stats = cluster.stop();
@@ -228,6 +248,7 @@ pub(crate) fn run_mode(
         regions,
         &steps,
         &arrivals,
+        &late,
         &taus,
         &link_stats,
         wall_s,
@@ -400,6 +421,29 @@ fn mean(xs: impl Iterator<Item = f64>) -> f64 {
     if n == 0 { f64::NAN } else { s / n as f64 }
 }
 
+/// Per region, the versions that had not reached all its actors (`None` in `arrivals`).
+fn not_arrived(
+    arrivals: &BTreeMap<u64, BTreeMap<String, Option<f64>>>,
+) -> BTreeMap<String, Vec<u64>> {
+    let mut late: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for (&v, regions) in arrivals {
+        for (region, at) in regions {
+            if at.is_none() {
+                late.entry(region.clone()).or_default().push(v);
+            }
+        }
+    }
+    late
+}
+
+fn join(versions: &[u64]) -> String {
+    versions
+        .iter()
+        .map(u64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn fmt_s(s: Option<f64>) -> String {
     s.map(|s| format!("{s:.2}")).unwrap_or_else(|| "-".into())
 }
@@ -427,6 +471,7 @@ fn summarize(
     regions: &[Region],
     steps: &[TrainerStep],
     arrivals: &BTreeMap<u64, BTreeMap<String, Option<f64>>>,
+    late: &BTreeMap<String, Vec<u64>>,
     taus: &BTreeMap<String, f64>,
     links: &BTreeMap<&'static str, starling_netem::ProxyStats>,
     wall_s: f64,
@@ -489,6 +534,8 @@ fn summarize(
             )
         })
         .collect();
+    // Over the versions that arrived (within ARRIVAL_WAIT of the run's end for the last ones):
+    // NaN, written as null, where none did.
     let transfer: BTreeMap<&str, f64> = regions
         .iter()
         .map(|r| {
@@ -563,6 +610,8 @@ fn summarize(
         "delta_density": mean(steps.iter().map(|r| r.published.density)),
         "density_per_step": steps.iter().map(|r| r.published.density).collect::<Vec<_>>(),
         "mean_transfer_s": transfer,
+        "arrival_wait_s": ARRIVAL_WAIT.as_secs(),
+        "not_arrived": late,
         "link_bytes": links.iter().map(|(name, st)| (name.to_string(), json!({
             "to_region": st.down.delivered_bytes, "to_hub": st.up.delivered_bytes,
         }))).collect::<BTreeMap<_, _>>(),
@@ -688,6 +737,26 @@ pub(crate) fn run(a: &crate::demo::DemoArgs, regions: &[Region], out: &Path) -> 
             .unwrap_or_else(|| a.groups() * (a.steps() as usize).div_ceil(4)),
     };
     check_python(&settings)?;
+    // The runs, before anything starts: a mistyped --modes costs no vLLM start-up.
+    let modes = if a.compare {
+        a.real
+            .modes
+            .iter()
+            .map(|m| parse_mode(m))
+            .collect::<Result<Vec<_>>>()?
+    } else {
+        let mode = if a.full_broadcast {
+            Mode::FullBroadcast
+        } else if a.no_transfer {
+            Mode::NoTransfer
+        } else {
+            Mode::Delta
+        };
+        vec![RunMode {
+            mode,
+            exclude_late: false,
+        }]
+    };
     println!(
         "== Starling real run: GRPO on {} with the SDK's PyTorch trainer ({} steps, {} prompts x {} samples, lr {}, up to {} new tokens)",
         settings.model.display(),
@@ -697,28 +766,22 @@ pub(crate) fn run(a: &crate::demo::DemoArgs, regions: &[Region], out: &Path) -> 
         settings.lr,
         settings.max_new_tokens
     );
-    if !a.compare {
-        let mode = if a.full_broadcast {
-            Mode::FullBroadcast
-        } else if a.no_transfer {
-            Mode::NoTransfer
-        } else {
-            Mode::Delta
-        };
-        let rm = RunMode {
-            mode,
-            exclude_late: false,
-        };
-        run_mode(&settings, rm, regions, out)?;
-        return Ok(());
+    // One vLLM server for the whole invocation (vllm_server.rs), confined to `out`, under
+    // which every mode's actor store lies; dropped (stopped) when this returns.
+    let mut vllm = match &settings.vllm {
+        Some(setup) => Some(VllmServer::start(
+            setup,
+            &settings.model,
+            out,
+            &out.join("vllm-server.log"),
+        )?),
+        None => None,
+    };
+    if a.compare {
+        compare(a, &settings, &modes, regions, vllm.as_mut(), out)
+    } else {
+        run_mode(&settings, modes[0], regions, vllm.as_mut(), out).map(|_| ())
     }
-    let modes = a
-        .real
-        .modes
-        .iter()
-        .map(|m| parse_mode(m))
-        .collect::<Result<Vec<_>>>()?;
-    compare(a, &settings, &modes, regions, out)
 }
 
 fn parse_mode(name: &str) -> Result<RunMode> {
@@ -793,6 +856,7 @@ fn compare(
     s: &RealSettings,
     modes: &[RunMode],
     regions: &[Region],
+    mut vllm: Option<&mut VllmServer>,
     out: &Path,
 ) -> Result<()> {
     let rounds = a.rounds.max(1);
@@ -809,7 +873,7 @@ fn compare(
                 "\n== round {round}/{rounds} ({:.0} s so far)",
                 t0.elapsed().as_secs_f64()
             );
-            let summary = run_mode(&settings, mode, regions, &dir)?;
+            let summary = run_mode(&settings, mode, regions, vllm.as_deref_mut(), &dir)?;
             runs.push((round, mode, summary));
         }
     }
@@ -864,17 +928,25 @@ fn compare(
         "vs ideal",
         "vs full"
     );
+    // A region none of whose versions arrived has no transfer time.
+    let secs = |x: f64| {
+        if x.is_finite() {
+            format!("{x:.1}")
+        } else {
+            "-".to_owned()
+        }
+    };
     for &mode in modes {
         let m = mode.name();
         println!(
-            "{:<26} {:>8.1} {:>7.1} {:>7.1} {:>11.2} {:>7.1} {:>7.1} {:>6.3}->{:<6.3} {:>8.3} {:>8.2}",
+            "{:<26} {:>8.1} {:>7.1} {:>7.1} {:>11.2} {:>7} {:>7} {:>6.3}->{:<6.3} {:>8.3} {:>8.2}",
             m,
             fig(&m, "steps_per_hour"),
             fig(&m, "rollout_tokens_per_s"),
             fig(&m, "median_step_s"),
             fig(&m, "bytes_per_version") / 1e6,
-            fig(&m, "transfer_eu_s"),
-            fig(&m, "transfer_ap_s"),
+            secs(fig(&m, "transfer_eu_s")),
+            secs(fig(&m, "transfer_ap_s")),
             fig(&m, "reward_first_quarter"),
             fig(&m, "reward_last_quarter"),
             fig(&m, "steps_per_hour") / ideal,
@@ -893,6 +965,24 @@ fn compare(
     println!(
         "\n   steady state from step {STEADY_FROM}; vs ideal: steps/hour over no-transfer's; vs full: over full-broadcast's (every region taking part)"
     );
+    println!(
+        "   eu s, ap s: mean publish-to-active time over the versions that arrived; a version not arrived within {} s after the run is left out",
+        ARRIVAL_WAIT.as_secs()
+    );
+    for (round, mode, v) in &runs {
+        if let Some(late) = v["not_arrived"].as_object().filter(|l| !l.is_empty()) {
+            let line: Vec<String> = late
+                .iter()
+                .map(|(region, versions)| format!("{region} version(s) {versions}"))
+                .collect();
+            println!(
+                "   {} (round {round}): not arrived within {} s after the run: {}",
+                mode.name(),
+                ARRIVAL_WAIT.as_secs(),
+                line.join("; ")
+            );
+        }
+    }
     println!("   ratios: {ratios}");
     let report = json!({
         "rounds": rounds,
@@ -967,4 +1057,33 @@ fn compare_panels(runs: &[(u32, RunMode, Value)]) -> Vec<Panel> {
             series: series(&["trainer", "seconds", "step"]),
         },
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_not_arrived_are_listed_per_region_and_left_out_of_the_mean() {
+        let at = |eu: Option<f64>, ap: Option<f64>| {
+            BTreeMap::from([("eu".to_owned(), eu), ("ap".to_owned(), ap)])
+        };
+        let arrivals = BTreeMap::from([
+            (1, at(Some(2.0), Some(4.0))),
+            (2, at(Some(3.0), None)),
+            (3, at(None, None)),
+        ]);
+        let late = not_arrived(&arrivals);
+        assert_eq!(late.get("ap"), Some(&vec![2, 3]));
+        assert_eq!(late.get("eu"), Some(&vec![3]));
+        assert_eq!(join(&late["ap"]), "2, 3");
+        let ap = mean(arrivals.values().filter_map(|m| m["ap"]));
+        assert_eq!(ap, 4.0);
+        // A region none of whose versions arrived has no mean: null in JSON, skipped by the
+        // comparison's median.
+        let none = mean(std::iter::empty());
+        assert!(none.is_nan());
+        assert_eq!(json!(none), Value::Null);
+        assert!(median(vec![none, 1.0, 3.0]) == 2.0);
+    }
 }
