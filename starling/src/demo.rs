@@ -143,6 +143,11 @@ pub(crate) struct RealArgs {
     /// and the reward's rise measures learning, not the problems the seed dealt.
     #[arg(long, requires = "model")]
     pub(crate) problems: Option<usize>,
+    /// With --compare: keep each mode's weight files (the trainer's checkpoints, the hub's
+    /// store, the actors' versions: ~5 GB a mode) instead of removing them once the mode's
+    /// summary is written.
+    #[arg(long, requires = "model")]
+    pub(crate) keep_weights: bool,
 }
 
 impl DemoArgs {

@@ -784,6 +784,43 @@ pub(crate) fn run(a: &crate::demo::DemoArgs, regions: &[Region], out: &Path) -> 
     }
 }
 
+/// Removes a finished mode's weight files — the trainer's checkpoints, the hub's store, the
+/// shared directory of no-transfer, every safetensors and delta file under the regions — and
+/// keeps its summary, reports and logs: four modes would otherwise leave ~20 GB behind.
+fn remove_weights(dir: &Path) {
+    for sub in ["checkpoints", "hub-store", "shared-weights"] {
+        let p = dir.join(sub);
+        if p.exists()
+            && let Err(e) = std::fs::remove_dir_all(&p)
+        {
+            eprintln!("   could not remove {}: {e}", p.display());
+        }
+    }
+    remove_files_named(&dir.join("regions"), &["safetensors", "sdc"]);
+}
+
+/// Removes every file under `dir` (recursively) whose extension is one of `extensions`.
+fn remove_files_named(dir: &Path, extensions: &[&str]) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        match entry.file_type() {
+            Ok(t) if t.is_dir() => remove_files_named(&path, extensions),
+            Ok(t) if t.is_file() => {
+                let ext = path.extension().and_then(|e| e.to_str()).unwrap_or("");
+                if extensions.contains(&ext)
+                    && let Err(e) = std::fs::remove_file(&path)
+                {
+                    eprintln!("   could not remove {}: {e}", path.display());
+                }
+            }
+            _ => {}
+        }
+    }
+}
+
 fn parse_mode(name: &str) -> Result<RunMode> {
     let (mode, exclude_late) = match name.trim() {
         "delta" => (Mode::Delta, false),
@@ -874,6 +911,9 @@ fn compare(
                 t0.elapsed().as_secs_f64()
             );
             let summary = run_mode(&settings, mode, regions, vllm.as_deref_mut(), &dir)?;
+            if !a.real.keep_weights {
+                remove_weights(&dir);
+            }
             runs.push((round, mode, summary));
         }
     }
@@ -1062,6 +1102,46 @@ fn compare_panels(runs: &[(u32, RunMode, Value)]) -> Vec<Panel> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_finished_mode_keeps_its_reports_and_loses_its_weights() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let d = dir.path();
+        let write = |rel: &str| {
+            let p = d.join(rel);
+            std::fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+            std::fs::write(&p, b"x").expect("write");
+        };
+        for f in [
+            "checkpoints/step-00000001.safetensors",
+            "hub-store/v00000001.sdc",
+            "regions/eu/eu-a1/store/v00000001.safetensors",
+            "regions/eu/eu-a1/journal/v00000002.sdc",
+            "regions/eu/eu-a1/journal/state.json",
+            "summary.json",
+            "trainer.jsonl",
+            "logs/hub.log",
+        ] {
+            write(f);
+        }
+        remove_weights(d);
+        for gone in [
+            "checkpoints",
+            "hub-store",
+            "regions/eu/eu-a1/store/v00000001.safetensors",
+            "regions/eu/eu-a1/journal/v00000002.sdc",
+        ] {
+            assert!(!d.join(gone).exists(), "{gone} removed");
+        }
+        for kept in [
+            "summary.json",
+            "trainer.jsonl",
+            "logs/hub.log",
+            "regions/eu/eu-a1/journal/state.json",
+        ] {
+            assert!(d.join(kept).exists(), "{kept} kept");
+        }
+    }
 
     #[test]
     fn versions_not_arrived_are_listed_per_region_and_left_out_of_the_mean() {
