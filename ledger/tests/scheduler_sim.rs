@@ -565,6 +565,30 @@ async fn far_region_run(
     (out, taus)
 }
 
+/// The demo's actors: speeds 3,000 and 1,000 tokens/s 40 ms from the hub (their versions
+/// staged 50 ms after a batch is posted, 4 jobs a claim), and a speed-2,000 one 150 ms away
+/// whose version is staged `far_arrival` s after the batch, claiming `far_claim` jobs.
+fn demo_workers(far_arrival: f64, far_claim: usize) -> [Worker; 3] {
+    let near = |name, speed| Worker {
+        name,
+        speed,
+        rtt: 0.04,
+        arrival: 0.05,
+        claim: 4,
+    };
+    [
+        near("eu-a1", 3_000.0),
+        near("eu-a2", 1_000.0),
+        Worker {
+            name: "ap-a1",
+            speed: 2_000.0,
+            rtt: 0.15,
+            arrival: far_arrival,
+            claim: far_claim,
+        },
+    ]
+}
+
 fn job_tokens(j: &ClaimedJob) -> f64 {
     std::str::from_utf8(&j.prompt).unwrap().parse().unwrap()
 }
@@ -579,29 +603,7 @@ fn job_tokens(j: &ClaimedJob) -> f64 {
 /// ~2 s.
 #[tokio::test]
 async fn the_far_actor_works_every_batch_with_its_speeds_share() {
-    let workers = [
-        Worker {
-            name: "eu-a1",
-            speed: 3_000.0,
-            rtt: 0.04,
-            arrival: 0.05,
-            claim: 4,
-        },
-        Worker {
-            name: "eu-a2",
-            speed: 1_000.0,
-            rtt: 0.04,
-            arrival: 0.05,
-            claim: 4,
-        },
-        Worker {
-            name: "ap-a1",
-            speed: 2_000.0,
-            rtt: 0.15,
-            arrival: 1.5,
-            claim: 4,
-        },
-    ];
+    let workers = demo_workers(1.5, 4);
     let long = Shape {
         tokens: (64, 1024),
         hub_rtt: true,
@@ -666,29 +668,7 @@ async fn the_far_actor_works_every_batch_with_its_speeds_share() {
 /// Cost: ~2 s.
 #[tokio::test]
 async fn short_batches_measure_the_far_actor_at_its_speed_and_split_for_the_makespan() {
-    let workers = [
-        Worker {
-            name: "eu-a1",
-            speed: 3_000.0,
-            rtt: 0.04,
-            arrival: 0.05,
-            claim: 4,
-        },
-        Worker {
-            name: "eu-a2",
-            speed: 1_000.0,
-            rtt: 0.04,
-            arrival: 0.05,
-            claim: 4,
-        },
-        Worker {
-            name: "ap-a1",
-            speed: 2_000.0,
-            rtt: 0.15,
-            arrival: 0.12,
-            claim: 8,
-        },
-    ];
+    let workers = demo_workers(0.12, 8);
     let short = |hub_rtt| Shape {
         tokens: (20, 60),
         hub_rtt,
