@@ -471,24 +471,23 @@ async fn a_lease_covers_the_held_budget_at_the_measured_throughput(l: &Ledger) {
     assert_eq!(next[0].lease_expires, at(44_500));
     let pipelined = l.claim(&actor("a"), 1, at(4_600)).await.unwrap();
     assert_eq!(pipelined[0].lease_expires, at(84_600));
-    // 100 tokens over the 6 s since its last accepted submit (round trip included): its first
-    // delivery while busy, which measures its rate alone and replaces the τ of its first
-    // delivery after idleness (that one had the claim's round trip folded in).
+    // 100 tokens over the 6 s since its last accepted submit (the 0.5 s round trip before
+    // its next claim included: it did not pipeline then): τ moves by the EMA.
     l.submit(&actor("a"), &[ok(&next[0])], at(10_000))
         .await
         .unwrap();
     let tau = l.actor(&actor("a")).await.unwrap().tau;
-    let expected = 100.0 / 6.0;
+    let expected = 0.9 * 50.0 + 0.1 * (100.0 / 6.0);
     assert!(
         (tau - expected).abs() < 1e-9,
         "tau {tau}, expected {expected}"
     );
-    // The next busy delivery moves it by the EMA: 100 tokens in 1 s.
+    // The next busy delivery moves it again: 100 tokens in 1 s.
     l.submit(&actor("a"), &[ok(&pipelined[0])], at(11_000))
         .await
         .unwrap();
     let tau = l.actor(&actor("a")).await.unwrap().tau;
-    let expected = 0.9 * (100.0 / 6.0) + 0.1 * 100.0;
+    let expected = 0.9 * expected + 0.1 * 100.0;
     assert!(
         (tau - expected).abs() < 1e-9,
         "tau {tau}, expected {expected}"
@@ -517,19 +516,23 @@ async fn a_lease_covers_the_held_budget_at_the_measured_throughput(l: &Ledger) {
         (lease_ms - expected_ms).abs() <= 1.0,
         "{lease_ms} vs {expected_ms}"
     );
-    l.submit(&actor("a"), &[ok(&long[0])], at(72_000))
-        .await
-        .unwrap();
-    // Its first delivery after idleness: 100 tokens in 1 s, faster than its τ of 25 tokens/s
-    // allows, so no latency and τ moves by the EMA towards 100 tokens/s.
+    // Its first delivery after idleness, 1 s after the claim, with the hub's round-trip
+    // estimate of 0.4 s: that is latency (λ), not slowness, so 100 tokens count over 0.6 s.
+    let delivered = [ok(&long[0])];
+    let call = SubmitCall {
+        results: &delivered,
+        round_trip: Some(Duration::from_millis(400)),
+        ..SubmitCall::default()
+    };
+    l.submit_call(&actor("a"), call, at(72_000)).await.unwrap();
     let info = l.actor(&actor("a")).await.unwrap();
-    let expected = 0.9 * tau_before + 0.1 * 100.0;
+    let expected = 0.9 * tau_before + 0.1 * (100.0 / 0.6);
     assert!(
         (info.tau - expected).abs() < 1e-9,
         "tau {}, expected {expected}",
         info.tau
     );
-    assert_eq!(info.latency_s, Some(0.0));
+    assert_eq!(info.latency_s, Some(0.4));
     // The floor holds.
     let tiny = l
         .post_batch_budgeted(v(0), &prompts(1), &[1], "{}", 1, at(80_000))
@@ -807,8 +810,8 @@ async fn sqlite_state_and_measurements_survive_reopen() {
     // 2 × (100 + 100) / 150 s = 2.67 s: the same lease as before the restart would give.
     let next = reopened.claim(&actor("a"), 1, at(2_200)).await.unwrap();
     assert_eq!(next[0].lease_expires, at(2_200 + 2_666));
-    // The interval opened before the restart goes on: 200 tokens over 1.2 s, its first
-    // delivery while busy (it replaces the τ measured after idleness).
+    // The interval opened before the restart goes on: 200 tokens over 1.2 s, moving τ by the
+    // EMA (β = 0.9).
     let out = reopened
         .submit(
             &actor("a"),
@@ -822,7 +825,7 @@ async fn sqlite_state_and_measurements_survive_reopen() {
         "leases survive a restart"
     );
     let tau = reopened.actor(&actor("a")).await.unwrap().tau;
-    assert!((tau - 200.0 / 1.2).abs() < 1e-9, "{tau}");
+    assert!((tau - (0.9 * 150.0 + 0.1 * 200.0 / 1.2)).abs() < 1e-9, "{tau}");
     reopened.check_invariants().await.unwrap();
     db.cleanup(reopened).await;
 }
