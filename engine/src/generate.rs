@@ -12,7 +12,8 @@
 
 use std::time::{Duration, Instant};
 
-use crate::model::{InputError, KvCache, Model};
+use crate::input::InputError;
+use crate::model::{KvCache, Model};
 use crate::sampling::{self, Sampling};
 
 /// One sequence to generate.

@@ -8,6 +8,8 @@
 //!
 //! - [`config`]: the `config.json` (parse, validate, the expected tensor list);
 //! - [`kernels`]: dot products, matmul, norms, rotary, attention, with fixed reduction orders;
+//! - [`input`]: [`InputError`], why a request's input cannot be run (shared by `model` and
+//!   `sampling`);
 //! - [`model`]: loading BF16 weights, the forward pass, [`Model::score`], [`Model::logits`];
 //! - [`sampling`]: greedy / temperature / top-k / top-p with a counter-based generator, and the
 //!   log-probability definition;
@@ -23,6 +25,7 @@
 
 pub mod config;
 pub mod generate;
+pub mod input;
 pub mod kernels;
 pub mod model;
 pub mod sampling;
@@ -31,7 +34,8 @@ pub mod weights;
 
 pub use config::{ConfigError, Family, ModelConfig, RopeScaling, TokenIds};
 pub use generate::{FinishReason, GenOutput, GenRequest, GenerateError, GenerateOptions};
-pub use model::{InputError, KvCache, LoadError, Model};
+pub use input::InputError;
+pub use model::{KvCache, LoadError, Model};
 pub use sampling::Sampling;
 pub use tokenizer::{ByteTokenizer, TokenizerError};
 pub use weights::{Bf16Tensor, Bf16Tensors, random_bf16};

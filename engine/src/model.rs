@@ -17,7 +17,9 @@
 //! share them, and how many threads run.
 
 use crate::config::{ConfigError, ModelConfig};
+use crate::input::InputError;
 use crate::kernels::{self, Packed, Rope};
+use crate::sampling::{check_temperature, token_logprob};
 
 /// Why weights could not be loaded.
 #[derive(Debug, thiserror::Error)]
@@ -39,30 +41,6 @@ pub enum LoadError {
         expected: usize,
         found: usize,
     },
-}
-
-/// Why an input (prompt, completion) cannot be run.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum InputError {
-    #[error("the prompt is empty")]
-    EmptyPrompt,
-    #[error("token {token} at position {position} is outside the vocabulary ({vocab})")]
-    TokenOutOfRange {
-        position: usize,
-        token: u32,
-        vocab: usize,
-    },
-    #[error("{tokens} tokens (prompt {prompt} + {new} new) exceed max_position_embeddings {max}")]
-    TooLong {
-        prompt: usize,
-        new: usize,
-        tokens: usize,
-        max: usize,
-    },
-    #[error("temperature {0} must be finite and >= 0")]
-    Temperature(f32),
-    #[error("top_p {0} must be in (0, 1]")]
-    TopP(f32),
 }
 
 /// One decoder layer's weights (f32; projections packed for [`kernels::matmul`]).
@@ -305,7 +283,7 @@ impl Model {
         completion: &[u32],
         temperature: f32,
     ) -> Result<Vec<f32>, InputError> {
-        crate::sampling::check_temperature(temperature)?;
+        check_temperature(temperature)?;
         self.check_tokens(prompt, completion, 0)?;
         if completion.is_empty() {
             return Ok(Vec::new());
@@ -324,7 +302,7 @@ impl Model {
             .iter()
             .enumerate()
             .map(|(i, &tok)| {
-                crate::sampling::token_logprob(&logits[i * v..(i + 1) * v], temperature, tok)
+                token_logprob(&logits[i * v..(i + 1) * v], temperature, tok)
             })
             .collect())
     }
@@ -340,7 +318,7 @@ impl Model {
         seqs: &[(&[u32], &[u32])],
         temperature: f32,
     ) -> Result<Vec<Vec<f32>>, InputError> {
-        crate::sampling::check_temperature(temperature)?;
+        check_temperature(temperature)?;
         for (prompt, completion) in seqs {
             self.check_tokens(prompt, completion, 0)?;
         }
@@ -392,13 +370,13 @@ impl Model {
         for (&i, &pi) in live.iter().zip(&prompt_of) {
             let completion = seqs[i].1;
             let mut lps = Vec::with_capacity(completion.len());
-            lps.push(crate::sampling::token_logprob(
+            lps.push(token_logprob(
                 &first[pi * v..(pi + 1) * v],
                 temperature,
                 completion[0],
             ));
             for &tok in &completion[1..] {
-                lps.push(crate::sampling::token_logprob(
+                lps.push(token_logprob(
                     &rest[row * v..(row + 1) * v],
                     temperature,
                     tok,

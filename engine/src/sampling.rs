@@ -18,7 +18,7 @@
 //! sequences, so a sample's tokens are a pure function of its request and the weights.
 
 use crate::kernels;
-use crate::model::InputError;
+use crate::input::InputError;
 
 /// How to pick tokens for one request.
 #[derive(Debug, Clone, PartialEq)]
