@@ -16,8 +16,10 @@ use anyhow::{Context, Result};
 use serde_json::{Value, json};
 use starling_engine::Bf16Tensors;
 
-use crate::demo::{DemoArgs, Mode, run_mode};
+use crate::cluster::Mode;
+use crate::demo_args::DemoArgs;
 use crate::links::Region;
+use crate::toy_run::run_mode;
 
 /// A number from a run's summary (NaN if absent).
 fn num(summary: &Value, path: &[&str]) -> f64 {

@@ -14,11 +14,13 @@ use clap::{Parser, Subcommand};
 mod cluster;
 mod compare;
 mod demo;
+mod demo_args;
 mod links;
 mod model;
 mod plot;
 mod procs;
 mod real;
+mod toy_run;
 mod vllm_server;
 mod watch;
 
@@ -38,7 +40,7 @@ enum Cmd {
     /// The RL run on one machine: a hub, two regions behind emulated WAN links (a relay and
     /// actors at speeds 1:2:3), and the built-in GRPO trainer; live progress, then a summary
     /// JSON and a PNG plot in the output directory.
-    Demo(demo::DemoArgs),
+    Demo(demo_args::DemoArgs),
     /// Models: `starling model import --gguf FILE -o DIR` writes a Hugging Face directory
     /// (BF16 safetensors, config, tokenizer, chat template) from a GGUF file (docs/models.md).
     #[command(subcommand)]

@@ -27,6 +27,7 @@ use serde_json::{Value, json};
 use starling_actor::shared_dir::version_file_name;
 
 use crate::cluster::{Cluster, Mode, Spec, path};
+use crate::demo_args::DemoArgs;
 use crate::links::Region;
 use crate::plot::{Panel, Series, render_png};
 use crate::procs::Proc;
@@ -697,7 +698,7 @@ fn panels(
 }
 
 /// `starling demo --model DIR [--compare]`.
-pub(crate) fn run(a: &crate::demo::DemoArgs, regions: &[Region], out: &Path) -> Result<()> {
+pub(crate) fn run(a: &DemoArgs, regions: &[Region], out: &Path) -> Result<()> {
     let Some(model) = &a.real.model else {
         bail!("no --model");
     };
@@ -889,7 +890,7 @@ fn num(v: &Value, path: &[&str]) -> f64 {
 /// Runs every mode `--rounds` times (modes interleaved), then prints and writes the
 /// comparison (`compare.json`, `compare.png`).
 fn compare(
-    a: &crate::demo::DemoArgs,
+    a: &DemoArgs,
     s: &RealSettings,
     modes: &[RunMode],
     regions: &[Region],
