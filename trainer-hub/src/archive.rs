@@ -16,7 +16,7 @@ use anyhow::{Context, Result};
 use starling_checkpoint::writer::AtomicFile;
 use starling_ledger::{BatchId, Ledger, Retention};
 
-use crate::durable::now;
+use crate::clock::now;
 use crate::results;
 
 /// Batches archived per round at most.

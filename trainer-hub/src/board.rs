@@ -10,17 +10,18 @@
 //! Recording never blocks and never fails: a short critical section under a `std` mutex, and
 //! each change is also sent to the event stream through a bounded broadcast channel, where a
 //! slow subscriber loses events (it is told how many) instead of holding anyone up.
-//! The board reads no clock of its own except in [`now_ms`], which its callers use; tests pass
-//! times explicitly.
+//! Every record takes its time from the caller (`crate::clock::now_ms`), except the transport's
+//! observer callbacks, which read that clock themselves; tests pass times explicitly.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Mutex, PoisonError};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
 use starling_transport::fanout::SubscriberObserver;
 use starling_transport::link::LinkProfile;
 use tokio::sync::broadcast;
+
+use crate::clock::now_ms;
 
 /// Versions whose propagation is kept.
 pub(crate) const MAX_VERSIONS: usize = 32;
@@ -36,14 +37,6 @@ const MAX_PEERS: usize = 4096;
 pub(crate) const EVENT_QUEUE: usize = 1024;
 /// Least time between two `transfer` events for one peer.
 const TRANSFER_EVENT_MS: u64 = 250;
-
-/// Milliseconds since the Unix epoch.
-pub(crate) fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
-}
 
 /// One change, as the event stream sends it: an SSE event name and its JSON data.
 #[derive(Debug, Clone)]

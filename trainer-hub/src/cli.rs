@@ -1,7 +1,7 @@
 //! The command line: argument definitions and one handler per subcommand.
 
 use std::path::{Path, PathBuf};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
@@ -18,6 +18,7 @@ use starling_proto::segment::Segment;
 use starling_transport::identity::Credentials;
 use starling_transport::link::LinkProfile;
 
+use crate::clock::now_ms;
 use crate::keys;
 
 #[derive(Parser, Debug)]
@@ -664,13 +665,6 @@ fn runtime() -> Result<tokio::runtime::Runtime> {
         .enable_all()
         .build()
         .context("start the async runtime")
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
 }
 
 fn bar(len: u64, what: &str) -> ProgressBar {

@@ -27,9 +27,11 @@ use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 use starling_checkpoint::deltafile::{apply_to_file, checkpoint_digest};
 use starling_checkpoint::safetensors::Checkpoint;
-use starling_ledger::{Digest, Ledger, Timestamp, Version, VersionRecord};
+use starling_ledger::{Digest, Ledger, Version, VersionRecord};
 use starling_proto::digest::StateDigest;
 use starling_proto::manifest::{TrustPolicy, hex};
+
+use crate::clock::now;
 
 /// A file as the hub saw it: path, length and modification time, to tell later whether it is
 /// still the same bytes without hashing it again.
@@ -167,15 +169,6 @@ pub(crate) struct Resumed {
 
 pub(crate) fn to_ledger_version(v: u64) -> Result<Version> {
     Version::new(v).map_err(|e| anyhow::anyhow!("version {v}: {e}"))
-}
-
-pub(crate) fn now() -> Timestamp {
-    Timestamp::from_millis(
-        std::time::SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map(|d| d.as_millis() as i64)
-            .unwrap_or(0),
-    )
 }
 
 async fn digest_of(path: &Path, model_id: &str) -> Result<StateDigest> {

@@ -42,8 +42,8 @@ use starling_telemetry::Metrics;
 use starling_transport::framed::{Incoming, MessageReader, send};
 use tokio::sync::Notify;
 
-use crate::board::{Board, now_ms};
-use crate::durable::now;
+use crate::board::Board;
+use crate::clock::{now, now_ms};
 use crate::limits::{Kind, RateLimiter, WorkerConnections, WorkerLimits};
 use crate::rollouts::{GroupSpec, NONFINITE_LOGPROB, RESULT_TOO_LARGE, judge_result};
 use crate::verify::Verifier;

@@ -9,6 +9,7 @@ pub mod api;
 mod archive;
 mod board;
 pub mod cli;
+mod clock;
 pub mod codecs;
 mod durable;
 pub mod ingest;

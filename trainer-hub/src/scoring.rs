@@ -20,7 +20,8 @@ use starling_ledger::{JobId, Ledger, Unscored};
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
-use crate::board::{Board, now_ms};
+use crate::board::Board;
+use crate::clock::now_ms;
 use crate::reward_service::{Completion, PromptView, RewardServices, ScoreRequest};
 use crate::rollouts::{GroupSpec, StoredResult};
 

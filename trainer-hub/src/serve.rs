@@ -18,7 +18,6 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use ed25519_dalek::SigningKey;
@@ -35,6 +34,7 @@ use tracing::Instrument;
 
 use crate::anchors::Anchors;
 use crate::board::{Board, PeerRole};
+use crate::clock::{now, now_ms};
 use crate::durable;
 use crate::ingest::{Allow, PublishError, PublishRequest};
 use crate::rollouts::ModelLimits;
@@ -233,13 +233,6 @@ async fn write_anchor(hub: &Arc<Hub>, checkpoint: PathBuf, version: u64) -> Resu
     Ok(())
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or(0)
-}
-
 impl Hub {
     pub(crate) fn book(&self) -> &VersionBook {
         &self.book
@@ -333,7 +326,7 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
             step: resumed.step,
         }),
         book: Arc::new(book),
-        board: Arc::new(Board::new(crate::board::now_ms())),
+        board: Arc::new(Board::new(now_ms())),
         status_cache: Default::default(),
         checkpoint_bytes,
         layout,
@@ -400,7 +393,7 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
                     None,
                     Some(v),
                     &format!("{e:#}"),
-                    crate::board::now_ms(),
+                    now_ms(),
                 );
             }
         });
@@ -547,7 +540,7 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
         tracing::info_span!("peer", peer = %a.name, role = role.as_str(), region = %a.region);
     span.in_scope(|| tracing::info!(after_version = after, "subscribed"));
     hub.board
-        .peer_connected(&a.name, role, &a.region, link, crate::board::now_ms());
+        .peer_connected(&a.name, role, &a.region, link, now_ms());
     hub.metrics.peer_connected(role.as_str(), 1);
     let fanout = FanoutConfig {
         stripes: hub.cfg.stripes,
@@ -579,7 +572,7 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
         None => tracing::info!("subscriber left"),
     });
     hub.board
-        .peer_disconnected(&name, why.as_deref(), crate::board::now_ms());
+        .peer_disconnected(&name, why.as_deref(), now_ms());
     served?;
     Ok(())
 }
@@ -664,7 +657,7 @@ pub(crate) async fn publish(
             None,
             None,
             &format!("{}: {e}", path.display()),
-            crate::board::now_ms(),
+            now_ms(),
         );
     }
     result
@@ -784,7 +777,7 @@ async fn publish_locked(
                 file.write_all(b)?;
                 if first && b.first() == Some(&(FrameKind::Segment as u8)) {
                     first = false;
-                    board.first_segment(version, crate::board::now_ms());
+                    board.first_segment(version, now_ms());
                     println!("first-segment {version}");
                 }
                 if let Some(live) = &sink_live {
@@ -856,7 +849,7 @@ async fn publish_locked(
             Some(durable::to_ledger_version(base)?),
             Digest(manifest.post_digest.to_bytes()),
             &meta.to_text(),
-            durable::now(),
+            now(),
         )
         .await;
     if let Err(e) = recorded {
@@ -873,7 +866,7 @@ async fn publish_locked(
         step,
         u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
         hub.checkpoint_bytes,
-        crate::board::now_ms(),
+        now_ms(),
     );
     hub.book.complete(version)?;
     // From now on its subscribers read it from the durable file, not from memory.
@@ -910,7 +903,7 @@ async fn publish_locked(
                     None,
                     Some(version),
                     &format!("{e:#}"),
-                    crate::board::now_ms(),
+                    now_ms(),
                 );
             }
         });

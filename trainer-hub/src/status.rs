@@ -29,7 +29,8 @@ use serde_json::{Value, json};
 use starling_telemetry::http::json_error;
 use tokio::sync::broadcast::error::RecvError;
 
-use crate::board::{self, now_ms};
+use crate::board;
+use crate::clock::now_ms;
 use crate::serve::Hub;
 
 /// How long one status response is reused.
