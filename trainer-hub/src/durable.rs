@@ -116,6 +116,17 @@ const MODEL_FILES: [&str; 5] = [
     "chat_template.jinja",
 ];
 
+/// The model directory of the initial checkpoint: `--init` itself when it is a directory (a
+/// Hugging Face model directory such as `starling model import` writes), else the file's
+/// directory.
+pub fn model_dir(init: &Path) -> PathBuf {
+    if init.is_dir() {
+        init.to_owned()
+    } else {
+        init.parent().map(Path::to_owned).unwrap_or_default()
+    }
+}
+
 /// The store's copy of the run's model files (`STORE/model`).
 pub(crate) fn model_files(store: &Path) -> PathBuf {
     store.join("model")
@@ -225,7 +236,7 @@ pub(crate) async fn resume(
             source: stamp,
         };
         // The model's own files first: a restart must find them in the store.
-        let (s, from) = (store.to_owned(), crate::serve::model_dir(init));
+        let (s, from) = (store.to_owned(), model_dir(init));
         tokio::task::spawn_blocking(move || keep_model_files(&s, &from))
             .await
             .context("model files task")??;
@@ -263,7 +274,7 @@ pub(crate) async fn resume(
         .await?;
         if !model_files(store).join("config.json").exists() {
             // A store from before the hub kept the model's files: keep them now.
-            let (s, from) = (store.to_owned(), crate::serve::model_dir(init));
+            let (s, from) = (store.to_owned(), model_dir(init));
             tokio::task::spawn_blocking(move || keep_model_files(&s, &from))
                 .await
                 .context("model files task")??;

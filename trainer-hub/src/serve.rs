@@ -36,6 +36,8 @@ use crate::anchors::Anchors;
 use crate::board::{Board, PeerRole};
 use crate::clock::{now, now_ms};
 use crate::durable;
+// Defined where the store is seeded from it; public here, where it always was.
+pub use crate::durable::model_dir;
 use crate::ingest::{Allow, PublishError, PublishRequest};
 use crate::rollouts::ModelLimits;
 use starling_ledger::{Digest, Ledger, LedgerConfig};
@@ -176,17 +178,6 @@ impl Hub {
                 () = stop.cancelled() => {}
             }
         });
-    }
-}
-
-/// The model directory of the initial checkpoint: `--init` itself when it is a directory (a
-/// Hugging Face model directory such as `starling model import` writes), else the file's
-/// directory.
-pub fn model_dir(init: &Path) -> PathBuf {
-    if init.is_dir() {
-        init.to_owned()
-    } else {
-        init.parent().map(Path::to_owned).unwrap_or_default()
     }
 }
 
