@@ -128,7 +128,6 @@ pub(crate) struct Hub {
     cfg: ServeConfig,
     /// What the hub has seen since it started, for the status page and the event stream.
     pub(crate) board: Arc<Board>,
-    pub(crate) status_cache: crate::status::StatusCache,
     /// The size of the full BF16 checkpoint (what a full broadcast would send per version).
     pub(crate) checkpoint_bytes: u64,
     /// The run's tensors and shapes: what every published checkpoint must hold exactly.
@@ -318,7 +317,6 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
         }),
         book: Arc::new(book),
         board: Arc::new(Board::new(now_ms())),
-        status_cache: Default::default(),
         checkpoint_bytes,
         layout,
         metrics: Metrics::new(Component::Hub),

@@ -46,13 +46,19 @@ const INDEX_HTML: &str = include_str!("../assets/dashboard/index.html");
 const APP_JS: &str = include_str!("../assets/dashboard/app.js");
 const STYLE_CSS: &str = include_str!("../assets/dashboard/style.css");
 
-/// The last status built, and when.
-#[derive(Debug, Default)]
-pub(crate) struct StatusCache {
+/// What the status routes share: the hub, and the last status built with when (one per
+/// router, and the hub builds one router).
+#[derive(Debug)]
+struct StatusRoutes {
+    hub: Arc<Hub>,
     last: tokio::sync::Mutex<Option<(Instant, Value)>>,
 }
 
 pub(crate) fn router(hub: Arc<Hub>) -> Router {
+    let routes = Arc::new(StatusRoutes {
+        hub,
+        last: tokio::sync::Mutex::new(None),
+    });
     Router::new()
         .route("/", get(|| asset("text/html; charset=utf-8", INDEX_HTML)))
         .route(
@@ -65,7 +71,7 @@ pub(crate) fn router(hub: Arc<Hub>) -> Router {
         )
         .route("/v1/status", get(status))
         .route("/v1/events", get(events))
-        .with_state(hub)
+        .with_state(routes)
 }
 
 async fn asset(content_type: &'static str, body: &'static str) -> Response {
@@ -87,7 +93,7 @@ struct StatusQuery {
 }
 
 async fn status(
-    State(hub): State<Arc<Hub>>,
+    State(routes): State<Arc<StatusRoutes>>,
     query: Result<Query<StatusQuery>, QueryRejection>,
 ) -> Response {
     let shown = match query {
@@ -104,13 +110,13 @@ async fn status(
         },
         Err(e) => return json_error(StatusCode::BAD_REQUEST, "bad_request", e.body_text()),
     };
-    let mut cache = hub.status_cache.last.lock().await;
+    let mut cache = routes.last.lock().await;
     if let Some((at, v)) = cache.as_ref()
         && at.elapsed() < STATUS_TTL
     {
         return axum::Json(with_versions(v.clone(), shown)).into_response();
     }
-    match build(&hub).await {
+    match build(&routes.hub).await {
         Ok(v) => {
             *cache = Some((Instant::now(), v.clone()));
             axum::Json(with_versions(v, shown)).into_response()
@@ -272,8 +278,9 @@ fn counts_json(c: &starling_ledger::JobCounts) -> Value {
 }
 
 async fn events(
-    State(hub): State<Arc<Hub>>,
+    State(routes): State<Arc<StatusRoutes>>,
 ) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+    let hub = &routes.hub;
     let rx = hub.board.subscribe();
     let hello = json!({"version": hub.book().latest(), "at_ms": now_ms()});
     let first = Some(SseEvent::default().event("hello").data(hello.to_string()));
