@@ -301,9 +301,7 @@ impl Model {
         Ok(completion
             .iter()
             .enumerate()
-            .map(|(i, &tok)| {
-                token_logprob(&logits[i * v..(i + 1) * v], temperature, tok)
-            })
+            .map(|(i, &tok)| token_logprob(&logits[i * v..(i + 1) * v], temperature, tok))
             .collect())
     }
 

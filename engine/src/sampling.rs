@@ -17,8 +17,8 @@
 //! ([`uniform`]). Nothing is carried from step to step and nothing depends on other
 //! sequences, so a sample's tokens are a pure function of its request and the weights.
 
-use crate::kernels;
 use crate::input::InputError;
+use crate::kernels;
 
 /// How to pick tokens for one request.
 #[derive(Debug, Clone, PartialEq)]
