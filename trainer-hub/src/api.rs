@@ -32,9 +32,10 @@ use starling_proto::manifest::hex;
 
 use crate::clock::{now, now_ms};
 use crate::durable::VersionMeta;
+use crate::hub::Hub;
+use crate::publish::publish;
 use crate::results::{self, MAX_PAGE_BYTES};
 use crate::rollouts::{BatchRequest, check_deliverable, check_rewards, expand};
-use crate::serve::{Hub, publish};
 
 /// The largest batch request (prompt groups as JSON).
 const MAX_BATCH_BODY: usize = 64 << 20;
@@ -305,8 +306,7 @@ async fn submit_batch(State(hub): State<Arc<Hub>>, body: Body) -> Reply<(StatusC
         })?;
     let samples: u64 = groups.iter().map(|g| u64::from(g.n)).sum();
     let size = u32::try_from(groups.len()).unwrap_or(u32::MAX);
-    hub.board
-        .batch_posted(batch.raw(), version, size, now_ms());
+    hub.board.batch_posted(batch.raw(), version, size, now_ms());
     tracing::info!(batch = batch.raw(), version, groups = size, "batch posted");
     Ok((
         StatusCode::CREATED,

@@ -1,49 +1,31 @@
-//! `starling-hub serve`: the hub's distribution service.
+//! `starling-hub serve`: the hub's distribution service, wired together.
 //!
-//! The hub listens for QUIC connections from relays, actors and the trainer (all with
-//! cluster credentials; see `starling_transport`). A publish (`Publish { path }` from the
-//! trainer over QUIC, or `POST /v1/versions` over HTTP) diffs that checkpoint against the
-//! last published one and **offers every segment to subscribers the moment the encoder
-//! emits it** (cut-through), while the same bytes go to the delta file in the store. The
-//! version completes — subscribers get `Commit`, it becomes the listed latest — only once the
-//! file is durable (fsync, rename). A failed diff aborts the version; receivers drop it.
-//! Sending (striping, `Fetch`, `Ping`) is shared with the relays
-//! (`starling_transport::fanout`).
+//! [`serve`] resumes the run from the ledger and the store (`crate::durable`), builds the
+//! [`Hub`](crate::hub::Hub), starts its background tasks (the scheduler in `crate::jobs`,
+//! scoring in `crate::scoring`, archiving in `crate::archive`) and its HTTP server (the
+//! trainer's API in `crate::api`, status and dashboard in `crate::status`), and accepts QUIC
+//! connections from relays, actors and the trainer (all with cluster credentials; see
+//! `starling_transport`). A subscriber is sent versions (striping, `Fetch`, `Ping`: shared
+//! with the relays, `starling_transport::fanout`); an actor's work connection goes to
+//! `crate::jobs`; the trainer's `Publish` to `crate::publish`. On shutdown it drains.
 //!
-//! The hub diffs its own copy of each published checkpoint (`snapshot`), never the trainer's
-//! file, so the trainer may delete or rewrite that file as soon as the publish returns.
+//! This module sits on top of the hub's modules: it imports them, none of them imports it.
+//! [`publish_remote`] is the trainer's end of `Publish`, for `starling-hub publish`.
 
-use std::collections::BTreeMap;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
-use ed25519_dalek::SigningKey;
 use quinn::{Connection, SendStream};
-use starling_checkpoint::deltafile::{DiffOptions, diff_checkpoints};
 use starling_checkpoint::safetensors::Checkpoint;
-use starling_checkpoint::writer::AtomicFile;
-use starling_proto::container::{FrameKind, split_frames};
-use starling_proto::digest::StateDigest;
-use starling_proto::manifest::delta_id;
+use starling_ledger::Ledger;
+use starling_proto::manifest::TrustPolicy;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
 use starling_telemetry::{Component, Metrics};
-use tracing::Instrument;
-
-use crate::anchors::Anchors;
-use crate::board::{Board, PeerRole};
-use crate::clock::{now, now_ms};
-use crate::durable;
-// Defined where the store is seeded from it; public here, where it always was.
-pub use crate::durable::model_dir;
-use crate::ingest::{Allow, PublishError, PublishRequest};
-use crate::rollouts::ModelLimits;
-use starling_ledger::{Digest, Ledger, LedgerConfig};
-use starling_proto::manifest::TrustPolicy;
 use starling_transport::admit::admit;
-use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
+use starling_transport::book::VersionBook;
 use starling_transport::ceiling::RateCeiling;
 use starling_transport::endpoint::{
     accept_capped, client_endpoint, connect, server_config, server_endpoint,
@@ -55,130 +37,21 @@ use starling_transport::link::LinkProfile;
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
-/// What `serve` needs.
-#[derive(Debug, Clone)]
-pub struct ServeConfig {
-    pub cluster: PathBuf,
-    pub store: PathBuf,
-    pub listen: SocketAddr,
-    /// The checkpoint of version `init_version`, the base of the first publish. Needed on the
-    /// first start only; on a restart, if given, it must be a checkpoint of the run.
-    pub init: Option<PathBuf>,
-    pub init_version: u64,
-    pub model_id: String,
-    pub link: LinkProfile,
-    /// Streams per version per subscriber.
-    pub stripes: u16,
-    /// Send segments while they are encoded (else once the delta is durable).
-    pub cut_through: bool,
-    /// Where to serve `/metrics` and the HTTP API (none: not served).
-    pub http: Option<SocketAddr>,
-    /// Deltas kept in memory for subscribers that fall behind.
-    pub retain: usize,
-    /// Write an anchor (full checkpoint) every this many versions (0: only the initial one).
-    pub anchor_every: u64,
-    /// Anchors kept on disk.
-    pub keep_anchors: usize,
-    /// Target size of a segment.
-    pub segment_bytes: usize,
-    /// Code every changed tensor range densely (the full new bits), never sparsely.
-    pub full_broadcast: bool,
-    /// The stated link to each peer by name (`*`: every other peer), for the sender's
-    /// window ceiling (`starling_transport::ceiling`).
-    pub peer_links: BTreeMap<String, LinkProfile>,
-    /// Cap the window to each peer at its stated link (off: plain BBR, for comparison).
-    pub link_ceiling: bool,
-    /// Which codecs versions are encoded with (`crate::codecs`).
-    pub codecs: crate::codecs::CodecPolicy,
-    /// The ledger's URL (`sqlite:PATH` or `postgres://…`).
-    pub ledger: String,
-    /// Lease sizing, attempts, actor timeout.
-    pub ledger_config: LedgerConfig,
-    /// How often posted batches are scheduled and expired leases swept.
-    pub schedule_tick: std::time::Duration,
-    /// Per-actor limits on the job protocol.
-    pub worker_limits: crate::limits::WorkerLimits,
-    /// The reward services groups may name as their verifier (`--reward-service`).
-    pub reward_services: crate::reward_service::RewardServices,
-    /// Which delivered batches are archived out of the ledger.
-    pub retention: starling_ledger::Retention,
-    /// Where archived batches' results are written.
-    pub results_archive: PathBuf,
-    /// The directories checkpoints may be published from (`--publish-dir`).
-    pub publish_dirs: crate::ingest::PublishDirs,
-    /// Bounds of the HTTP server (connections, timeouts); publishes are exempt from its
-    /// request timeout (they answer once the version is recorded).
-    pub http_limits: starling_telemetry::http::HttpLimits,
-}
+use crate::anchors::Anchors;
+use crate::board::{Board, PeerRole};
+use crate::clock::now_ms;
+use crate::durable;
+use crate::hub::{Hub, State};
+use crate::ingest::PublishRequest;
+use crate::publish::{publish, write_anchor};
+use crate::rollouts::ModelLimits;
 
-#[derive(Debug)]
-struct State {
-    version: u64,
-    snapshot: PathBuf,
-    /// The snapshot's state digest: from the ledger at start, then each manifest's post
-    /// digest. Spares every diff a hash of every base element.
-    digest: StateDigest,
-    /// The trainer's step the newest version was published with, if it said.
-    step: Option<u64>,
-}
-
-#[derive(Debug)]
-pub(crate) struct Hub {
-    cfg: ServeConfig,
-    /// What the hub has seen since it started, for the status page and the event stream.
-    pub(crate) board: Arc<Board>,
-    /// The size of the full BF16 checkpoint (what a full broadcast would send per version).
-    pub(crate) checkpoint_bytes: u64,
-    /// The run's tensors and shapes: what every published checkpoint must hold exactly.
-    layout: starling_checkpoint::safetensors::Layout,
-    signing: SigningKey,
-    state: Mutex<State>,
-    book: Arc<VersionBook>,
-    metrics: Metrics,
-    anchors: Arc<Anchors>,
-    pub(crate) ledger: Arc<Ledger>,
-    /// Live worker connections per actor certificate.
-    workers: Arc<crate::limits::WorkerConnections>,
-    /// The key trainer tokens are checked with.
-    pub(crate) trainer_seed: [u8; 32],
-    /// What prompts must fit (vocabulary, context).
-    pub(crate) limits: ModelLimits,
-    /// The configured reward services.
-    pub(crate) rewards: Arc<crate::reward_service::RewardServices>,
-    /// Woken when results were stored waiting for their reward service.
-    pub(crate) scorer_wake: Arc<tokio::sync::Notify>,
-    /// Cancelled when the hub stops: long-lived work (the scheduler, event streams, the HTTP
-    /// server) ends on it.
-    pub(crate) stop: CancellationToken,
-    /// Every task the hub spawns (connections, anchor writes, the scheduler, HTTP): waited
-    /// for, within the grace period, when it stops.
-    tasks: TaskTracker,
-    /// Snapshot copies an anchor is being written from: not released until it is written.
-    pinned: std::sync::Mutex<std::collections::BTreeSet<PathBuf>>,
-    /// The codec set of each version and why (`crate::codecs`); used from the diff's
-    /// blocking task.
-    pub(crate) codecs: Arc<std::sync::Mutex<crate::codecs::Chooser>>,
-}
-
-impl Hub {
-    fn pins(&self) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<PathBuf>> {
-        self.pinned
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Runs `work` as a task of the hub, until it ends or the hub stops.
-    fn spawn_until_stopped(&self, work: impl Future<Output = ()> + Send + 'static) {
-        let stop = self.stop.clone();
-        self.tasks.spawn(async move {
-            tokio::select! {
-                () = work => {}
-                () = stop.cancelled() => {}
-            }
-        });
-    }
-}
+// Defined below the wiring (the store is seeded from `model_dir`; every part of the hub
+// shares `ServeConfig`); public here, where they always were.
+pub use crate::durable::model_dir;
+pub use crate::hub::ServeConfig;
 
 /// The model's vocabulary, context and text side (tokenizer, chat template, EOS ids), from
 /// the model directory `dir` (the store's copy of the run's model files): `config.json` and
@@ -210,31 +83,6 @@ fn model_limits(dir: &Path, weights: &Path) -> Result<ModelLimits> {
         context: u32::MAX,
         text,
     })
-}
-
-/// Writes the anchor of `version` from `checkpoint` (off the async runtime).
-async fn write_anchor(hub: &Arc<Hub>, checkpoint: PathBuf, version: u64) -> Result<()> {
-    let anchors = hub.anchors.clone();
-    let seal = tokio::task::spawn_blocking(move || anchors.write(&checkpoint, version))
-        .await
-        .context("anchor task")??;
-    tracing::info!(version, bytes = seal.size, "anchor written");
-    println!("anchor {version}");
-    Ok(())
-}
-
-impl Hub {
-    pub(crate) fn book(&self) -> &VersionBook {
-        &self.book
-    }
-
-    pub(crate) fn model_id(&self) -> &str {
-        &self.cfg.model_id
-    }
-
-    pub(crate) fn http_limits(&self) -> &starling_telemetry::http::HttpLimits {
-        &self.cfg.http_limits
-    }
 }
 
 /// How often retention looks for batches to archive.
@@ -377,13 +225,8 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
             let hub = owner;
             if let Err(e) = write_anchor(&hub, init, v).await {
                 tracing::error!(version = v, "anchor not written: {e:#}");
-                hub.board.fault(
-                    "anchor_failed",
-                    None,
-                    Some(v),
-                    &format!("{e:#}"),
-                    now_ms(),
-                );
+                hub.board
+                    .fault("anchor_failed", None, Some(v), &format!("{e:#}"), now_ms());
             }
         });
     }
@@ -560,8 +403,7 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
         Some(w) => tracing::warn!("subscriber lost: {w}"),
         None => tracing::info!("subscriber left"),
     });
-    hub.board
-        .peer_disconnected(&name, why.as_deref(), now_ms());
+    hub.board.peer_disconnected(&name, why.as_deref(), now_ms());
     served?;
     Ok(())
 }
@@ -608,346 +450,6 @@ fn rayon_threads() -> usize {
 
 async fn resumed_version(hub: &Hub) -> u64 {
     hub.state.lock().await.version
-}
-
-/// A version the hub published, as recorded.
-#[derive(Debug, Clone)]
-pub(crate) struct Published {
-    pub(crate) version: u64,
-    pub(crate) base: u64,
-    pub(crate) changes: u64,
-    pub(crate) bytes: u64,
-    /// Its state digest (the manifest's post digest): this version's, whatever was
-    /// published after it.
-    pub(crate) digest: [u8; 16],
-    pub(crate) step: Option<u64>,
-}
-
-/// Publishes the checkpoint `req` names (`crate::ingest` for every check it passes first).
-/// The work runs as a task of the hub: a caller that goes away (an HTTP client that
-/// disconnects) does not cancel a publish halfway.
-pub(crate) async fn publish(
-    hub: &Arc<Hub>,
-    req: PublishRequest,
-) -> std::result::Result<Published, PublishError> {
-    let owner = hub.clone();
-    let path = req.path.clone();
-    let task = hub
-        .tasks
-        .spawn(async move { publish_checked(&owner, req).await });
-    let result = match task.await {
-        Ok(r) => r,
-        Err(e) => Err(PublishError::Internal(anyhow::anyhow!("publish task: {e}"))),
-    };
-    if let Err(e) = &result {
-        tracing::warn!(path = %path.display(), code = e.code(), "publish refused: {e}");
-        hub.board.fault(
-            "publish_failed",
-            None,
-            None,
-            &format!("{}: {e}", path.display()),
-            now_ms(),
-        );
-    }
-    result
-}
-
-async fn publish_checked(
-    hub: &Arc<Hub>,
-    req: PublishRequest,
-) -> std::result::Result<Published, PublishError> {
-    let internal = PublishError::Internal;
-    // Off the runtime and before the publish lock: a FIFO, a stalled mount or a slow disk
-    // holds this request only, never the hub or another publish.
-    let copy = {
-        let (store, dirs, layout, source) = (
-            hub.cfg.store.clone(),
-            hub.cfg.publish_dirs.clone(),
-            hub.layout.clone(),
-            req.path.clone(),
-        );
-        let allow_nonfinite = req.allows(Allow::Nonfinite);
-        tokio::task::spawn_blocking(move || {
-            let opened = crate::ingest::open_source(&dirs, &layout, &source)?;
-            let copy = crate::snapshot::copy_in(&store, &opened).map_err(internal)?;
-            drop(opened);
-            crate::ingest::check_copy(copy.path(), &source, &layout, allow_nonfinite)?;
-            Ok::<_, PublishError>(copy)
-        })
-        .await
-        .map_err(|e| internal(anyhow::anyhow!("copy task: {e}")))??
-    };
-    // One publish at a time: the state lock is held across the diff.
-    let state = hub.state.lock().await;
-    if !req.allows(Allow::StepBackwards) {
-        crate::ingest::check_step(req.step, state.step, state.version)?;
-    }
-    if !req.allows(Allow::Unchanged) {
-        let (base, new, source, version) = (
-            state.snapshot.clone(),
-            copy.path().to_owned(),
-            req.path.clone(),
-            state.version,
-        );
-        tokio::task::spawn_blocking(move || {
-            crate::ingest::check_changed(&base, &new, &source, version)
-        })
-        .await
-        .map_err(|e| internal(anyhow::anyhow!("compare task: {e}")))??;
-    }
-    // Accepted: from here on the version streams to subscribers as it is encoded.
-    publish_locked(hub, state, copy, req.step)
-        .await
-        .map_err(internal)
-}
-
-async fn publish_locked(
-    hub: &Arc<Hub>,
-    mut state: tokio::sync::MutexGuard<'_, State>,
-    copy: crate::snapshot::Copy,
-    step: Option<u64>,
-) -> Result<Published> {
-    let started = std::time::Instant::now();
-    let base = state.version;
-    let version = base + 1;
-    let old = state.snapshot.clone();
-    let previous = old.clone();
-    let dest = durable::delta_path(&hub.cfg.store, version);
-    let new = copy.path().to_owned();
-    let created = now_ms();
-    let span = tracing::info_span!("publish", version);
-    let mut opts = DiffOptions::new(&hub.cfg.model_id, base, version, created);
-    opts.signing_key = Some(hub.signing.clone());
-    opts.encoder.segment_target_bytes = hub.cfg.segment_bytes;
-    if hub.cfg.full_broadcast {
-        opts.encoder.choice = starling_proto::segment::CodecChoice::only_dense(
-            starling_proto::codec::DenseCodec::PlanesZstd,
-        );
-    }
-    opts.pre_digest = Some(state.digest);
-    let id = delta_id(&hub.cfg.model_id, base, version, created);
-    // Cut-through: subscribers get each frame the moment the encoder emits it. Store-and-
-    // forward (for comparison): the version is offered once its file is durable.
-    let live = if hub.cfg.cut_through {
-        Some(hub.book.begin(version, base, id)?)
-    } else {
-        None
-    };
-    let sink_live = live.clone();
-    let dest2 = dest.clone();
-    let (codecs, links, board) = (hub.codecs.clone(), hub.board.links(), hub.board.clone());
-    let full_broadcast = hub.cfg.full_broadcast;
-    let diffed = tokio::task::spawn_blocking(move || -> Result<_> {
-        let o =
-            Checkpoint::open(&old).with_context(|| format!("open snapshot {}", old.display()))?;
-        let n = Checkpoint::open(&new).with_context(|| format!("open {}", new.display()))?;
-        // The codec set for this version, from a sample of its own pair and the links.
-        let sample = (!full_broadcast)
-            .then(|| crate::codecs::sample(&o, &n))
-            .flatten();
-        let elements = o.numel();
-        let decision = codecs
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .decide(version, elements, sample.as_ref(), &links);
-        tracing::info!(codecs = decision.set.name(), "{}", decision.why);
-        if !full_broadcast {
-            opts.encoder.choice = decision.set.choice();
-        }
-        let encode_started = std::time::Instant::now();
-        let mut file =
-            AtomicFile::create(&dest2).with_context(|| format!("create {}", dest2.display()))?;
-        let mut first = true;
-        let (signed, bytes) = diff_checkpoints(
-            &o,
-            &n,
-            &opts,
-            &mut |b| {
-                file.write_all(b)?;
-                if first && b.first() == Some(&(FrameKind::Segment as u8)) {
-                    first = false;
-                    board.first_segment(version, now_ms());
-                    println!("first-segment {version}");
-                }
-                if let Some(live) = &sink_live {
-                    offer(live, b);
-                }
-                Ok(())
-            },
-            &|_| {},
-        )?;
-        codecs
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .observe(
-                decision.set,
-                elements,
-                sample.as_ref(),
-                signed.manifest.total_changes(),
-                encode_started.elapsed().as_secs_f64(),
-            );
-        // Durable before it is listed: fsync, rename, fsync the directory.
-        file.commit()
-            .with_context(|| format!("write {}", dest2.display()))?;
-        Ok((signed.manifest, bytes))
-    })
-    .instrument(span.clone())
-    .await
-    .context("diff task")
-    .and_then(|r| r);
-    let (manifest, bytes) = match diffed {
-        Ok(d) => d,
-        Err(e) => {
-            hub.book.abort(version);
-            return Err(e);
-        }
-    };
-    let store = hub.cfg.store.clone();
-    let sealed = tokio::task::spawn_blocking(move || copy.seal(&store, version))
-        .await
-        .context("seal task")
-        .and_then(|r| r);
-    let (snapshot, source) = match sealed.and_then(|p| Ok((durable::FileStamp::of(&p)?, p))) {
-        Ok((stamp, p)) => (p, stamp),
-        Err(e) => {
-            hub.book.abort(version);
-            return Err(e).context("keep the hub's copy of the checkpoint");
-        }
-    };
-    if live.is_none() {
-        let live = hub.book.begin(version, base, id)?;
-        let file = tokio::fs::read(&dest)
-            .await
-            .with_context(|| format!("read {}", dest.display()))?;
-        for f in split_frames(&file)? {
-            offer(&live, f);
-        }
-    }
-    // In the ledger before anyone hears of it: a version announced is a version recorded.
-    let meta = durable::VersionMeta {
-        source: Some(source),
-        delta: Some(dest.clone()),
-        changes: manifest.total_changes(),
-        bytes,
-        step,
-    };
-    let recorded = hub
-        .ledger
-        .publish_version(
-            durable::to_ledger_version(version)?,
-            Some(durable::to_ledger_version(base)?),
-            Digest(manifest.post_digest.to_bytes()),
-            &meta.to_text(),
-            now(),
-        )
-        .await;
-    if let Err(e) = recorded {
-        hub.book.abort(version);
-        return Err(e).context("record the version in the ledger");
-    }
-    // On the board before `Commit` can go out, so a subscriber's delivery always finds it.
-    let elapsed = started.elapsed();
-    hub.board.published(
-        version,
-        base,
-        bytes,
-        manifest.total_changes(),
-        step,
-        u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
-        hub.checkpoint_bytes,
-        now_ms(),
-    );
-    hub.book.complete(version)?;
-    // From now on its subscribers read it from the durable file, not from memory.
-    spill(&hub.book, version, &dest).await;
-    hub.metrics.set_active(version);
-    hub.metrics.observe_publish(bytes, elapsed);
-    state.version = version;
-    state.snapshot = snapshot.clone();
-    state.digest = manifest.post_digest;
-    state.step = step;
-    drop(state);
-    if !hub.pins().contains(&previous) {
-        crate::snapshot::release(&hub.cfg.store, &previous);
-    }
-    if hub.cfg.anchor_every > 0 && version.is_multiple_of(hub.cfg.anchor_every) {
-        // In the background: the next publish need not wait for a full-checkpoint write.
-        // From the hub's copy, pinned until the anchor is written (a publish meanwhile does
-        // not release it; this task does, once it is no longer the newest).
-        let (owner, path) = (hub.clone(), snapshot);
-        hub.pins().insert(path.clone());
-        hub.tasks.spawn(async move {
-            let hub = owner;
-            let written = write_anchor(&hub, path.clone(), version).await;
-            hub.pins().remove(&path);
-            if let Ok(state) = hub.state.try_lock()
-                && state.snapshot != path
-            {
-                crate::snapshot::release(&hub.cfg.store, &path);
-            }
-            if let Err(e) = written {
-                tracing::error!(version, "anchor not written: {e:#}");
-                hub.board.fault(
-                    "anchor_failed",
-                    None,
-                    Some(version),
-                    &format!("{e:#}"),
-                    now_ms(),
-                );
-            }
-        });
-    }
-    span.in_scope(|| {
-        tracing::info!(
-            changes = manifest.total_changes(),
-            bytes,
-            encode_ms = elapsed.as_millis() as u64,
-            "published"
-        )
-    });
-    Ok(Published {
-        version,
-        base,
-        changes: manifest.total_changes(),
-        bytes,
-        digest: manifest.post_digest.to_bytes(),
-        step,
-    })
-}
-
-/// Serves a complete version from its delta file in the store instead of from memory (see
-/// `LiveVersion::spill`). Should that fail, the version stays served from memory.
-/// On a blocking thread: checking the file against the frames reads the whole delta.
-async fn spill(book: &VersionBook, version: u64, file: &Path) {
-    let Some(live) = book.get(version) else {
-        return;
-    };
-    let file = file.to_owned();
-    let spilled = tokio::task::spawn_blocking(move || {
-        starling_transport::book::map_store_file(&file)
-            .map_err(|e| anyhow::anyhow!("map {}: {e}", file.display()))
-            .and_then(|map| Ok(live.spill(map)?))
-    })
-    .await
-    .context("spill task")
-    .and_then(|r| r);
-    if let Err(e) = spilled {
-        tracing::warn!(version, "version stays in memory: {e:#}");
-    }
-}
-
-/// Offers one encoded frame to subscribers: segments and the manifest (the file header and
-/// the trailer only matter in a file).
-fn offer(live: &LiveVersion, frame: &[u8]) {
-    if frame
-        .first()
-        .is_some_and(|&k| k == FrameKind::Segment as u8 || k == FrameKind::Manifest as u8)
-    {
-        match WireFrame::parse(frame.to_vec()) {
-            Ok(f) => live.push(f),
-            Err(e) => tracing::error!("encoder emitted an unparsable frame: {e}"),
-        }
-    }
 }
 
 /// `starling-hub publish`: asks a running hub to publish a checkpoint.

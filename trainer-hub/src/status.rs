@@ -31,7 +31,7 @@ use tokio::sync::broadcast::error::RecvError;
 
 use crate::board;
 use crate::clock::now_ms;
-use crate::serve::Hub;
+use crate::hub::Hub;
 
 /// How long one status response is reused.
 const STATUS_TTL: Duration = Duration::from_millis(500);
