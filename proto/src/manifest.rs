@@ -312,6 +312,14 @@ pub enum TrustPolicy {
     Keys(Vec<VerifyingKey>),
 }
 
+impl TrustPolicy {
+    /// Only manifests signed by the ed25519 public key `key`.
+    pub fn trusting(key: &[u8; 32]) -> Result<Self, SignatureError> {
+        let key = VerifyingKey::from_bytes(key).map_err(|_| SignatureError::Invalid)?;
+        Ok(Self::Keys(vec![key]))
+    }
+}
+
 /// Why a manifest's signature was refused.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum SignatureError {

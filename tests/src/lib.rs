@@ -553,9 +553,8 @@ impl Testbed {
     /// Asserts that `actor`'s store (snapshot + journal, replayed with every check under the
     /// cluster's signing key) holds exactly version `k`, bit-identical to the trainer's.
     pub fn assert_store_is(&self, actor: &str, k: usize) {
-        let key = starling_transport::identity::manifest_key(&self.cluster).expect("signing.pub");
-        let key = ed25519_dalek::VerifyingKey::from_bytes(&key).expect("ed25519 key");
-        let trust = starling_proto::manifest::TrustPolicy::Keys(vec![key]);
+        let trust =
+            starling_transport::identity::manifest_trust(&self.cluster).expect("signing.pub");
         let (got, version) =
             starling_actor::store::load(&self.store(actor), &self.steps[0], "tiny", &trust)
                 .expect("load store");

@@ -56,8 +56,8 @@ pub trait Shell {
     }
     /// Periodic work (a relay's ping, an actor's engine health check).
     async fn tick(&mut self, _feed: &mut Feed) {}
-    /// The upstream answered a ping.
-    fn pong(&mut self, _nonce: u64) {}
+    /// The upstream answered a [`Feed::ping`] after `rtt`.
+    fn pong(&mut self, _rtt: Duration) {}
     /// Subscribed to `source` after `after`.
     fn subscribed(&mut self, source: &SourceAddr, after: u64);
     /// The connection to `source` ended (lost, or left).
@@ -105,7 +105,7 @@ pub async fn run<S: Shell>(
                 shell.not_reached(error)?;
                 core.handle(Instant::now(), Event::ConnectFailed { conn });
             }
-            Step::Input(Input::Pong(nonce)) => shell.pong(nonce),
+            Step::Input(Input::Pong(rtt)) => shell.pong(rtt),
             Step::Timer => core.handle_timeout(Instant::now()),
             Step::Done(done) => {
                 let (version, active) = shell.finish(feed, done).await;

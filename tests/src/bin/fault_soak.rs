@@ -1244,10 +1244,8 @@ impl Soak {
             }
         }
         let want = self.weights(n)?;
-        let key = starling_transport::identity::manifest_key(&self.dir.join("cluster"))
+        let trust = starling_transport::identity::manifest_trust(&self.dir.join("cluster"))
             .context("signing.pub")?;
-        let key = ed25519_dalek::VerifyingKey::from_bytes(&key).context("ed25519 key")?;
-        let trust = starling_proto::manifest::TrustPolicy::Keys(vec![key]);
         let mut identical = 0;
         for a in &actors {
             let reported = self.active.get(a).copied();
