@@ -443,7 +443,9 @@ pub fn generate_to_dir(
         .iter()
         .map(|t| (t.name.clone(), t.shape.clone()))
         .collect();
-    let mut data_start = 0u64;
+    // Each file's data starts after its own header: the version in the metadata makes the
+    // headers' lengths differ between steps.
+    let mut data_starts = Vec::new();
     let mut files = Vec::new();
     let mut paths = Vec::new();
     for s in 0..=steps {
@@ -454,7 +456,7 @@ pub fn generate_to_dir(
         std::fs::write(&path, &header)?;
         let f = OpenOptions::new().write(true).open(&path)?;
         f.set_len(header.len() as u64 + data_len)?;
-        data_start = header.len() as u64;
+        data_starts.push(header.len() as u64);
         files.push(f);
         paths.push(path);
     }
@@ -471,7 +473,7 @@ pub fn generate_to_dir(
             let mut result = Ok(());
             generate_chunk(model, ti, start, len, steps, cfg, &mut |s, bits| {
                 if result.is_ok() {
-                    let at = data_start + offsets[ti] + 2 * start;
+                    let at = data_starts[s as usize] + offsets[ti] + 2 * start;
                     result = files[s as usize].write_all_at(bytemuck::cast_slice(bits), at);
                 }
             });
@@ -516,6 +518,36 @@ mod tests {
         assert!((norm_changed as f64 / norm.len() as f64) < density);
         let other = generate_in_memory(&model, 1, &TrainConfig { seed: 4, ..cfg });
         assert_ne!(other[0], a[0], "another seed, other weights");
+    }
+
+    #[test]
+    fn files_hold_exactly_what_generation_computes_whatever_their_header_length() {
+        // The version is in each file's metadata, so version 10's header can be 8 bytes
+        // longer than version 9's: each file's tensors must still start right after its own.
+        // A tensor name is lengthened until that happens at 9 → 10.
+        let layout = |m: &ModelSpec| -> Vec<(String, Vec<u64>)> {
+            m.tensors
+                .iter()
+                .map(|t| (t.name.clone(), t.shape.clone()))
+                .collect()
+        };
+        let header_len =
+            |m: &ModelSpec, v: u64| crate::writer::header_bytes(&layout(m), Some(v)).0.len();
+        let mut model = ModelSpec::preset("tiny").expect("preset");
+        while header_len(&model, 9) == header_len(&model, 10) {
+            model.tensors[0].name.push('x');
+        }
+        let steps = 10;
+        let cfg = TrainConfig::default();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let paths = generate_to_dir(&model, steps, &cfg, dir.path(), &|_| {}).expect("generate");
+        let expected = generate_in_memory(&model, steps, &cfg);
+        for (step, path) in paths.iter().enumerate() {
+            let c = crate::safetensors::Checkpoint::open(path).expect("open");
+            c.check_lengths().expect("no bytes beyond the last tensor");
+            assert_eq!(c.version(), Some(step as u64));
+            assert_eq!(c.read_all().expect("read"), expected[step], "step {step}");
+        }
     }
 
     #[test]
