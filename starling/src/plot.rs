@@ -18,8 +18,9 @@
 //!
 //! Rendering never panics: points with a NaN, infinite or absurdly large (beyond ±1e100)
 //! coordinate are skipped and break the line there, empty series and panels are drawn as empty
-//! charts, panels too small to hold a chart are left out, and the image size is clamped to at
-//! least 200×150 and at most 8192×8192.
+//! charts, a panel whose share of the image is too small for a chart keeps only its title and
+//! legend (or nothing, if even those do not fit), and the image size is clamped to at least
+//! 200×150 and at most 8192×8192.
 
 use std::ffi::OsString;
 use std::io::{self, Write};
