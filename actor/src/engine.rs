@@ -316,3 +316,17 @@ impl Engine for BuiltinEngine {
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_seeds_are_pinned() {
+        // Reference outputs: a sample is reproducible from (seed, group, index) across
+        // versions only while these hold.
+        assert_eq!(group_seed(0, 0), 0);
+        assert_eq!(group_seed(5, 7), 0x2298_eb42_cbbe_fdb8);
+        assert_eq!(group_seed(u64::MAX, u32::MAX), 0x3a9b_57c2_77b2_2e0a);
+    }
+}
