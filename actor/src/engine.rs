@@ -154,10 +154,7 @@ impl BuiltinEngine {
 /// The seed of a group's samples: the batch's seed mixed with the group's index, so groups
 /// sharing a seed still differ and a sample is reproducible from (seed, group, index).
 pub fn group_seed(seed: u64, group: u32) -> u64 {
-    let mut z = seed ^ (u64::from(group).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    starling_rng::mix64(seed ^ u64::from(group).wrapping_mul(starling_rng::GAMMA))
 }
 
 /// The version spans of a sample of `len` tokens all generated with `version` (none for an

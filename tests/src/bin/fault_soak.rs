@@ -111,7 +111,8 @@ struct Args {
     out: Option<PathBuf>,
 }
 
-/// The fault schedule's generator: SplitMix64 (its one home is `starling-netem`).
+/// The fault schedule's generator: SplitMix64 (its one home is `starling-rng`, re-exported by
+/// `starling-netem`).
 struct Rng(starling_netem::rng::SplitMix64);
 
 impl Rng {
