@@ -48,7 +48,7 @@ use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::{Component, Metrics};
 use starling_transport::admit::admit;
 use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
-use starling_transport::drive::Shell;
+use starling_transport::drive::{Shell, ping_nonce, round_trip};
 use starling_transport::endpoint::{
     EndpointError, any_addr_for, can_reach, client_config, client_endpoint, server_endpoint,
 };
@@ -507,12 +507,12 @@ impl Shell for Relay<'_> {
     /// Measures the control round trip (it shows whether control traffic still gets through
     /// while a transfer fills the link).
     async fn tick(&mut self, feed: &mut Feed) {
-        let nonce = epoch_micros();
+        let nonce = ping_nonce();
         feed.send_current(&Message::Ping { nonce }).await;
     }
 
     fn pong(&mut self, nonce: u64) {
-        let rtt = Duration::from_micros(epoch_micros().saturating_sub(nonce));
+        let rtt = round_trip(nonce);
         self.metrics.observe_control_rtt(rtt);
         self.status.rtt(rtt);
         if self.cfg.print_rtt {
@@ -590,12 +590,6 @@ impl Relay<'_> {
             tracing::warn!("grace period over; stopping with versions not yet forwarded");
         }
     }
-}
-
-/// Microseconds since the process started (the relay's ping nonces).
-fn epoch_micros() -> u64 {
-    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    EPOCH.get_or_init(Instant::now).elapsed().as_micros() as u64
 }
 
 /// The oldest version in the disk cache.

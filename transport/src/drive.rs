@@ -6,7 +6,9 @@
 //!
 //! Prints the lines tests and operators read that both shells share: `resume VERSION have N`
 //! when a new connection continues a half-received version, `refetch VERSION` when (part of)
-//! one is asked for again (counted in the feed's metrics by source).
+//! one is asked for again (counted in the feed's metrics by source). Both shells measure the
+//! control round trip to their source the same way: a `Ping` carrying [`ping_nonce`], whose
+//! `Pong` gives [`round_trip`].
 
 use std::time::{Duration, Instant};
 
@@ -54,7 +56,7 @@ pub trait Shell {
     fn tick_every(&self) -> Option<Duration> {
         None
     }
-    /// Periodic work (a relay's ping, an actor's engine health check).
+    /// Periodic work (a ping, an actor's engine health check).
     async fn tick(&mut self, _feed: &mut Feed) {}
     /// The upstream answered a ping.
     fn pong(&mut self, _nonce: u64) {}
@@ -114,6 +116,23 @@ pub async fn run<S: Shell>(
             Step::Tick => shell.tick(feed).await,
         }
     }
+}
+
+/// The nonce of a `Ping` sent now: microseconds on this process's monotonic clock (since its
+/// first nonce), so the `Pong` that echoes it gives the round trip ([`round_trip`]).
+pub fn ping_nonce() -> u64 {
+    u64::try_from(epoch().elapsed().as_micros()).unwrap_or(u64::MAX)
+}
+
+/// The round trip of the `Ping` that carried `nonce` ([`ping_nonce`]), now that its `Pong`
+/// came back (zero for a nonce from the future, which only a peer echoing garbage sends).
+pub fn round_trip(nonce: u64) -> Duration {
+    Duration::from_micros(ping_nonce().saturating_sub(nonce))
+}
+
+fn epoch() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
 }
 
 /// What woke the loop.
