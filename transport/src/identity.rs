@@ -270,14 +270,7 @@ fn read_signing_seed(cluster_dir: &Path) -> Result<[u8; 32], IdentityError> {
         path: path.clone(),
         detail: "signing.key must hold 64 hex characters".into(),
     };
-    if t.len() != 64 || !t.is_ascii() {
-        return Err(bad());
-    }
-    let mut seed = [0u8; 32];
-    for (i, k) in seed.iter_mut().enumerate() {
-        *k = u8::from_str_radix(&t[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
-    }
-    Ok(seed)
+    starling_proto::manifest::parse_hex(t).map_err(|_| bad())
 }
 
 /// Issues credentials for a relay, actor or trainer from the cluster in `cluster_dir` into
@@ -341,14 +334,7 @@ pub fn manifest_key(dir: &Path) -> Result<[u8; 32], IdentityError> {
         path: path.clone(),
         detail: "signing.pub must hold 64 hex characters".into(),
     };
-    if t.len() != 64 || !t.is_ascii() {
-        return Err(bad());
-    }
-    let mut key = [0u8; 32];
-    for (i, k) in key.iter_mut().enumerate() {
-        *k = u8::from_str_radix(&t[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
-    }
-    Ok(key)
+    starling_proto::manifest::parse_hex(t).map_err(|_| bad())
 }
 
 /// The trust a relay or actor verifies manifests under: the hub's key from `dir`
