@@ -12,7 +12,7 @@
 #      venv the vLLM tests use); where vLLM's CPU build cannot run here, the run goes on without
 #      the vLLM actor, with the SDK's test venv (torch + transformers) for the trainer.
 # Then `starling demo --model DIR --compare` with the vLLM actor, one vLLM server shared by the
-# four modes (started once, stopped with the run): 44 minutes on 2 cores (docs/real-run.md,
+# four modes (started once, stopped with the run): 36 minutes on 2 cores (docs/real-run.md,
 # "Time"); ~5 GB under OUT while a mode runs, its weight files removed when it ends.
 # Extra arguments go to `starling demo` (e.g. --fast-links, --steps 6, --modes delta,full-broadcast).
 set -euo pipefail

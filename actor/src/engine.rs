@@ -154,10 +154,7 @@ impl BuiltinEngine {
 /// The seed of a group's samples: the batch's seed mixed with the group's index, so groups
 /// sharing a seed still differ and a sample is reproducible from (seed, group, index).
 pub fn group_seed(seed: u64, group: u32) -> u64 {
-    let mut z = seed ^ (u64::from(group).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+    starling_rng::mix64(seed ^ u64::from(group).wrapping_mul(starling_rng::GAMMA))
 }
 
 /// The version spans of a sample of `len` tokens all generated with `version` (none for an
@@ -315,4 +312,18 @@ impl Engine for BuiltinEngine {
 
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn group_seeds_are_pinned() {
+        // Reference outputs: a sample is reproducible from (seed, group, index) across
+        // versions only while these hold.
+        assert_eq!(group_seed(0, 0), 0);
+        assert_eq!(group_seed(5, 7), 0x2298_eb42_cbbe_fdb8);
+        assert_eq!(group_seed(u64::MAX, u32::MAX), 0x3a9b_57c2_77b2_2e0a);
+    }
 }

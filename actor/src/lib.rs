@@ -38,13 +38,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use ed25519_dalek::VerifyingKey;
 use starling_checkpoint::deltafile::Model;
 use starling_proto::manifest::TrustPolicy;
 use starling_telemetry::{Component, Metrics};
 use starling_transport::endpoint::{any_addr_for, client_config, client_endpoint};
 use starling_transport::follow::{Bounds, FollowConfig, Follower, PolicyConfig, SourcePolicy};
-use starling_transport::identity::{Credentials, Role, manifest_key};
+use starling_transport::identity::{Credentials, Role, manifest_trust};
 use starling_transport::link::LinkProfile;
 use starling_transport::upstream::Feed;
 use tokio::sync::watch;
@@ -109,20 +108,11 @@ pub struct EngineSettings {
 /// [`SHUTDOWN_GRACE`]) and returns. Prints `active VERSION DIGEST` after each activation and
 /// the pipeline's progress lines (`pipeline`).
 pub async fn run(cfg: ActorConfig, stop: CancellationToken) -> Result<()> {
-    let creds = Credentials::load_peer(&cfg.credentials).context("load credentials")?;
-    if creds.role != Role::Actor {
-        bail!(
-            "{} holds {} credentials, not an actor's",
-            cfg.credentials.display(),
-            creds.role.as_str()
-        );
-    }
+    let creds = Credentials::load_as(&cfg.credentials, Role::Actor).context("load credentials")?;
     let Some(last) = cfg.sources.last() else {
         bail!("no hub or relay to subscribe to");
     };
-    let key = VerifyingKey::from_bytes(&manifest_key(&cfg.credentials)?)
-        .context("signing.pub is not an ed25519 key")?;
-    let trust = TrustPolicy::Keys(vec![key]);
+    let trust = manifest_trust(&cfg.credentials)?;
     let metrics = Metrics::new(Component::Actor);
     let (status, status_rx) = watch::channel(PipelineStatus::default());
     let engine = make_engine(&cfg)?;

@@ -14,6 +14,9 @@
 //!   `active VERSION DIGEST` and report `Active` upstream.
 //! - **Anchors**: received next to the store while hashed (on a writer thread), checked
 //!   against the hub's seal, this model and this version, then renamed into place.
+//! - **Control round trip**: a `Ping` to the source followed each second, its `Pong` observed
+//!   as `starling_actor_control_rtt_seconds` (what the relay measures to the hub, measured
+//!   from each actor to its relay or hub).
 //!
 //! Prints `upstream ROLE NAME` on each subscription, `staged VERSION` when every frame of a
 //! version is here, `restored anchor VERSION`, and `active VERSION DIGEST` after each
@@ -177,13 +180,15 @@ impl Shell for Pipeline<'_> {
     }
 
     fn tick_every(&self) -> Option<Duration> {
-        self.engine.as_ref().map(|_| ENGINE_HEALTH)
+        Some(TICK)
     }
 
-    /// Loads the active version into an engine that lost it (its server died and was
-    /// restarted); until that succeeds the engine's fingerprint does not match and the worker
-    /// takes no work. A failure is retried at the next check.
-    async fn tick(&mut self, _feed: &mut Feed) {
+    /// Measures the control round trip to the source followed now (the answer comes back to
+    /// [`Shell::pong`]). Then loads the active version into an engine that lost it (its server
+    /// died and was restarted); until that succeeds the engine's fingerprint does not match and
+    /// the worker takes no work. A failure is retried at the next check.
+    async fn tick(&mut self, feed: &mut Feed) {
+        feed.ping().await;
         // Blocking: a vLLM engine may ask its server to digest the model (`--vllm-verify-every`;
         // the check spaces itself at least 20× its own last duration).
         let lost = self
@@ -201,6 +206,10 @@ impl Shell for Pipeline<'_> {
         if let Err(e) = self.load_engine(None) {
             tracing::error!("reloading the engine failed (retrying): {e:#}");
         }
+    }
+
+    fn pong(&mut self, rtt: Duration) {
+        self.metrics.observe_control_rtt(rtt);
     }
 
     fn subscribed(&mut self, source: &SourceAddr, _after: u64) {
@@ -351,5 +360,6 @@ impl<'a> Pipeline<'a> {
     }
 }
 
-/// How often the actor asks its engine whether it lost its weights (a dead vLLM server).
-const ENGINE_HEALTH: Duration = Duration::from_secs(1);
+/// How often the actor measures the control round trip to its source and asks its engine
+/// whether it lost its weights (a dead vLLM server).
+const TICK: Duration = Duration::from_secs(1);

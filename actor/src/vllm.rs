@@ -51,7 +51,7 @@ use serde_json::{Value, json};
 use starling_checkpoint::writer::SafetensorsWriter;
 use starling_engine::ModelConfig;
 use starling_proto::apply::UndoLog;
-use starling_proto::manifest::hex;
+use starling_proto::manifest::{hex, parse_hex};
 use starling_proto::rollout::{FinishReason, JobResult, JobSpec, Sample};
 use starling_telemetry::http_client::{self, Response};
 
@@ -803,16 +803,7 @@ fn kill_group(child: &mut Child) {
 
 /// A state digest from its 32 hex digits.
 fn parse_digest(s: &str) -> Result<[u8; 16]> {
-    let b = s.as_bytes();
-    if b.len() != 32 {
-        bail!("a digest is 32 hex digits, not {s:?}");
-    }
-    let mut out = [0u8; 16];
-    for (i, o) in out.iter_mut().enumerate() {
-        let pair = std::str::from_utf8(&b[2 * i..2 * i + 2]).context("digest")?;
-        *o = u8::from_str_radix(pair, 16).with_context(|| format!("digest {s:?}"))?;
-    }
-    Ok(out)
+    parse_hex(s).with_context(|| format!("a digest is 32 hex digits, not {s:?}"))
 }
 
 impl Engine for VllmEngine {

@@ -604,12 +604,26 @@ pub fn read_manifest(delta: &Path) -> Result<(SignedManifest, Vec<OwnedFrame>), 
     Ok((m, segs))
 }
 
+/// The stem of every name that holds `version` in a store: `vNNNNNNNN` (eight digits at least,
+/// so names sort by version); a sharded snapshot's directory is named just that.
+pub fn version_stem(version: u64) -> String {
+    format!("v{version:08}")
+}
+
 /// The name of the file that holds `version` in a store, with extension `ext`:
-/// `vNNNNNNNN.EXT` (eight digits at least, so names sort by version). The one spelling of the
-/// naming every store uses: the hub's deltas, anchors and snapshot, a relay's cache and
-/// anchor, an actor's journal, a shared weights directory.
+/// `vNNNNNNNN.EXT`. The one spelling of the naming every store uses: the hub's deltas, anchors
+/// and snapshot, a relay's cache and anchor, an actor's journal, a shared weights directory.
 pub fn version_file_name(version: u64, ext: &str) -> String {
-    format!("v{version:08}.{ext}")
+    format!("{}.{ext}", version_stem(version))
+}
+
+/// The version a file named `vNNNNNNNN.EXT` ([`version_file_name`]) is for, if `name` is one.
+pub fn version_of_file_name(name: &str, ext: &str) -> Option<u64> {
+    name.strip_prefix('v')?
+        .strip_suffix(ext)?
+        .strip_suffix('.')?
+        .parse()
+        .ok()
 }
 
 /// [`version_file_name`] of a delta file (`.sdc`).
@@ -620,12 +634,7 @@ pub fn delta_file_name(version: u64) -> String {
 /// The version a delta file is named for (`vNNNNNNNN.sdc`, as the hub's store, relays' caches
 /// and actors' journals name them), if `path` is one.
 pub fn delta_file_version(path: &Path) -> Option<u64> {
-    path.file_name()?
-        .to_str()?
-        .strip_prefix('v')?
-        .strip_suffix(".sdc")?
-        .parse()
-        .ok()
+    version_of_file_name(path.file_name()?.to_str()?, "sdc")
 }
 
 /// The versions of the delta files in `dir` (none if it cannot be read).
@@ -679,6 +688,25 @@ mod tests {
         assert_eq!(left, [9]);
         assert!(dir.path().join("vx.sdc").exists() && dir.path().join("v00000005.tmp").exists());
         assert_eq!(delta_file_version(Path::new("/a/v00000012.sdc")), Some(12));
+    }
+
+    #[test]
+    fn store_names_spell_and_parse_one_way() {
+        assert_eq!(version_stem(7), "v00000007");
+        assert_eq!(version_file_name(7, "seal"), "v00000007.seal");
+        assert_eq!(delta_file_name(123_456_789), "v123456789.sdc");
+        assert!(version_file_name(9, "sdc") < version_file_name(10, "sdc"));
+        for v in [0, 7, 99_999_999, 123_456_789] {
+            let name = version_file_name(v, "safetensors");
+            assert_eq!(version_of_file_name(&name, "safetensors"), Some(v));
+        }
+        assert_eq!(version_of_file_name("v00000007.seal", "safetensors"), None);
+        assert_eq!(
+            version_of_file_name("v00000007safetensors", "safetensors"),
+            None
+        );
+        assert_eq!(version_of_file_name("w00000007.sdc", "sdc"), None);
+        assert_eq!(version_of_file_name("v.sdc", "sdc"), None);
     }
     use crate::writer::SafetensorsWriter;
 

@@ -21,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
 use starling_proto::bf16::f32_to_bf16;
+use starling_rng::{SplitMix64, mix64};
 
 /// What role a tensor plays; sets its initial magnitude. (`Bias` is unused by the Qwen3
 /// presets, which have no biases; kept for hand-built specs.)
@@ -271,9 +272,10 @@ impl Default for TrainConfig {
 /// Elements generated per work item.
 const CHUNK: u64 = 1 << 20;
 
-/// SplitMix64: tiny, fast, and stable forever (no dependency whose stream could change).
+/// The workload's draws: SplitMix64 (`starling-rng`, whose stream never changes) keyed by a
+/// tuple of parts hashed with its finalizer, with the float conversions the generator uses.
 #[derive(Debug, Clone)]
-struct Rng(u64);
+struct Rng(SplitMix64);
 
 impl Rng {
     fn new(parts: &[u64]) -> Self {
@@ -281,12 +283,11 @@ impl Rng {
         for &p in parts {
             s = mix64(s ^ p);
         }
-        Self(s)
+        Self(SplitMix64::new(s))
     }
     #[inline]
     fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        mix64(self.0)
+        self.0.next_u64()
     }
     #[inline]
     fn uniform(&mut self) -> f32 {
@@ -305,13 +306,6 @@ impl Rng {
         let s = (r & 0xFFFF) + ((r >> 16) & 0xFFFF) + ((r >> 32) & 0xFFFF) + (r >> 48);
         (s as f32 / 65536.0 - 2.0) * 1.732_050_8
     }
-}
-
-#[inline]
-fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
 }
 
 /// Generates the BF16 bits of elements `[start, start + len)` of tensor `ti` at every step
@@ -443,7 +437,9 @@ pub fn generate_to_dir(
         .iter()
         .map(|t| (t.name.clone(), t.shape.clone()))
         .collect();
-    let mut data_start = 0u64;
+    // Each file's data starts after its own header: the version in the metadata makes the
+    // headers' lengths differ between steps.
+    let mut data_starts = Vec::new();
     let mut files = Vec::new();
     let mut paths = Vec::new();
     for s in 0..=steps {
@@ -454,7 +450,7 @@ pub fn generate_to_dir(
         std::fs::write(&path, &header)?;
         let f = OpenOptions::new().write(true).open(&path)?;
         f.set_len(header.len() as u64 + data_len)?;
-        data_start = header.len() as u64;
+        data_starts.push(header.len() as u64);
         files.push(f);
         paths.push(path);
     }
@@ -471,7 +467,7 @@ pub fn generate_to_dir(
             let mut result = Ok(());
             generate_chunk(model, ti, start, len, steps, cfg, &mut |s, bits| {
                 if result.is_ok() {
-                    let at = data_start + offsets[ti] + 2 * start;
+                    let at = data_starts[s as usize] + offsets[ti] + 2 * start;
                     result = files[s as usize].write_all_at(bytemuck::cast_slice(bits), at);
                 }
             });
@@ -516,6 +512,56 @@ mod tests {
         assert!((norm_changed as f64 / norm.len() as f64) < density);
         let other = generate_in_memory(&model, 1, &TrainConfig { seed: 4, ..cfg });
         assert_ne!(other[0], a[0], "another seed, other weights");
+    }
+
+    #[test]
+    fn files_hold_exactly_what_generation_computes_whatever_their_header_length() {
+        // The version is in each file's metadata, so version 10's header can be 8 bytes
+        // longer than version 9's: each file's tensors must still start right after its own.
+        // A tensor name is lengthened until that happens at 9 → 10.
+        let layout = |m: &ModelSpec| -> Vec<(String, Vec<u64>)> {
+            m.tensors
+                .iter()
+                .map(|t| (t.name.clone(), t.shape.clone()))
+                .collect()
+        };
+        let header_len =
+            |m: &ModelSpec, v: u64| crate::writer::header_bytes(&layout(m), Some(v)).0.len();
+        let mut model = ModelSpec::preset("tiny").expect("preset");
+        while header_len(&model, 9) == header_len(&model, 10) {
+            model.tensors[0].name.push('x');
+        }
+        let steps = 10;
+        let cfg = TrainConfig::default();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let paths = generate_to_dir(&model, steps, &cfg, dir.path(), &|_| {}).expect("generate");
+        let expected = generate_in_memory(&model, steps, &cfg);
+        for (step, path) in paths.iter().enumerate() {
+            let c = crate::safetensors::Checkpoint::open(path).expect("open");
+            c.check_lengths().expect("no bytes beyond the last tensor");
+            assert_eq!(c.version(), Some(step as u64));
+            assert_eq!(c.read_all().expect("read"), expected[step], "step {step}");
+        }
+    }
+
+    #[test]
+    fn the_workload_is_pinned() {
+        // Reference output: benchmark figures and golden deltas compare across versions only
+        // while the workload's bits stay the same. FNV-1a over every step's tensors.
+        let model = ModelSpec::preset("tiny").expect("preset");
+        let steps = generate_in_memory(&model, 2, &TrainConfig::default());
+        let mut h = 0xcbf2_9ce4_8422_2325u64;
+        for step in &steps {
+            for (name, bits) in step {
+                for b in name
+                    .bytes()
+                    .chain(bits.iter().flat_map(|b| b.to_le_bytes()))
+                {
+                    h = (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+                }
+            }
+        }
+        assert_eq!(h, 6_911_197_646_947_865_773);
     }
 
     #[test]

@@ -6,6 +6,8 @@
 
 use std::collections::BTreeMap;
 
+use starling_rng::{SplitMix64, mix64};
+
 use crate::config::ModelConfig;
 use crate::model::{LoadError, Model};
 
@@ -36,23 +38,18 @@ impl Model {
     }
 }
 
-fn mix64(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
 /// Random weights for `config`: norms uniform in 1 ± 0.2, the embedding with unit spread,
 /// projections with standard deviation `1/√fan_in` (the LM head twice that, so sampling
 /// distributions are neither flat nor one-hot), rounded to BF16 (nearest even).
 pub fn random_bf16(config: &ModelConfig, seed: u64) -> Bf16Tensors {
     let mut out = BTreeMap::new();
     for (name, shape) in config.tensor_shapes() {
-        let mut s = name
+        let key = name
             .bytes()
             .fold(mix64(seed ^ 0xA076_1D64_78BD_642F), |h, b| {
                 mix64(h ^ u64::from(b))
             });
+        let mut rng = SplitMix64::new(key);
         let n: usize = shape.iter().product();
         let fan_in = *shape.last().unwrap_or(&1) as f32;
         let (center, half_width) = if shape.len() == 1 {
@@ -66,8 +63,7 @@ pub fn random_bf16(config: &ModelConfig, seed: u64) -> Bf16Tensors {
         };
         let bits = (0..n)
             .map(|_| {
-                s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                let u = (mix64(s) >> 40) as f32 / (1u64 << 24) as f32;
+                let u = (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32;
                 let x = center + half_width * (2.0 * u - 1.0);
                 half::bf16::from_f32(x).to_bits()
             })

@@ -825,7 +825,10 @@ async fn sqlite_state_and_measurements_survive_reopen() {
         "leases survive a restart"
     );
     let tau = reopened.actor(&actor("a")).await.unwrap().tau;
-    assert!((tau - (0.9 * 150.0 + 0.1 * 200.0 / 1.2)).abs() < 1e-9, "{tau}");
+    assert!(
+        (tau - (0.9 * 150.0 + 0.1 * 200.0 / 1.2)).abs() < 1e-9,
+        "{tau}"
+    );
     reopened.check_invariants().await.unwrap();
     db.cleanup(reopened).await;
 }

@@ -52,10 +52,7 @@ impl fmt::Debug for StateDigest {
 
 impl fmt::Display for StateDigest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for b in self.to_bytes() {
-            write!(f, "{b:02x}")?;
-        }
-        Ok(())
+        f.write_str(&crate::manifest::hex(&self.to_bytes()))
     }
 }
 

@@ -4,6 +4,9 @@
 //! The signature covers the exact manifest bytes (with a domain-separation prefix); the
 //! manifest names every segment by its BLAKE3, so a valid signature authenticates the
 //! whole delta.
+//!
+//! Also the one spelling of hex in Starling ([`hex`], [`parse_hex`]): keys, hashes and digests
+//! in messages, files and JSON, encoded and strictly decoded by the `hex` crate.
 
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 use thiserror::Error;
@@ -312,6 +315,14 @@ pub enum TrustPolicy {
     Keys(Vec<VerifyingKey>),
 }
 
+impl TrustPolicy {
+    /// Only manifests signed by the ed25519 public key `key`.
+    pub fn trusting(key: &[u8; 32]) -> Result<Self, SignatureError> {
+        let key = VerifyingKey::from_bytes(key).map_err(|_| SignatureError::Invalid)?;
+        Ok(Self::Keys(vec![key]))
+    }
+}
+
 /// Why a manifest's signature was refused.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum SignatureError {
@@ -424,9 +435,34 @@ pub fn public_key_of(seed: &[u8; 32]) -> [u8; 32] {
     SigningKey::from_bytes(seed).verifying_key().to_bytes()
 }
 
-/// Lower-case hex of bytes (for keys and hashes in messages).
+/// Lower-case hex of bytes (for keys, hashes and digests in messages, files and JSON).
 pub fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    ::hex::encode(b)
+}
+
+/// Why text is not the hex of the bytes asked for.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum HexError {
+    #[error("expected {expected} hex digits, found {found} characters")]
+    Length { expected: usize, found: usize },
+    #[error("{c:?} at byte {index} is not a hex digit")]
+    Digit { c: char, index: usize },
+}
+
+/// `N` bytes from exactly `2N` hex digits, either case, nothing else (callers trim what they
+/// read from a file).
+pub fn parse_hex<const N: usize>(text: &str) -> Result<[u8; N], HexError> {
+    let mut out = [0u8; N];
+    ::hex::decode_to_slice(text, &mut out).map_err(|e| match e {
+        ::hex::FromHexError::InvalidHexCharacter { c, index } => HexError::Digit { c, index },
+        ::hex::FromHexError::OddLength | ::hex::FromHexError::InvalidStringLength => {
+            HexError::Length {
+                expected: 2 * N,
+                found: text.chars().count(),
+            }
+        }
+    })?;
+    Ok(out)
 }
 
 #[cfg(test)]
@@ -506,6 +542,36 @@ mod tests {
         t.manifest.version = 6;
         t.bytes = t.manifest.encode();
         assert_eq!(t.verify(&trusted), Err(SignatureError::Invalid));
+    }
+
+    #[test]
+    fn hex_round_trips_and_refuses_anything_else() {
+        assert_eq!(hex(&[0x00, 0x9f, 0xa0, 0xff]), "009fa0ff");
+        assert_eq!(hex(&[]), "");
+        assert_eq!(parse_hex::<4>("009fa0ff"), Ok([0x00, 0x9f, 0xa0, 0xff]));
+        assert_eq!(parse_hex::<2>("ABcd"), Ok([0xab, 0xcd]));
+        let key = [7u8; 32];
+        assert_eq!(parse_hex::<32>(&hex(&key)), Ok(key));
+        let short = HexError::Length {
+            expected: 8,
+            found: 6,
+        };
+        assert_eq!(parse_hex::<4>("009fa0"), Err(short));
+        assert!(matches!(
+            parse_hex::<4>("009fa0ff0"),
+            Err(HexError::Length { found: 9, .. })
+        ));
+        // What `from_str_radix` would have let through: a sign, spaces, non-ASCII.
+        assert_eq!(
+            parse_hex::<2>("+f00"),
+            Err(HexError::Digit { c: '+', index: 0 })
+        );
+        assert!(matches!(
+            parse_hex::<2>("0f 0"),
+            Err(HexError::Digit { c: ' ', .. })
+        ));
+        // Four characters of six bytes: refused, never sliced inside a character.
+        assert!(parse_hex::<3>("ééé").is_err());
     }
 
     #[test]

@@ -28,39 +28,36 @@
 //!   and forwards what it has verified to the actors subscribed, within [`SHUTDOWN_GRACE`].
 
 mod anchors;
+mod cache;
 pub mod cli;
 mod status;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use ed25519_dalek::VerifyingKey;
-use quinn::{Connection, Endpoint};
-use starling_checkpoint::deltafile::{delta_file_name, write_frames};
 use starling_proto::anchor::AnchorSeal;
 use starling_proto::container::{DeltaAssembler, FrameKind};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::{Component, Metrics};
-use starling_transport::admit::admit;
 use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
+use starling_transport::downstream::{Downstream, accept_subscribers};
 use starling_transport::drive::Shell;
 use starling_transport::endpoint::{
     EndpointError, any_addr_for, can_reach, client_config, client_endpoint, server_endpoint,
 };
-use starling_transport::fanout::{FanoutConfig, serve_subscription};
+use starling_transport::fanout::FanoutConfig;
 use starling_transport::follow::{FollowConfig, Follower, Notice, PolicyConfig, SourcePolicy};
 use starling_transport::framed::{DataStreamReader, StreamFrame};
-use starling_transport::identity::{Credentials, Role, manifest_key};
+use starling_transport::identity::{Credentials, Role, manifest_trust};
 use starling_transport::link::LinkProfile;
 use starling_transport::upstream::{Feed, SourceAddr, UpstreamError};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
-use tracing::Instrument;
 
 use crate::status::RelayStatus;
 
@@ -103,17 +100,8 @@ pub struct RelayConfig {
 /// half-received version, `received VERSION` and `cached VERSION` for each version (all bytes
 /// in; verified and cached) and `refetch VERSION` when part of one is requested again.
 pub async fn run(cfg: RelayConfig, stop: CancellationToken) -> Result<()> {
-    let creds = Credentials::load_peer(&cfg.credentials).context("load credentials")?;
-    if creds.role != Role::Relay {
-        bail!(
-            "{} holds {} credentials, not a relay's",
-            cfg.credentials.display(),
-            creds.role.as_str()
-        );
-    }
-    let key = VerifyingKey::from_bytes(&manifest_key(&cfg.credentials)?)
-        .context("signing.pub is not an ed25519 key")?;
-    let trust = TrustPolicy::Keys(vec![key]);
+    let creds = Credentials::load_as(&cfg.credentials, Role::Relay).context("load credentials")?;
+    let trust = manifest_trust(&cfg.credentials)?;
     // Anchors live in the disk cache: a relay without one cannot restore from an anchor.
     let anchors = match &cfg.cache {
         Some(dir) => Some(Arc::new(anchors::RelayAnchors::open(
@@ -125,7 +113,7 @@ pub async fn run(cfg: RelayConfig, stop: CancellationToken) -> Result<()> {
     };
     // A disk cache that starts later than `from_version` (older files were pruned) makes
     // its first version the start of the chain; an anchor held restarts it there.
-    let cached = match cfg.cache.as_deref().and_then(oldest_cached) {
+    let cached = match cfg.cache.as_deref().and_then(cache::oldest) {
         Some(first) if first > cfg.from_version + 1 => first - 1,
         _ => cfg.from_version,
     };
@@ -137,7 +125,7 @@ pub async fn run(cfg: RelayConfig, stop: CancellationToken) -> Result<()> {
     );
     let book = Arc::new(VersionBook::new(start, cfg.retain));
     if let Some(dir) = &cfg.cache {
-        let n = load_cache(dir, &book, &trust)?;
+        let n = cache::load(dir, &book, &trust);
         if n > 0 {
             tracing::info!(versions = n, cache = %dir.display(), "restored from the disk cache");
         }
@@ -176,14 +164,18 @@ pub async fn run(cfg: RelayConfig, stop: CancellationToken) -> Result<()> {
             .map(|a| a as Arc<dyn starling_transport::fanout::AnchorSource>),
         observer: Some(status.clone()),
     };
-    let accepting = CancellationToken::new();
-    owned.spawn(accept_actors(
-        endpoint.clone(),
-        book.clone(),
-        cfg.model_id.clone(),
+    let downstream = Downstream {
+        book: book.clone(),
+        server: "relay".into(),
+        model_id: cfg.model_id.clone(),
+        serves: vec![MsgRole::Actor],
         fanout,
-        metrics.clone(),
-        status.clone(),
+        metrics: metrics.clone(),
+    };
+    let accepting = CancellationToken::new();
+    owned.spawn(accept_subscribers(
+        endpoint.clone(),
+        downstream,
         accepting.clone(),
     ));
     // The hub over the listening endpoint where its socket can reach it.
@@ -225,81 +217,6 @@ pub async fn run(cfg: RelayConfig, stop: CancellationToken) -> Result<()> {
     // Dropping `owned` ends the HTTP server, the accept loop and every actor's connection.
     drop(owned);
     result
-}
-
-/// Accepts the region's actors until `accepting` is cancelled; each actor's connection is
-/// owned by this task.
-async fn accept_actors(
-    endpoint: Endpoint,
-    book: Arc<VersionBook>,
-    model_id: String,
-    fanout: FanoutConfig,
-    metrics: Metrics,
-    status: Arc<RelayStatus>,
-    accepting: CancellationToken,
-) {
-    let mut connections = JoinSet::new();
-    loop {
-        let incoming = tokio::select! {
-            i = endpoint.accept() => i,
-            _ = accepting.cancelled() => None,
-        };
-        let Some(incoming) = incoming else {
-            // No new actors; the ones connected are served until the relay exits.
-            while connections.join_next().await.is_some() {}
-            return;
-        };
-        while connections.try_join_next().is_some() {}
-        let (book, model_id, fanout, metrics, status) = (
-            book.clone(),
-            model_id.clone(),
-            fanout.clone(),
-            metrics.clone(),
-            status.clone(),
-        );
-        connections.spawn(async move {
-            match incoming.await {
-                Ok(conn) => {
-                    let r = serve_actor(book, conn.clone(), &model_id, fanout, metrics, &status);
-                    if let Err(e) = r.await {
-                        tracing::warn!(remote = %conn.remote_address(), "actor connection ended: {e:#}");
-                    }
-                }
-                Err(e) => tracing::warn!("refused a connection during the handshake: {e}"),
-            }
-        });
-    }
-}
-
-async fn serve_actor(
-    book: Arc<VersionBook>,
-    conn: Connection,
-    model_id: &str,
-    fanout: FanoutConfig,
-    metrics: Metrics,
-    status: &RelayStatus,
-) -> Result<()> {
-    let Some(a) = admit(&conn, "relay", model_id, &[MsgRole::Actor], book.latest()).await? else {
-        return Ok(());
-    };
-    let name = a.name.clone();
-    let mut reader = a.reader;
-    let after = match reader.next().await? {
-        Some(Message::Subscribe { after_version }) => after_version,
-        other => bail!("expected Subscribe, got {other:?}"),
-    };
-    let span = tracing::info_span!("peer", peer = %name, role = "actor");
-    span.in_scope(|| tracing::info!(after_version = after, "actor subscribed"));
-    status.subscriber(&name, Some(after));
-    let served = serve_subscription(
-        book, conn, a.control, reader, a.name, fanout, metrics, after,
-    )
-    .instrument(span.clone())
-    .await;
-    status.subscriber(&name, None);
-    span.in_scope(|| tracing::info!("actor left"));
-    served?;
-    Ok(())
 }
 
 /// One version on its way in: the assembler that verifies the whole, and the live version
@@ -408,20 +325,16 @@ impl Shell for Relay<'_> {
         let Some(inc) = self.incoming.remove(&version) else {
             return Ok(Some(false));
         };
-        let (trust, cache) = (self.trust.clone(), self.cfg.cache.clone());
+        let (trust, cache_dir) = (self.trust.clone(), self.cfg.cache.clone());
         let stale = version.checked_sub(self.cfg.retain as u64);
         let task = tokio::task::spawn_blocking(move || {
             inc.assembler
                 .finish(&trust)
                 .map_err(|e| starling_telemetry::error_chain(&e))?;
-            if let Some(dir) = &cache {
-                if let Err(e) = write_cache(dir, &inc.live) {
-                    tracing::error!(version, "not cached on disk: {e:#}");
-                }
-                // The disk keeps what memory keeps: the newest `retain` versions.
-                if let Some(old) = stale {
-                    let _ = std::fs::remove_file(dir.join(delta_file_name(old)));
-                }
+            if let Some(dir) = &cache_dir
+                && let Err(e) = cache::store(dir, &inc.live, stale)
+            {
+                tracing::error!(version, "not cached on disk: {e:#}");
             }
             Ok(())
         });
@@ -507,12 +420,10 @@ impl Shell for Relay<'_> {
     /// Measures the control round trip (it shows whether control traffic still gets through
     /// while a transfer fills the link).
     async fn tick(&mut self, feed: &mut Feed) {
-        let nonce = epoch_micros();
-        feed.send_current(&Message::Ping { nonce }).await;
+        feed.ping().await;
     }
 
-    fn pong(&mut self, nonce: u64) {
-        let rtt = Duration::from_micros(epoch_micros().saturating_sub(nonce));
+    fn pong(&mut self, rtt: Duration) {
         self.metrics.observe_control_rtt(rtt);
         self.status.rtt(rtt);
         if self.cfg.print_rtt {
@@ -589,48 +500,5 @@ impl Relay<'_> {
         if drained.is_err() {
             tracing::warn!("grace period over; stopping with versions not yet forwarded");
         }
-    }
-}
-
-/// Microseconds since the process started (the relay's ping nonces).
-fn epoch_micros() -> u64 {
-    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    EPOCH.get_or_init(Instant::now).elapsed().as_micros() as u64
-}
-
-/// The oldest version in the disk cache.
-fn oldest_cached(dir: &Path) -> Option<u64> {
-    starling_checkpoint::deltafile::delta_files(dir)
-        .into_iter()
-        .map(|(v, _)| v)
-        .min()
-}
-
-/// Writes a complete version as a `.sdc` file (segments in order, manifest, trailer).
-fn write_cache(dir: &Path, live: &LiveVersion) -> Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("create {}", dir.display()))?;
-    let frames = live.snapshot();
-    let bytes: Vec<&[u8]> = frames.iter().map(|f| f.bytes.as_slice()).collect();
-    write_frames(&dir.join(delta_file_name(live.version)), &bytes)?;
-    Ok(())
-}
-
-/// Loads the cached versions that continue the book's chain, each verified again.
-fn load_cache(dir: &Path, book: &VersionBook, trust: &TrustPolicy) -> Result<usize> {
-    let mut n = 0;
-    loop {
-        let path = dir.join(delta_file_name(book.latest() + 1));
-        let Ok(bytes) = std::fs::read(&path) else {
-            return Ok(n);
-        };
-        if let Err(e) = book.load_delta(&bytes, trust) {
-            tracing::warn!(
-                path = %path.display(),
-                "cache file refused: {}; ignoring the cache from here",
-                starling_telemetry::error_chain(&e)
-            );
-            return Ok(n);
-        }
-        n += 1;
     }
 }

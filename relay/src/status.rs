@@ -78,20 +78,6 @@ impl RelayStatus {
         self.inner().rtt = Some(rtt);
     }
 
-    /// An actor subscribed after a version (`Some`) or left (`None`).
-    pub(crate) fn subscriber(&self, name: &str, after: Option<u64>) {
-        let mut i = self.inner();
-        if i.subscribers.len() >= MAX_SUBSCRIBERS && !i.subscribers.contains_key(name) {
-            return;
-        }
-        let s = i.subscribers.entry(name.to_owned()).or_default();
-        s.connected = after.is_some();
-        if let Some(after) = after {
-            s.subscribed_after = after;
-            s.delivered = 0;
-        }
-    }
-
     /// Whether every actor subscribed now has been sent every version up to `latest` (or
     /// held it already).
     pub(crate) fn all_delivered(&self, latest: u64) -> bool {
@@ -135,6 +121,23 @@ impl RelayStatus {
 }
 
 impl SubscriberObserver for RelayStatus {
+    fn subscribed(&self, peer: &str, after: u64) {
+        let mut i = self.inner();
+        if i.subscribers.len() >= MAX_SUBSCRIBERS && !i.subscribers.contains_key(peer) {
+            return;
+        }
+        let s = i.subscribers.entry(peer.to_owned()).or_default();
+        s.connected = true;
+        s.subscribed_after = after;
+        s.delivered = 0;
+    }
+
+    fn left(&self, peer: &str) {
+        if let Some(s) = self.inner().subscribers.get_mut(peer) {
+            s.connected = false;
+        }
+    }
+
     fn sent(&self, peer: &str, _version: u64, bytes: u64) {
         if let Some(s) = self.inner().subscribers.get_mut(peer) {
             s.bytes_sent += bytes;

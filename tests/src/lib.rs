@@ -9,6 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use starling_checkpoint::deltafile::delta_file_name;
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir};
 use starling_proto::apply::full_digest;
@@ -412,7 +413,7 @@ impl Testbed {
         use starling_proto::container::{FILE_HEADER_LEN, TRAILER_FRAME_LEN};
         versions
             .map(|k| {
-                let f = self.root.join(format!("hub-store/deltas/v{k:08}.sdc"));
+                let f = self.root.join("hub-store/deltas").join(delta_file_name(k));
                 std::fs::metadata(&f).expect("delta file").len()
                     - (FILE_HEADER_LEN + TRAILER_FRAME_LEN) as u64
             })
@@ -553,9 +554,8 @@ impl Testbed {
     /// Asserts that `actor`'s store (snapshot + journal, replayed with every check under the
     /// cluster's signing key) holds exactly version `k`, bit-identical to the trainer's.
     pub fn assert_store_is(&self, actor: &str, k: usize) {
-        let key = starling_transport::identity::manifest_key(&self.cluster).expect("signing.pub");
-        let key = ed25519_dalek::VerifyingKey::from_bytes(&key).expect("ed25519 key");
-        let trust = starling_proto::manifest::TrustPolicy::Keys(vec![key]);
+        let trust =
+            starling_transport::identity::manifest_trust(&self.cluster).expect("signing.pub");
         let (got, version) =
             starling_actor::store::load(&self.store(actor), &self.steps[0], "tiny", &trust)
                 .expect("load store");

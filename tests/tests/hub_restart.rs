@@ -7,6 +7,7 @@
 
 use std::process::Stdio;
 
+use starling_checkpoint::deltafile::{delta_file_name, version_file_name};
 use starling_tests::{Testbed, http_get, publish_to, wait_for};
 
 fn latest_version(tb: &Testbed) -> u64 {
@@ -54,7 +55,11 @@ fn a_restarted_hub_resumes_at_its_latest_version_and_actors_follow() {
     let seven = std::fs::read(&tb.steps[7]).expect("read step 7");
     std::fs::copy(&tb.steps[2], &tb.steps[7]).expect("overwrite step 7");
     let hub_store = tb.root.join("hub-store");
-    let copy = |v: u64| hub_store.join(format!("snapshot/v{v:08}.safetensors"));
+    let copy = |v: u64| {
+        hub_store
+            .join("snapshot")
+            .join(version_file_name(v, "safetensors"))
+    };
     assert!(copy(7).exists(), "the hub keeps its own copy of version 7");
     assert!(!copy(6).exists(), "and only of the newest version");
     // Its copy is lost while it is down: the restarted hub must not diff the next version
@@ -138,7 +143,12 @@ fn a_sigterm_drains_the_hub_within_its_grace_period_and_a_restart_resumes() {
     assert!(resumed == 1 || resumed == 2, "resumed at {resumed}");
     println!("the hub stopped {took:?} after SIGTERM and resumed at version {resumed}");
     if resumed == 2 {
-        assert!(tb.root.join("hub-store/deltas/v00000002.sdc").exists());
+        assert!(
+            tb.root
+                .join("hub-store/deltas")
+                .join(delta_file_name(2))
+                .exists()
+        );
     }
     let want = resumed as usize + 1;
     tb.publish(want);
@@ -161,7 +171,10 @@ fn a_restart_needs_no_init_file_once_the_run_is_recorded() {
     let a1 = tb.actor("a1", &[]);
     wait_for(&a1, "active 0 ", dl);
     // The seed's anchor is written in the background; from then on the seed file may go.
-    let seal = tb.root.join("hub-store/anchors/v00000000.seal");
+    let seal = tb
+        .root
+        .join("hub-store/anchors")
+        .join(version_file_name(0, "seal"));
     while !seal.exists() {
         assert!(std::time::Instant::now() < dl, "no anchor of version 0");
         std::thread::sleep(std::time::Duration::from_millis(50));

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use serde_json::{Value, json};
-use starling_tests::{Testbed, http_get, http_request, wait_for};
+use starling_tests::{Testbed, http_get, http_request, metric, wait_for};
 
 /// The cluster: hub (JSON logs), relay `eu` (HTTP), actors `eu-a1`, `eu-a2`
 /// (built-in engine, HTTP), trainer `t1`.
@@ -153,9 +153,75 @@ fn the_dashboard_shows_what_the_status_says_and_every_exporter_is_valid() {
         assert_eq!(a["worker_connected"], true, "{a}");
     }
 
+    each_component_counts_what_it_did(&c);
     promtool_checks_every_exporter(&c);
     dashboard_follows_the_status(tb);
     hub_logs_are_json_lines(tb);
+}
+
+/// With version 1 active everywhere, each component's `/metrics` counts what it did itself:
+/// the relay staged version 1 once (counted when it verified it, not by its actors), each
+/// actor staged and applied it once, the hub sent it to the relay, and the relay and the actors
+/// measured their control round trips.
+fn each_component_counts_what_it_did(c: &Cluster) {
+    let tb = &c.tb;
+    // The value of `series` in the `/metrics` of `http` once `pred` holds of it.
+    let once = |http: &str, series: &str, pred: &dyn Fn(f64) -> bool| loop {
+        let text = http_get(http, "/metrics");
+        let v = metric(&text, series);
+        if let Some(v) = v.filter(|&v| pred(v)) {
+            return v;
+        }
+        assert!(
+            Instant::now() < tb.deadline,
+            "{series} = {v:?} at {http}:\n{text}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let positive = |v: f64| v > 0.0;
+    let relay = c.relay_http.as_str();
+    // The relay reports `Staged` to the hub after counting it, and actors may be active first.
+    let staged = once(relay, "starling_relay_versions_staged_total", &positive);
+    assert_eq!(staged, 1.0, "the relay staged version 1 once");
+    assert_eq!(once(relay, "starling_relay_newest_version", &positive), 1.0);
+    assert_eq!(
+        once(relay, "starling_relay_transfer_seconds_count", &positive),
+        1.0
+    );
+    once(relay, "starling_relay_upstream_connected", &positive);
+    once(relay, "starling_relay_control_rtt_seconds_count", &positive);
+    once(
+        relay,
+        "starling_relay_delta_received_segments_total{peer=\"hub\"}",
+        &positive,
+    );
+    for (name, http) in &c.actor_http {
+        let sent = format!("starling_relay_delta_sent_segments_total{{peer=\"{name}\"}}");
+        once(relay, &sent, &positive);
+        for (series, want) in [
+            ("starling_actor_versions_staged_total", 1.0),
+            ("starling_actor_apply_seconds_count", 1.0),
+            ("starling_actor_active_version", 1.0),
+            ("starling_actor_worker_connected", 1.0),
+        ] {
+            assert_eq!(once(http, series, &positive), want, "{name}: {series}");
+        }
+        once(http, "starling_actor_control_rtt_seconds_count", &positive);
+        let from_relay = "starling_actor_delta_received_segments_total{peer=\"eu\"}";
+        once(http, from_relay, &positive);
+    }
+    let hub = tb.hub_http.as_str();
+    assert_eq!(once(hub, "starling_hub_published_version", &positive), 1.0);
+    once(
+        hub,
+        "starling_hub_delta_sent_segments_total{peer=\"eu\"}",
+        &positive,
+    );
+    once(
+        hub,
+        "starling_hub_connected_peers{role=\"relay\"}",
+        &positive,
+    );
 }
 
 /// `promtool check metrics` on the live `/metrics` of the hub, the relay and each actor.

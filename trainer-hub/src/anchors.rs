@@ -19,6 +19,7 @@ use std::sync::Mutex;
 
 use anyhow::{Context, Result};
 use ed25519_dalek::SigningKey;
+use starling_checkpoint::deltafile::version_file_name;
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::writer::{AtomicFile, SafetensorsWriter};
 use starling_proto::anchor::AnchorSeal;
@@ -69,11 +70,11 @@ impl Anchors {
     }
 
     fn file(&self, version: u64) -> PathBuf {
-        self.dir.join(format!("v{version:08}.safetensors"))
+        self.dir.join(version_file_name(version, "safetensors"))
     }
 
     fn seal_file(&self, version: u64) -> PathBuf {
-        self.dir.join(format!("v{version:08}.seal"))
+        self.dir.join(version_file_name(version, "seal"))
     }
 
     pub fn has(&self, version: u64) -> bool {
@@ -192,7 +193,13 @@ mod tests {
         let store = dir.path().join("store");
         std::fs::create_dir_all(store.join("deltas")).unwrap();
         for v in 1..=6 {
-            std::fs::write(store.join(format!("deltas/v{v:08}.sdc")), b"x").unwrap();
+            std::fs::write(
+                store
+                    .join("deltas")
+                    .join(starling_checkpoint::deltafile::delta_file_name(v)),
+                b"x",
+            )
+            .unwrap();
         }
         let key = SigningKey::from_bytes(&[5; 32]);
         let a = Anchors::open(&store, "tiny", key.clone(), 2).unwrap();
@@ -204,7 +211,12 @@ mod tests {
         assert!(!a.has(2) && a.has(4) && a.has(6));
         assert!(!a.file(2).exists());
         let left: Vec<bool> = (1..=6)
-            .map(|v| store.join(format!("deltas/v{v:08}.sdc")).exists())
+            .map(|v| {
+                store
+                    .join("deltas")
+                    .join(starling_checkpoint::deltafile::delta_file_name(v))
+                    .exists()
+            })
             .collect();
         assert_eq!(left, [false, false, false, false, true, true]);
         let again = Anchors::open(&store, "tiny", key, 2).unwrap();

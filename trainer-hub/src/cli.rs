@@ -616,7 +616,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 out.display(),
                 out.with_extension("pub").display()
             );
-            println!("public key: {}", keys::hex(public.as_bytes()));
+            println!("public key: {}", hex(public.as_bytes()));
             Ok(())
         }
         Command::Bench(BenchCmd::Gen {

@@ -375,7 +375,9 @@ async fn check_init(
 
 /// The store's file for the delta of `version`.
 pub(crate) fn delta_path(store: &Path, version: u64) -> PathBuf {
-    store.join("deltas").join(format!("v{version:08}.sdc"))
+    store
+        .join("deltas")
+        .join(starling_checkpoint::deltafile::delta_file_name(version))
 }
 
 /// The newest version at or before `version` whose anchor is in the store.
@@ -384,14 +386,13 @@ fn newest_anchor(store: &Path, version: u64) -> Option<(u64, PathBuf)> {
     let mut best = None;
     for e in std::fs::read_dir(&dir).ok()?.flatten() {
         let name = e.file_name();
-        let v = name.to_str().and_then(|n| {
-            n.strip_prefix('v')?
-                .strip_suffix(".safetensors")?
-                .parse::<u64>()
-                .ok()
-        });
+        let v = name
+            .to_str()
+            .and_then(|n| starling_checkpoint::deltafile::version_of_file_name(n, "safetensors"));
         if let Some(v) = v.filter(|&v| v <= version)
-            && dir.join(format!("v{v:08}.seal")).exists()
+            && dir
+                .join(starling_checkpoint::deltafile::version_file_name(v, "seal"))
+                .exists()
             && best.as_ref().is_none_or(|(b, _)| v > *b)
         {
             best = Some((v, e.path()));
@@ -431,7 +432,10 @@ async fn rebuild(
         let mut post = None;
         for v in anchor + 1..=version {
             let delta = delta_path(&store, v);
-            let dest = dir.join(format!("v{v:08}.safetensors"));
+            let dest = dir.join(starling_checkpoint::deltafile::version_file_name(
+                v,
+                "safetensors",
+            ));
             let base = Checkpoint::open(&current)
                 .with_context(|| format!("open {}", current.display()))?;
             let summary = apply_to_file(&base, &delta, &dest, &trust, Some(v - 1))

@@ -3,24 +3,12 @@
 
 use std::path::Path;
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use ed25519_dalek::{SigningKey, VerifyingKey};
+use starling_proto::manifest::{hex, parse_hex};
 
 fn parse_hex32(text: &str, what: &str) -> Result<[u8; 32]> {
-    let t = text.trim();
-    if t.len() != 64 {
-        bail!("{what} must be 64 hex characters, found {}", t.len());
-    }
-    let mut out = [0u8; 32];
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(&t[2 * i..2 * i + 2], 16)
-            .with_context(|| format!("{what} is not hex"))?;
-    }
-    Ok(out)
-}
-
-pub fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    parse_hex(text.trim()).with_context(|| format!("{what} must be 64 hex digits"))
 }
 
 /// Creates a new key; writes the secret to `path` (0600) and `path.pub`.

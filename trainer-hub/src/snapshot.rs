@@ -27,6 +27,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
+use starling_checkpoint::deltafile::{version_file_name, version_stem};
 use starling_checkpoint::safetensors::Checkpoint;
 
 /// The directory of the hub's copies.
@@ -38,9 +39,9 @@ pub(crate) fn dir(store: &Path) -> PathBuf {
 /// checkpoint.
 fn final_path(store: &Path, version: u64, sharded: bool) -> PathBuf {
     if sharded {
-        dir(store).join(format!("v{version:08}"))
+        dir(store).join(version_stem(version))
     } else {
-        dir(store).join(format!("v{version:08}.safetensors"))
+        dir(store).join(version_file_name(version, "safetensors"))
     }
 }
 

@@ -21,8 +21,9 @@ use crate::behaviour::Versions;
 use crate::grpo::{self, Sample};
 use crate::hub::{GroupOut, HubClient, HubError, Published};
 use crate::policy::{Policy, PolicyError, write_bf16};
-use crate::task::{Problem, ReverseDigits, SplitMix};
+use crate::task::{Problem, ReverseDigits};
 use starling_engine::Bf16Tensors;
+use starling_rng::SplitMix64;
 
 /// Why training stopped.
 #[derive(Debug, thiserror::Error)]
@@ -302,7 +303,7 @@ impl Trainer {
             })
             .collect();
         self.problems_issued += problems.len() as u64;
-        let mut rng = SplitMix::new(self.cfg.seed ^ self.problems_issued);
+        let mut rng = SplitMix64::new(self.cfg.seed ^ self.problems_issued);
         let body = json!({
             "version": version,
             "max_staleness": self.cfg.max_staleness,

@@ -6,7 +6,9 @@
 //!
 //! Prints the lines tests and operators read that both shells share: `resume VERSION have N`
 //! when a new connection continues a half-received version, `refetch VERSION` when (part of)
-//! one is asked for again (counted in the feed's metrics by source).
+//! one is asked for again (counted in the feed's metrics by source). Both shells measure the
+//! control round trip to their source the same way: [`Feed::ping`] in their tick, the round
+//! trip back in [`Shell::pong`].
 
 use std::time::{Duration, Instant};
 
@@ -54,10 +56,10 @@ pub trait Shell {
     fn tick_every(&self) -> Option<Duration> {
         None
     }
-    /// Periodic work (a relay's ping, an actor's engine health check).
+    /// Periodic work (a ping, an actor's engine health check).
     async fn tick(&mut self, _feed: &mut Feed) {}
-    /// The upstream answered a ping.
-    fn pong(&mut self, _nonce: u64) {}
+    /// The upstream answered a [`Feed::ping`] after `rtt`.
+    fn pong(&mut self, _rtt: Duration) {}
     /// Subscribed to `source` after `after`.
     fn subscribed(&mut self, source: &SourceAddr, after: u64);
     /// The connection to `source` ended (lost, or left).
@@ -105,7 +107,7 @@ pub async fn run<S: Shell>(
                 shell.not_reached(error)?;
                 core.handle(Instant::now(), Event::ConnectFailed { conn });
             }
-            Step::Input(Input::Pong(nonce)) => shell.pong(nonce),
+            Step::Input(Input::Pong(rtt)) => shell.pong(rtt),
             Step::Timer => core.handle_timeout(Instant::now()),
             Step::Done(done) => {
                 let (version, active) = shell.finish(feed, done).await;

@@ -67,6 +67,10 @@ pub trait AnchorSource: Send + Sync + std::fmt::Debug {
 /// hub's run board, a relay's own status). Every method has an empty default; calls come from
 /// the subscriber's tasks and must return at once (no I/O, no awaiting).
 pub trait SubscriberObserver: Send + Sync + std::fmt::Debug {
+    /// `peer` subscribed after `after` (told by [`crate::downstream`]'s accept loop).
+    fn subscribed(&self, _peer: &str, _after: u64) {}
+    /// `peer`'s subscription ended (told by [`crate::downstream`]'s accept loop).
+    fn left(&self, _peer: &str) {}
     /// `bytes` of `version` went out to `peer`.
     fn sent(&self, _peer: &str, _version: u64, _bytes: u64) {}
     /// Every frame of `version` went out to `peer` and `Commit` followed.

@@ -21,6 +21,7 @@ use rcgen::{
     KeyUsagePurpose,
 };
 use serde::{Deserialize, Serialize};
+use starling_proto::manifest::TrustPolicy;
 use thiserror::Error;
 
 /// What a peer is.
@@ -86,6 +87,12 @@ pub enum IdentityError {
     NotACluster { path: PathBuf, detail: String },
     #[error("{0} already exists; refusing to overwrite cluster credentials")]
     Exists(PathBuf),
+    #[error("{path} holds {held} credentials, not {wanted}'s")]
+    WrongRole {
+        path: PathBuf,
+        held: &'static str,
+        wanted: &'static str,
+    },
 }
 
 fn io<'a>(op: &'static str, path: &'a Path) -> impl FnOnce(std::io::Error) -> IdentityError + 'a {
@@ -263,14 +270,7 @@ fn read_signing_seed(cluster_dir: &Path) -> Result<[u8; 32], IdentityError> {
         path: path.clone(),
         detail: "signing.key must hold 64 hex characters".into(),
     };
-    if t.len() != 64 || !t.is_ascii() {
-        return Err(bad());
-    }
-    let mut seed = [0u8; 32];
-    for (i, k) in seed.iter_mut().enumerate() {
-        *k = u8::from_str_radix(&t[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
-    }
-    Ok(seed)
+    starling_proto::manifest::parse_hex(t).map_err(|_| bad())
 }
 
 /// Issues credentials for a relay, actor or trainer from the cluster in `cluster_dir` into
@@ -334,14 +334,17 @@ pub fn manifest_key(dir: &Path) -> Result<[u8; 32], IdentityError> {
         path: path.clone(),
         detail: "signing.pub must hold 64 hex characters".into(),
     };
-    if t.len() != 64 || !t.is_ascii() {
-        return Err(bad());
-    }
-    let mut key = [0u8; 32];
-    for (i, k) in key.iter_mut().enumerate() {
-        *k = u8::from_str_radix(&t[2 * i..2 * i + 2], 16).map_err(|_| bad())?;
-    }
-    Ok(key)
+    starling_proto::manifest::parse_hex(t).map_err(|_| bad())
+}
+
+/// The trust a relay or actor verifies manifests under: the hub's key from `dir`
+/// ([`manifest_key`]) and no other.
+pub fn manifest_trust(dir: &Path) -> Result<TrustPolicy, IdentityError> {
+    let path = dir.join("signing.pub");
+    TrustPolicy::trusting(&manifest_key(dir)?).map_err(|e| IdentityError::NotACluster {
+        path,
+        detail: format!("not an ed25519 public key: {e}"),
+    })
 }
 
 /// Credentials loaded from disk: the CA to verify peers against, and our own chain and key.
@@ -364,6 +367,20 @@ impl Credentials {
             cert_pem: read(&cluster_dir.join("hub.pem"))?,
             key_pem: read(&cluster_dir.join("hub.key"))?,
         })
+    }
+
+    /// [`load_peer`](Self::load_peer), refusing credentials issued for another role (a relay
+    /// started with an actor's directory).
+    pub fn load_as(dir: &Path, role: Role) -> Result<Self, IdentityError> {
+        let creds = Self::load_peer(dir)?;
+        if creds.role != role {
+            return Err(IdentityError::WrongRole {
+                path: dir.to_owned(),
+                held: creds.role.as_str(),
+                wanted: role.as_str(),
+            });
+        }
+        Ok(creds)
     }
 
     /// Loads a relay's or actor's credentials from the directory `issue` wrote.

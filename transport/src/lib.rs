@@ -11,7 +11,8 @@
 //!   a peer's stated link rate × measured minimum RTT, so a bulk transfer leaves no standing
 //!   queue for control messages to wait behind;
 //! - [`framed`]: control messages over QUIC streams;
-//! - [`admit`]: the Hello/Welcome/Refuse admission every server runs;
+//! - [`admit`]: the Hello/Welcome/Refuse admission every server runs; [`downstream`]: a
+//!   relay's accept loop (admission, `Subscribe`, serving until the subscriber leaves);
 //! - [`book`]: the versions a server can send, each sendable while it still grows
 //!   (cut-through);
 //! - [`fanout`] and [`upstream`]: sending versions striped over several streams, and
@@ -29,6 +30,7 @@ pub mod admit;
 pub mod anchor_file;
 pub mod book;
 pub mod ceiling;
+pub mod downstream;
 pub mod drive;
 pub mod endpoint;
 pub mod fanout;

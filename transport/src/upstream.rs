@@ -304,8 +304,9 @@ pub enum Input {
         conn: crate::follow::ConnId,
         error: UpstreamError,
     },
-    /// The upstream answered a `Ping`.
-    Pong(u64),
+    /// The upstream answered a [`Feed::ping`] after this round trip (the control stream's,
+    /// queued behind whatever data the link carries).
+    Pong(std::time::Duration),
 }
 
 /// The I/O side of following sources, shared by the relay's and the actor's shells: runs the
@@ -324,6 +325,8 @@ pub struct Feed {
     connecting: Option<Pending<Result<Upstream, UpstreamError>>>,
     probing: Option<Pending<Option<u64>>>,
     anchor: Option<(crate::follow::ConnId, AnchorSeal, DataStreamReader)>,
+    /// The clock of ping nonces (microseconds since the feed was made).
+    epoch: std::time::Instant,
 }
 
 /// A task of the feed's: what it is for and its handle.
@@ -351,7 +354,15 @@ impl Feed {
             connecting: None,
             probing: None,
             anchor: None,
+            epoch: std::time::Instant::now(),
         }
+    }
+
+    /// Sends `Ping` on the current subscription's control stream; its `Pong` comes back as
+    /// [`Input::Pong`] with the round trip.
+    pub async fn ping(&mut self) -> bool {
+        let nonce = self.epoch.elapsed().as_micros() as u64;
+        self.send_current(&Message::Ping { nonce }).await
     }
 
     /// The source at `source`.
@@ -598,7 +609,11 @@ impl Feed {
                 Event::AnchorOffered { conn, version }
             }
             UpstreamEvent::Commit(version) => Event::Commit { conn, version },
-            UpstreamEvent::Pong(nonce) => return Some(Input::Pong(nonce)),
+            UpstreamEvent::Pong(nonce) => {
+                let now = self.epoch.elapsed().as_micros() as u64;
+                let rtt = std::time::Duration::from_micros(now.saturating_sub(nonce));
+                return Some(Input::Pong(rtt));
+            }
             UpstreamEvent::Refused { reason, detail } => {
                 tracing::warn!(source = %name, "upstream refused: {reason:?}: {detail}");
                 Event::Refused { conn, reason }

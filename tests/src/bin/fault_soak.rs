@@ -46,6 +46,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
 use clap::Parser;
+use starling_checkpoint::deltafile::delta_file_name;
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir};
 use starling_proto::apply::full_digest;
@@ -111,7 +112,8 @@ struct Args {
     out: Option<PathBuf>,
 }
 
-/// The fault schedule's generator: SplitMix64 (its one home is `starling-netem`).
+/// The fault schedule's generator: SplitMix64 (its one home is `starling-rng`, re-exported by
+/// `starling-netem`).
 struct Rng(starling_netem::rng::SplitMix64);
 
 impl Rng {
@@ -954,7 +956,7 @@ impl Soak {
     }
 
     fn delta_bytes(&self, k: u64) -> u64 {
-        let f = self.dir.join(format!("hub-store/deltas/v{k:08}.sdc"));
+        let f = self.dir.join("hub-store/deltas").join(delta_file_name(k));
         std::fs::metadata(&f)
             .map(|m| {
                 m.len()
@@ -1244,10 +1246,8 @@ impl Soak {
             }
         }
         let want = self.weights(n)?;
-        let key = starling_transport::identity::manifest_key(&self.dir.join("cluster"))
+        let trust = starling_transport::identity::manifest_trust(&self.dir.join("cluster"))
             .context("signing.pub")?;
-        let key = ed25519_dalek::VerifyingKey::from_bytes(&key).context("ed25519 key")?;
-        let trust = starling_proto::manifest::TrustPolicy::Keys(vec![key]);
         let mut identical = 0;
         for a in &actors {
             let reported = self.active.get(a).copied();

@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use starling_checkpoint::deltafile::delta_file_name;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir};
 use starling_proto::container::{FILE_HEADER_LEN, TRAILER_FRAME_LEN};
 use starling_tests::{Testbed, metric};
@@ -390,7 +391,7 @@ fn run(
     for a in &actors {
         active = active.max(until(a, "active 1 ", dl)?);
     }
-    let file = std::fs::metadata(tb.root.join("hub-store/deltas/v00000001.sdc"))?.len();
+    let file = std::fs::metadata(tb.root.join("hub-store/deltas").join(delta_file_name(1)))?.len();
     let delta = file - (FILE_HEADER_LEN + TRAILER_FRAME_LEN) as u64;
     let wan_bytes = metric(
         &tb.hub_metrics(),
