@@ -17,7 +17,7 @@ pub(crate) struct DemoArgs {
     #[arg(long, default_value = "starling-demo")]
     pub(crate) out: PathBuf,
     /// RL steps (each: a batch of rollouts, one optimizer step, one published version)
-    /// [default: 60; with --model 16].
+    /// [default: 60; with --model 12].
     #[arg(long)]
     steps: Option<u32>,
     /// Prompt groups per batch [default: 32; with --model 8].
@@ -104,7 +104,7 @@ pub(crate) struct RealArgs {
     pub(crate) modes: Vec<String>,
     /// With --compare: steps of the full-broadcast runs (each version waits for a full
     /// checkpoint to cross the links: minutes per step).
-    #[arg(long, default_value_t = 4, requires = "model")]
+    #[arg(long, default_value_t = 3, requires = "model")]
     pub(crate) full_steps: u32,
     /// Completion tokens per sample at most.
     #[arg(long, default_value_t = 48, requires = "model")]
@@ -133,7 +133,7 @@ impl DemoArgs {
         self.real.model.is_some()
     }
     pub(crate) fn steps(&self) -> u32 {
-        self.steps.unwrap_or(if self.real() { 16 } else { 60 })
+        self.steps.unwrap_or(if self.real() { 12 } else { 60 })
     }
     pub(crate) fn groups(&self) -> usize {
         self.groups.unwrap_or(if self.real() { 8 } else { 32 })
