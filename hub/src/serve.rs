@@ -1,7 +1,7 @@
 //! `starling-hub serve`: the hub's distribution service, wired together.
 //!
 //! [`serve`] resumes the run from the ledger and the store (`crate::durable`), builds the
-//! [`Hub`](crate::hub::Hub), starts its background tasks (the scheduler in `crate::jobs`,
+//! `Hub` (`hub.rs`), starts its background tasks (the scheduler in `crate::jobs`,
 //! scoring in `crate::scoring`, archiving in `crate::archive`) and its HTTP server (the
 //! trainer's API in `crate::api`, status and dashboard in `crate::status`), and accepts QUIC
 //! connections from relays, actors and the trainer (all with cluster credentials; see

@@ -5,7 +5,7 @@
 //! manifest names every segment by its BLAKE3, so a valid signature authenticates the
 //! whole delta.
 //!
-//! Also the one spelling of hex in Starling ([`hex`], [`parse_hex`]): keys, hashes and digests
+//! Also the one spelling of hex in Starling ([`hex()`], [`parse_hex`]): keys, hashes and digests
 //! in messages, files and JSON, encoded and strictly decoded by the `hex` crate.
 
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
