@@ -52,7 +52,7 @@ impl fmt::Debug for StateDigest {
 
 impl fmt::Display for StateDigest {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&crate::manifest::hex(&self.to_bytes()))
+        f.write_str(&crate::hex_text::hex(&self.to_bytes()))
     }
 }
 

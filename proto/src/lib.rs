@@ -22,6 +22,7 @@ pub mod diff;
 pub mod digest;
 pub mod encode;
 pub mod error;
+pub mod hex_text;
 pub mod manifest;
 pub mod msg;
 pub mod rollout;
