@@ -440,3 +440,27 @@ pub(crate) fn free_tcp_port() -> Result<SocketAddr> {
 pub(crate) fn path(p: &Path) -> String {
     p.display().to_string()
 }
+
+/// The mean of `xs`; NaN (written as null) when there are none.
+pub(crate) fn mean(xs: impl Iterator<Item = f64>) -> f64 {
+    let (s, n) = xs.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    if n == 0 { f64::NAN } else { s / n as f64 }
+}
+
+/// Per region, the mean seconds from publish to every actor active over the versions that
+/// arrived (`arrivals`: version → region → seconds, `None` where one had not); NaN where none
+/// did.
+pub(crate) fn mean_arrival_by_region(
+    regions: &[Region],
+    arrivals: &BTreeMap<u64, BTreeMap<String, Option<f64>>>,
+) -> BTreeMap<&'static str, f64> {
+    regions
+        .iter()
+        .map(|r| {
+            let seconds = arrivals
+                .values()
+                .filter_map(|m| m.get(r.name).copied().flatten());
+            (r.name, mean(seconds))
+        })
+        .collect()
+}

@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use starling_actor::shared_dir::version_file_name;
 
-use crate::cluster::{Cluster, Mode, Spec, path};
+use crate::cluster::{Cluster, Mode, Spec, mean, mean_arrival_by_region, path};
 use crate::demo_args::DemoArgs;
 use crate::links::Region;
 use crate::plot::{Panel, Series, render_png};
@@ -417,11 +417,6 @@ fn actor_taus(cluster: &Cluster) -> BTreeMap<String, f64> {
         .unwrap_or_default()
 }
 
-fn mean(xs: impl Iterator<Item = f64>) -> f64 {
-    let (s, n) = xs.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
-    if n == 0 { f64::NAN } else { s / n as f64 }
-}
-
 /// Per region, the versions that had not reached all its actors (`None` in `arrivals`).
 fn not_arrived(
     arrivals: &BTreeMap<u64, BTreeMap<String, Option<f64>>>,
@@ -537,19 +532,7 @@ fn summarize(
         .collect();
     // Over the versions that arrived (within ARRIVAL_WAIT of the run's end for the last ones):
     // NaN, written as null, where none did.
-    let transfer: BTreeMap<&str, f64> = regions
-        .iter()
-        .map(|r| {
-            (
-                r.name,
-                mean(
-                    arrivals
-                        .values()
-                        .filter_map(|m| m.get(r.name).copied().flatten()),
-                ),
-            )
-        })
-        .collect();
+    let transfer = mean_arrival_by_region(regions, arrivals);
     // Each batch's makespan (posted → last accepted group) against the ideal: its tokens at
     // the actors' combined throughput as the hub measured it.
     let tau_sum: f64 = taus.values().sum();

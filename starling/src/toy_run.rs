@@ -18,7 +18,7 @@ use starling_trainer::{HubClient, Policy, ReverseDigits, StepReport, TrainConfig
 
 use starling_netem::ProxyStats;
 
-use crate::cluster::{Cluster, Mode, Spec};
+use crate::cluster::{Cluster, Mode, Spec, mean, mean_arrival_by_region};
 use crate::demo_args::DemoArgs;
 use crate::links::Region;
 use crate::plot::{Panel, Series, render_png};
@@ -177,11 +177,6 @@ fn fmt_s(s: Option<f64>) -> String {
     s.map(|s| format!("{s:.3}")).unwrap_or_else(|| "-".into())
 }
 
-fn mean(xs: impl Iterator<Item = f64>) -> f64 {
-    let (s, n) = xs.fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
-    if n == 0 { f64::NAN } else { s / n as f64 }
-}
-
 /// How long a run took: all of it, and its training loop (first submit to last publish).
 struct Timing {
     wall_s: f64,
@@ -215,19 +210,7 @@ fn summarize(
         }
     }
     let total: usize = per_actor.values().sum();
-    let transfer: BTreeMap<&str, f64> = regions
-        .iter()
-        .map(|r| {
-            (
-                r.name,
-                mean(
-                    arrivals
-                        .values()
-                        .filter_map(|m| m.get(r.name).copied().flatten()),
-                ),
-            )
-        })
-        .collect();
+    let transfer = mean_arrival_by_region(regions, arrivals);
     let tokens: usize = reports.iter().map(|r| r.tokens).sum();
     let samples: usize = reports.iter().map(|r| r.samples).sum();
     let mut step_s: Vec<f64> = reports.iter().map(|r| r.step_s).collect();
