@@ -140,18 +140,17 @@ pub async fn run(cfg: RelayConfig, stop: CancellationToken) -> Result<()> {
     ));
     // Every task the relay spawns, owned here: when `run` returns they are aborted with it.
     let mut owned: JoinSet<()> = JoinSet::new();
-    if let Some(http) = cfg.http {
-        let (listener, at) = starling_telemetry::http::bind(http)
-            .await
-            .with_context(|| format!("bind HTTP on {http}"))?;
-        let (m, routes) = (metrics.clone(), status::router(status.clone()));
-        owned.spawn(async move {
-            if let Err(e) = starling_telemetry::http::serve(listener, m, routes).await {
-                tracing::error!("HTTP server stopped: {e}");
-            }
-        });
-        println!("http on {at}");
-    }
+    let _http = match cfg.http {
+        Some(http) => {
+            let routes = status::router(status.clone());
+            let (at, task) = starling_telemetry::http::spawn(http, metrics.clone(), routes)
+                .await
+                .with_context(|| format!("bind HTTP on {http}"))?;
+            println!("http on {at}");
+            Some(task)
+        }
+        None => None,
+    };
     let endpoint = server_endpoint(&creds, cfg.listen, &cfg.lan).context("listen")?;
     println!(
         "listening on {}",
@@ -471,7 +470,7 @@ impl Shell for Relay<'_> {
             Notice::NothingToOffer { .. } => {
                 tracing::warn!("the hub has neither the next delta nor a newer anchor")
             }
-            n => tracing::info!("{n:?}"),
+            n => tracing::info!("{n}"),
         }
         Ok(())
     }

@@ -42,6 +42,7 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Semaphore, watch};
 use tokio::task::JoinSet;
+use tokio_util::task::AbortOnDropHandle;
 
 use crate::Metrics;
 
@@ -68,6 +69,23 @@ pub async fn bind(addr: SocketAddr) -> io::Result<(TcpListener, SocketAddr)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     Ok((listener, local))
+}
+
+/// Binds `addr` and serves [`serve`]'s routes on it in a task that lives as long as the
+/// returned handle (a relay's or an actor's server, which has no drain of its own: dropping
+/// the handle aborts it). Returns the bound address; a failure to serve later is logged.
+pub async fn spawn(
+    addr: SocketAddr,
+    metrics: Metrics,
+    extra: Router,
+) -> io::Result<(SocketAddr, AbortOnDropHandle<()>)> {
+    let (listener, at) = bind(addr).await?;
+    let task = tokio::spawn(async move {
+        if let Err(e) = serve(listener, metrics, extra).await {
+            tracing::error!("HTTP server stopped: {e}");
+        }
+    });
+    Ok((at, AbortOnDropHandle::new(task)))
 }
 
 /// What one HTTP client can hold and for how long (see the module docs).

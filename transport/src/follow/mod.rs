@@ -242,6 +242,25 @@ pub enum Notice {
     NothingToOffer { source: SourceId, after: u64 },
 }
 
+/// One line for a log: what happened (the source is named by the shell, which knows it).
+impl std::fmt::Display for Notice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Notice::Received { version } => write!(f, "every frame of version {version} is here"),
+            Notice::SourceDropped { why, .. } => {
+                write!(f, "dropping this source for a while: {why}")
+            }
+            Notice::Returning { .. } => {
+                write!(f, "the preferred source answers again; returning to it")
+            }
+            Notice::NothingToOffer { after, .. } => write!(
+                f,
+                "neither the delta after {after} nor a newer anchor here; trying the next source"
+            ),
+        }
+    }
+}
+
 /// How a source broke a bound.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum Misbehaviour {
