@@ -23,8 +23,10 @@
 //! results (the hub accepts them before the actor exits; the jobs it had not started are
 //! released when its connection closes).
 
+mod anchor;
 mod claim_depth;
 pub mod cli;
+mod config;
 pub mod engine;
 mod pipeline;
 pub mod shared_dir;
@@ -33,7 +35,6 @@ pub mod store;
 pub mod vllm;
 pub mod worker;
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -44,64 +45,20 @@ use starling_telemetry::{Component, Metrics};
 use starling_transport::endpoint::{any_addr_for, client_config, client_endpoint};
 use starling_transport::follow::{Bounds, FollowConfig, Follower, PolicyConfig, SourcePolicy};
 use starling_transport::identity::{Credentials, Role, manifest_trust};
-use starling_transport::link::LinkProfile;
 use starling_transport::upstream::Feed;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::AbortOnDropHandle;
 
-use crate::engine::{BuiltinEngine, Engine};
+use crate::engine::Engine;
 use crate::status::ActorStatus;
 use crate::store::Store;
 use crate::worker::PipelineStatus;
-use starling_engine::ModelConfig;
-
-/// Where to subscribe: relays of the actor's region first, then the hub.
-pub use starling_transport::upstream::SourceAddr as Source;
 
 /// How long a stopping actor gives its worker to finish the generation in flight and submit
 /// its results.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-/// What the actor needs.
-#[derive(Debug, Clone)]
-pub struct ActorConfig {
-    /// Credentials written by `starling-hub issue --role actor`.
-    pub credentials: PathBuf,
-    /// Tried in order; on failure or disconnect the next one (then around again).
-    pub sources: Vec<Source>,
-    /// The checkpoint to start from when the store holds none yet.
-    pub init: PathBuf,
-    /// Where the active weights are kept.
-    pub store: PathBuf,
-    pub region: String,
-    pub model_id: String,
-    pub link: LinkProfile,
-    /// Where to serve `/metrics` (none: not served).
-    pub http: Option<std::net::SocketAddr>,
-    /// Generate rollouts with this engine (none: hold weights only).
-    pub engine: Option<EngineSettings>,
-    /// Read each version's full checkpoint from this directory instead of receiving deltas
-    /// (the no-transfer baseline, [`shared_dir`]); relays are not used.
-    pub weights_dir: Option<PathBuf>,
-}
-
-/// The rollout engine and worker settings.
-#[derive(Debug, Clone)]
-pub struct EngineSettings {
-    /// The model's HF `config.json`.
-    pub model_config: PathBuf,
-    /// Sequences decoded together.
-    pub max_batch: u32,
-    /// Groups claimed per generation call.
-    pub claim: u32,
-    /// Stretch each generation call to this many times its compute time (≥ 1; benchmarks).
-    pub slowdown: f64,
-    /// A label for the hardware (reported to the hub).
-    pub hardware: String,
-    /// Generate with a vLLM server (`vllm`) instead of the built-in engine.
-    pub vllm: Option<vllm::VllmSettings>,
-}
+pub use config::{ActorConfig, EngineSettings, Source};
 
 /// Runs until every source failed too often or `stop` is cancelled (SIGTERM, SIGINT): then
 /// it leaves its source, lets the worker submit what it generated (within
@@ -115,7 +72,7 @@ pub async fn run(cfg: ActorConfig, stop: CancellationToken) -> Result<()> {
     let trust = manifest_trust(&cfg.credentials)?;
     let metrics = Metrics::new(Component::Actor);
     let (status, status_rx) = watch::channel(PipelineStatus::default());
-    let engine = make_engine(&cfg)?;
+    let engine = engine::from_config(&cfg)?;
     let engine_name = match &cfg.engine {
         None => "none",
         Some(e) if e.vllm.is_some() => "vllm",
@@ -132,16 +89,12 @@ pub async fn run(cfg: ActorConfig, stop: CancellationToken) -> Result<()> {
     // Owned by `run`: aborted when it returns.
     let _http = match cfg.http {
         Some(http) => {
-            let (listener, at) = starling_telemetry::http::bind(http)
+            let routes = status::router(shown.clone());
+            let (at, task) = starling_telemetry::http::spawn(http, metrics.clone(), routes)
                 .await
                 .with_context(|| format!("bind HTTP on {http}"))?;
-            let (m, routes) = (metrics.clone(), status::router(shown.clone()));
             println!("http on {at}");
-            Some(AbortOnDropHandle::new(tokio::spawn(async move {
-                if let Err(e) = starling_telemetry::http::serve(listener, m, routes).await {
-                    tracing::error!("HTTP server stopped: {e}");
-                }
-            })))
+            Some(task)
         }
         None => None,
     };
@@ -149,7 +102,7 @@ pub async fn run(cfg: ActorConfig, stop: CancellationToken) -> Result<()> {
     let endpoint =
         client_endpoint(&creds, any_addr_for(last.addr), &cfg.link).context("client endpoint")?;
     let worker_stop = CancellationToken::new();
-    let worker = start_worker(
+    let worker = worker::start(
         &cfg,
         &creds,
         &endpoint,
@@ -227,17 +180,20 @@ async fn follow_sources(
         cfg.sources.clone(),
         metrics.clone(),
     );
-    let mut p = pipeline::Pipeline::new(
+    let mut p = pipeline::Pipeline {
         cfg,
-        &creds.name,
+        name: &creds.name,
         trust,
-        loaded,
+        layout: loaded.layout,
+        store: loaded.store,
+        state: loaded.state,
         metrics,
         engine,
         status,
         shown,
         quarantine,
-    );
+        staging: Default::default(),
+    };
     metrics.set_active(active);
     p.load_engine(None)?;
     println!("active {} {}", p.state.version(), p.state.digest());
@@ -247,69 +203,4 @@ async fn follow_sources(
 /// A model's BF16 bytes.
 fn bf16_bytes(weights: &Model) -> u64 {
     weights.values().map(|t| t.len() as u64 * 2).sum()
-}
-
-fn make_engine(cfg: &ActorConfig) -> Result<Option<Arc<dyn Engine>>> {
-    Ok(match &cfg.engine {
-        None => None,
-        Some(e) if e.vllm.is_some() => {
-            let settings = e.vllm.clone().context("vllm settings")?;
-            Some(Arc::new(vllm::VllmEngine::new(
-                settings,
-                &e.model_config,
-                &cfg.model_id,
-                &cfg.store,
-                e.max_batch,
-            )?))
-        }
-        Some(e) => {
-            let config = ModelConfig::from_file(&e.model_config)
-                .with_context(|| format!("read {}", e.model_config.display()))?;
-            Some(Arc::new(BuiltinEngine::new(
-                config,
-                &cfg.model_id,
-                e.max_batch,
-                e.slowdown,
-            )?))
-        }
-    })
-}
-
-/// Starts the rollout worker when the actor has an engine; it runs until `stop`, then
-/// submits what it generated and ends.
-fn start_worker(
-    cfg: &ActorConfig,
-    creds: &Credentials,
-    endpoint: &quinn::Endpoint,
-    engine: &Option<Arc<dyn Engine>>,
-    status_rx: watch::Receiver<PipelineStatus>,
-    metrics: &Metrics,
-    stop: &CancellationToken,
-) -> Result<Option<AbortOnDropHandle<()>>> {
-    let (Some(engine), Some(e)) = (engine, &cfg.engine) else {
-        return Ok(None);
-    };
-    let hub = cfg
-        .sources
-        .iter()
-        .find(|s| s.role == Role::Hub)
-        .context("an actor with an engine needs the hub's address")?;
-    let wcfg = worker::WorkerConfig {
-        hub: hub.addr,
-        region: cfg.region.clone(),
-        model_id: cfg.model_id.clone(),
-        hardware: e.hardware.clone(),
-        claim: e.claim,
-    };
-    let config = client_config(creds, &LinkProfile::LAN).context("client configuration")?;
-    Ok(Some(AbortOnDropHandle::new(tokio::spawn(worker::run(
-        creds.clone(),
-        wcfg,
-        endpoint.clone(),
-        config,
-        engine.clone(),
-        status_rx,
-        metrics.clone(),
-        stop.clone(),
-    )))))
 }

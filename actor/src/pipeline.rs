@@ -26,11 +26,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use starling_checkpoint::deltafile::Model;
-use starling_checkpoint::safetensors::Checkpoint;
 use starling_proto::anchor::AnchorSeal;
-use starling_proto::apply::{Stager, UndoLog, VersionedWeights, full_digest};
+use starling_proto::apply::{Stager, UndoLog, VersionedWeights};
 use starling_proto::manifest::TrustPolicy;
 use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::Metrics;
@@ -41,13 +40,14 @@ use starling_transport::framed::{DataStreamReader, StreamFrame};
 use starling_transport::upstream::{Feed, SourceAddr, UpstreamError};
 use tokio::sync::watch;
 
+use crate::anchor;
 use crate::engine::Engine;
 use crate::status::ActorStatus;
 use crate::store::{Layout, Store};
 use crate::worker::PipelineStatus;
 
 /// A version being staged: its stager and its frames' wire bytes (for the journal).
-struct Staging {
+pub(crate) struct Staging {
     stager: Stager,
     raw: Vec<Vec<u8>>,
 }
@@ -65,7 +65,8 @@ pub(crate) struct Pipeline<'a> {
     pub(crate) status: watch::Sender<PipelineStatus>,
     pub(crate) shown: &'a ActorStatus,
     pub(crate) quarantine: Duration,
-    staging: BTreeMap<u64, Staging>,
+    /// Versions being staged (begun, not yet activated or discarded).
+    pub(crate) staging: BTreeMap<u64, Staging>,
 }
 
 impl Shell for Pipeline<'_> {
@@ -240,102 +241,36 @@ impl Shell for Pipeline<'_> {
                 self.metrics.staged();
                 self.status.send_modify(|s| s.staged = Some(version));
             }
-            Notice::SourceDropped { why, .. } => {
-                let quarantine = self.quarantine;
-                tracing::error!(
-                    source = name,
-                    "dropping this source for {quarantine:?}: {why}"
-                );
+            Notice::SourceDropped { .. } => {
+                let quarantine_s = self.quarantine.as_secs_f64();
+                tracing::error!(source = name, quarantine_s, "{n}");
                 self.metrics.source_dropped(name);
             }
-            Notice::Returning { .. } => {
-                tracing::info!(
-                    from = name,
-                    "the preferred source answers again; returning to it"
-                )
-            }
-            Notice::NothingToOffer { after, .. } => tracing::warn!(
-                source = name,
-                after,
-                "neither the next delta nor a newer anchor here; trying the next source"
-            ),
+            Notice::Returning { .. } => tracing::info!(source = name, "{n}"),
+            n => tracing::warn!(source = name, "{n}"),
         }
         Ok(())
     }
 }
 
 impl<'a> Pipeline<'a> {
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn new(
-        cfg: &'a crate::ActorConfig,
-        name: &'a str,
-        trust: &'a TrustPolicy,
-        loaded: crate::store::Loaded,
-        metrics: &'a Metrics,
-        engine: Option<Arc<dyn Engine>>,
-        status: watch::Sender<PipelineStatus>,
-        shown: &'a ActorStatus,
-        quarantine: Duration,
-    ) -> Self {
-        let (layout, store, state) = (loaded.layout, loaded.store, loaded.state);
-        let staging = BTreeMap::new();
-        Self {
-            cfg,
-            name,
-            trust,
-            layout,
-            store,
-            state,
-            metrics,
-            engine,
-            status,
-            shown,
-            quarantine,
-            staging,
-        }
-    }
-
-    /// Restores an anchor: received next to the store while hashed (on a writer thread),
-    /// checked against size, hash and the hub's seal, this model's layout and the sealed
-    /// version; only then does it replace the active weights (renamed into place).
+    /// Restores an anchor ([`crate::anchor::receive`] verifies it); only then does it replace
+    /// the active weights (renamed into place).
     async fn restore_anchor(
         &mut self,
         seal: AnchorSeal,
         mut stream: DataStreamReader,
     ) -> Result<()> {
-        let (model_id, store_dir) = (self.cfg.model_id.as_str(), &self.cfg.store);
-        seal.verify(model_id, self.trust).context("anchor seal")?;
-        if seal.version <= self.state.version() {
-            bail!(
-                "anchor {} is not newer than active {}",
-                seal.version,
-                self.state.version()
-            );
-        }
-        std::fs::create_dir_all(store_dir).context("create store")?;
-        let partial = store_dir.join("anchor.partial");
-        starling_transport::anchor_file::receive(&seal, &mut stream, &partial).await?;
-        let layout = &self.layout;
-        let (weights, digest) = tokio::task::block_in_place(|| -> Result<_> {
-            let c = Checkpoint::open(&partial).context("open anchor")?;
-            if c.version() != Some(seal.version) {
-                bail!("anchor file says version {:?}", c.version());
-            }
-            let found: Layout = c
-                .tensors()
-                .iter()
-                .map(|t| (t.name.clone(), t.shape.clone()))
-                .collect();
-            if &found != layout {
-                bail!("anchor is not this model (tensor layout differs)");
-            }
-            let weights = c.read_all()?;
-            let names: Vec<String> = weights.keys().cloned().collect();
-            let digest = full_digest(model_id, &weights, &names);
-            Ok((weights, digest))
-        })?;
-        tokio::task::block_in_place(|| self.store.install_snapshot(&partial, seal.version))?;
-        self.state = VersionedWeights::new(model_id, weights, seal.version, digest);
+        let expect = anchor::Expect {
+            model_id: &self.cfg.model_id,
+            trust: self.trust,
+            layout: &self.layout,
+            active: self.state.version(),
+        };
+        let got = anchor::receive(&seal, &mut stream, &self.cfg.store, expect).await?;
+        tokio::task::block_in_place(|| self.store.install_snapshot(&got.file, seal.version))?;
+        self.state =
+            VersionedWeights::new(&self.cfg.model_id, got.weights, seal.version, got.digest);
         self.staging.clear();
         self.metrics.set_active(seal.version);
         self.load_engine(None)?;

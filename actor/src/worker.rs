@@ -52,6 +52,10 @@ use tokio::sync::{Mutex, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
 
+use starling_transport::endpoint::client_config;
+use starling_transport::link::LinkProfile;
+
+use crate::ActorConfig;
 use crate::claim_depth::ClaimDepth;
 use crate::engine::{Engine, JobProgress};
 
@@ -421,4 +425,43 @@ async fn heartbeat(
             return;
         }
     }
+}
+
+/// Starts the rollout worker when the actor has an engine; it runs until `stop`, then
+/// submits what it generated and ends.
+pub(crate) fn start(
+    cfg: &ActorConfig,
+    creds: &Credentials,
+    endpoint: &quinn::Endpoint,
+    engine: &Option<Arc<dyn Engine>>,
+    status_rx: watch::Receiver<PipelineStatus>,
+    metrics: &Metrics,
+    stop: &CancellationToken,
+) -> Result<Option<AbortOnDropHandle<()>>> {
+    let (Some(engine), Some(e)) = (engine, &cfg.engine) else {
+        return Ok(None);
+    };
+    let hub = cfg
+        .sources
+        .iter()
+        .find(|s| s.role == Role::Hub)
+        .context("an actor with an engine needs the hub's address")?;
+    let wcfg = WorkerConfig {
+        hub: hub.addr,
+        region: cfg.region.clone(),
+        model_id: cfg.model_id.clone(),
+        hardware: e.hardware.clone(),
+        claim: e.claim,
+    };
+    let config = client_config(creds, &LinkProfile::LAN).context("client configuration")?;
+    Ok(Some(AbortOnDropHandle::new(tokio::spawn(run(
+        creds.clone(),
+        wcfg,
+        endpoint.clone(),
+        config,
+        engine.clone(),
+        status_rx,
+        metrics.clone(),
+        stop.clone(),
+    )))))
 }

@@ -1,0 +1,52 @@
+//! What an actor is configured with: its credentials and sources, the store, the link it
+//! states, and the engine it generates with (`cli` builds these from the command line; tests
+//! and `starling demo` build them directly).
+
+use std::path::PathBuf;
+
+use starling_transport::link::LinkProfile;
+
+use crate::vllm;
+
+/// Where to subscribe: relays of the actor's region first, then the hub.
+pub use starling_transport::upstream::SourceAddr as Source;
+
+/// What the actor needs.
+#[derive(Debug, Clone)]
+pub struct ActorConfig {
+    /// Credentials written by `starling-hub issue --role actor`.
+    pub credentials: PathBuf,
+    /// Tried in order; on failure or disconnect the next one (then around again).
+    pub sources: Vec<Source>,
+    /// The checkpoint to start from when the store holds none yet.
+    pub init: PathBuf,
+    /// Where the active weights are kept.
+    pub store: PathBuf,
+    pub region: String,
+    pub model_id: String,
+    pub link: LinkProfile,
+    /// Where to serve `/metrics` (none: not served).
+    pub http: Option<std::net::SocketAddr>,
+    /// Generate rollouts with this engine (none: hold weights only).
+    pub engine: Option<EngineSettings>,
+    /// Read each version's full checkpoint from this directory instead of receiving deltas
+    /// (the no-transfer baseline, [`shared_dir`]); relays are not used.
+    pub weights_dir: Option<PathBuf>,
+}
+
+/// The rollout engine and worker settings.
+#[derive(Debug, Clone)]
+pub struct EngineSettings {
+    /// The model's HF `config.json`.
+    pub model_config: PathBuf,
+    /// Sequences decoded together.
+    pub max_batch: u32,
+    /// Groups claimed per generation call.
+    pub claim: u32,
+    /// Stretch each generation call to this many times its compute time (≥ 1; benchmarks).
+    pub slowdown: f64,
+    /// A label for the hardware (reported to the hub).
+    pub hardware: String,
+    /// Generate with a vLLM server (`vllm`) instead of the built-in engine.
+    pub vllm: Option<vllm::VllmSettings>,
+}
