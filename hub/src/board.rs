@@ -16,7 +16,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::{Mutex, PoisonError};
 
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
 use starling_transport::fanout::SubscriberObserver;
 use starling_transport::link::LinkProfile;
 use tokio::sync::broadcast;
@@ -38,11 +38,218 @@ pub(crate) const EVENT_QUEUE: usize = 1024;
 /// Least time between two `transfer` events for one peer.
 const TRANSFER_EVENT_MS: u64 = 250;
 
-/// One change, as the event stream sends it: an SSE event name and its JSON data.
-#[derive(Debug, Clone)]
-pub(crate) struct Event {
-    pub(crate) kind: &'static str,
-    pub(crate) data: Value,
+/// One change, as the event stream sends it (`docs/observability.md`): an SSE event name
+/// ([`Event::name`]) and its data, the variant's fields as one JSON object with `at_ms`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(untagged)]
+pub(crate) enum Event {
+    Published {
+        version: u64,
+        bytes: u64,
+        changes: u64,
+        ratio: Option<f64>,
+        at_ms: u64,
+    },
+    /// Bytes sent so far of the version on its way to `peer`.
+    Transfer {
+        peer: String,
+        version: u64,
+        bytes: u64,
+        at_ms: u64,
+    },
+    Staged(Report),
+    Active(Report),
+    Connected(Presence),
+    Disconnected(Presence),
+    Batch(BatchChange),
+    Step(StepEvent),
+    Fault(Fault),
+}
+
+impl Event {
+    /// The SSE event name.
+    pub(crate) fn name(&self) -> &'static str {
+        match self {
+            Event::Published { .. } => "published",
+            Event::Transfer { .. } => "transfer",
+            Event::Staged(_) => "staged",
+            Event::Active(_) => "active",
+            Event::Connected(_) => "connected",
+            Event::Disconnected(_) => "disconnected",
+            Event::Batch(_) => "batch",
+            Event::Step(_) => "step",
+            Event::Fault(_) => "fault",
+        }
+    }
+}
+
+/// A peer reported a version staged or active.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct Report {
+    pub(crate) peer: String,
+    pub(crate) version: u64,
+    pub(crate) at_ms: u64,
+}
+
+impl Report {
+    fn new(peer: &str, version: u64, at_ms: u64) -> Self {
+        Report {
+            peer: peer.to_owned(),
+            version,
+            at_ms,
+        }
+    }
+}
+
+/// What a subscriber reported of a version.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Verified and held, ready to activate.
+    Staged,
+    /// Generating with it.
+    Active,
+}
+
+/// A relay, an actor's subscription or an actor's rollout worker connected or went away.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct Presence {
+    pub(crate) peer: String,
+    pub(crate) role: ConnectionRole,
+    pub(crate) region: String,
+    pub(crate) at_ms: u64,
+}
+
+/// Which of a peer's connections a [`Presence`] is about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum ConnectionRole {
+    /// A relay's subscription.
+    Relay,
+    /// An actor's subscription to the hub.
+    Actor,
+    /// An actor's rollout worker (the job connection).
+    Worker,
+}
+
+impl From<PeerRole> for ConnectionRole {
+    fn from(r: PeerRole) -> Self {
+        match r {
+            PeerRole::Relay => ConnectionRole::Relay,
+            PeerRole::Actor => ConnectionRole::Actor,
+        }
+    }
+}
+
+/// A batch posted (`version`, `size`), scheduled (`version`, `actors`) or finished (`id` and
+/// `done` only): a field a change does not know is left out, not `null`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct BatchChange {
+    pub(crate) id: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) version: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) size: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(crate) actors: Option<usize>,
+    pub(crate) done: bool,
+    pub(crate) at_ms: u64,
+}
+
+/// The `step` event: the [`Step`] with the time it was sent.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub(crate) struct StepEvent {
+    #[serde(flatten)]
+    pub(crate) step: Step,
+    pub(crate) at_ms: u64,
+}
+
+/// One finished batch: `steps` in the status, and the `step` event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Step {
+    pub(crate) batch: i64,
+    pub(crate) version: u64,
+    /// Accepted groups.
+    pub(crate) groups: u64,
+    /// Groups posted.
+    pub(crate) size: u32,
+    pub(crate) samples: u64,
+    /// Of the accepted samples; `None` without any.
+    pub(crate) mean_reward: Option<f64>,
+    pub(crate) tokens: u64,
+    /// From posting to the last accepted result.
+    pub(crate) seconds: f64,
+    pub(crate) tokens_per_s: Option<f64>,
+    pub(crate) done_at_ms: u64,
+}
+
+/// One recent fault: `faults` in the status, and the `fault` event.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Fault {
+    pub(crate) at_ms: u64,
+    pub(crate) kind: FaultKind,
+    pub(crate) peer: Option<String>,
+    pub(crate) version: Option<u64>,
+    /// At most 512 bytes and an ellipsis.
+    pub(crate) detail: String,
+}
+
+/// What went wrong (`docs/observability.md` describes each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub(crate) enum FaultKind {
+    /// A peer's connection ended with an error.
+    Disconnect,
+    /// A receiver asked for segments again.
+    Refetch,
+    /// A result refused.
+    Refused,
+    /// A result whose weight digest is not its version's.
+    Fenced,
+    LeaseExpired,
+    PublishFailed,
+    AnchorFailed,
+    /// A group's reward service failed every try.
+    RewardService,
+}
+
+/// One version and its propagation: an entry of `versions` in the status.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct VersionView {
+    pub(crate) version: u64,
+    pub(crate) base: u64,
+    pub(crate) first_segment_at_ms: Option<u64>,
+    pub(crate) published_at_ms: u64,
+    pub(crate) bytes: u64,
+    pub(crate) changes: u64,
+    pub(crate) ratio: Option<f64>,
+    pub(crate) step: Option<u64>,
+    pub(crate) encode_ms: u64,
+    pub(crate) regions: Vec<RegionPropagation>,
+    pub(crate) actors: Vec<ActorPropagation>,
+}
+
+/// A version in one region: its relay's times and its actors'.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct RegionPropagation {
+    pub(crate) region: String,
+    pub(crate) relay: Option<String>,
+    pub(crate) relay_sent_at_ms: Option<u64>,
+    pub(crate) relay_staged_at_ms: Option<u64>,
+    /// Actors in the region.
+    pub(crate) actors: usize,
+    pub(crate) actors_active: usize,
+    pub(crate) first_active_at_ms: Option<u64>,
+    /// Once every actor of the region has activated it.
+    pub(crate) all_active_at_ms: Option<u64>,
+}
+
+/// A version at one actor.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct ActorPropagation {
+    pub(crate) actor: String,
+    pub(crate) region: String,
+    pub(crate) staged_at_ms: Option<u64>,
+    pub(crate) active_at_ms: Option<u64>,
 }
 
 /// What a subscriber of the hub is.
@@ -74,8 +281,8 @@ struct State {
     peers: BTreeMap<String, PeerTrack>,
     actors: BTreeMap<String, ActorTrack>,
     batches: BTreeMap<i64, BatchTrack>,
-    steps: VecDeque<Value>,
-    faults: VecDeque<Value>,
+    steps: VecDeque<Step>,
+    faults: VecDeque<Fault>,
     /// Actors that reported a version staged before the hub recorded it (with cut-through an
     /// actor can hold the whole delta before the hub's file is durable): version → actor →
     /// when. Applied when the version is published; only versions above the newest are kept.
@@ -165,11 +372,41 @@ pub(crate) struct ActorView {
     pub(crate) refused: BTreeMap<String, u64>,
 }
 
-/// A relay as the board has seen it.
-#[derive(Debug, Clone)]
+/// A relay as the board has seen it: an entry of a region's `relays` in the status.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) struct RelayView {
+    /// Where the status lists it, not one of its fields.
+    #[serde(skip)]
     pub(crate) region: String,
-    pub(crate) json: Value,
+    pub(crate) name: String,
+    pub(crate) connected: bool,
+    pub(crate) since_ms: u64,
+    pub(crate) link: Option<LinkView>,
+    /// Newest version it reported staged.
+    pub(crate) version: Option<u64>,
+    pub(crate) bytes_sent: u64,
+    pub(crate) transfer: Option<TransferView>,
+}
+
+/// The link a relay stated in its `Hello`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub(crate) struct LinkView {
+    pub(crate) rate_mbit: f64,
+    pub(crate) rtt_ms: f64,
+}
+
+/// The version now (or last) on its way to a relay.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub(crate) struct TransferView {
+    pub(crate) version: u64,
+    /// Sent so far.
+    pub(crate) bytes: u64,
+    /// The delta's size, while the board still holds the version.
+    pub(crate) of_bytes: Option<u64>,
+    pub(crate) started_at_ms: u64,
+    pub(crate) last_at_ms: u64,
+    pub(crate) goodput_mbit: Option<f64>,
+    pub(crate) done: bool,
 }
 
 impl Board {
@@ -196,33 +433,33 @@ impl Board {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn emit(&self, kind: &'static str, mut data: Value, at_ms: u64) {
-        if let Value::Object(m) = &mut data {
-            m.insert("at_ms".into(), json!(at_ms));
-        }
+    fn emit(&self, event: Event) {
         // No receivers is not an error: nobody is watching.
-        let _ = self.events.send(Event { kind, data });
+        let _ = self.events.send(event);
     }
 
     /// Records a fault and sends it to the stream.
     pub(crate) fn fault(
         &self,
-        kind: &'static str,
+        kind: FaultKind,
         peer: Option<&str>,
         version: Option<u64>,
         detail: &str,
         at_ms: u64,
     ) {
-        let entry = json!({
-            "at_ms": at_ms, "kind": kind, "peer": peer, "version": version,
-            "detail": bounded(detail),
-        });
+        let entry = Fault {
+            at_ms,
+            kind,
+            peer: peer.map(str::to_owned),
+            version,
+            detail: bounded(detail),
+        };
         {
             let mut s = self.state();
             s.faults.push_front(entry.clone());
             s.faults.truncate(MAX_FAULTS);
         }
-        self.emit("fault", entry, at_ms);
+        self.emit(Event::Fault(entry));
     }
 
     /// A version was published (its delta durable and recorded).
@@ -265,12 +502,13 @@ impl Board {
                 s.versions.pop_first();
             }
         }
-        let ratio = ratio(checkpoint_bytes, bytes);
-        self.emit(
-            "published",
-            json!({"version": version, "bytes": bytes, "changes": changes, "ratio": ratio}),
+        self.emit(Event::Published {
+            version,
+            bytes,
+            changes,
+            ratio: ratio(checkpoint_bytes, bytes),
             at_ms,
-        );
+        });
     }
 
     /// The encoder emitted the first segment of `version` (before it is published).
@@ -319,11 +557,12 @@ impl Board {
                 }
             }
         }
-        self.emit(
-            "connected",
-            json!({"peer": name, "role": role.as_str(), "region": region}),
+        self.emit(Event::Connected(Presence {
+            peer: name.to_owned(),
+            role: role.into(),
+            region: region.to_owned(),
             at_ms,
-        );
+        }));
     }
 
     /// A subscriber's connection ended; `error` says why, if it was not a clean close.
@@ -343,13 +582,14 @@ impl Board {
             }
             (role, region)
         };
-        self.emit(
-            "disconnected",
-            json!({"peer": name, "role": role.as_str(), "region": region}),
+        self.emit(Event::Disconnected(Presence {
+            peer: name.to_owned(),
+            role: role.into(),
+            region,
             at_ms,
-        );
+        }));
         if let Some(e) = error {
-            self.fault("disconnect", Some(name), None, e, at_ms);
+            self.fault(FaultKind::Disconnect, Some(name), None, e, at_ms);
         }
     }
 
@@ -363,11 +603,12 @@ impl Board {
                 a.worker_connected = true;
             }
         }
-        self.emit(
-            "connected",
-            json!({"peer": name, "role": "worker", "region": region}),
+        self.emit(Event::Connected(Presence {
+            peer: name.to_owned(),
+            role: ConnectionRole::Worker,
+            region: region.to_owned(),
             at_ms,
-        );
+        }));
     }
 
     /// An actor's rollout worker's connection ended.
@@ -380,13 +621,14 @@ impl Board {
             a.worker_connected = false;
             a.region.clone()
         };
-        self.emit(
-            "disconnected",
-            json!({"peer": name, "role": "worker", "region": region}),
+        self.emit(Event::Disconnected(Presence {
+            peer: name.to_owned(),
+            role: ConnectionRole::Worker,
+            region,
             at_ms,
-        );
+        }));
         if let Some(e) = error {
-            self.fault("disconnect", Some(name), None, e, at_ms);
+            self.fault(FaultKind::Disconnect, Some(name), None, e, at_ms);
         }
     }
 
@@ -417,7 +659,7 @@ impl Board {
                 if let Some(t) = versions.get_mut(&v) {
                     if !t.actor_staged.contains_key(name) {
                         t.actor_staged.insert(name.to_owned(), at_ms);
-                        newly.push(("staged", v));
+                        newly.push(Event::Staged(Report::new(name, v, at_ms)));
                     }
                 } else if v > newest && early_staged.len() < MAX_VERSIONS {
                     early_staged
@@ -432,11 +674,11 @@ impl Board {
                 && !t.actor_active.contains_key(name)
             {
                 t.actor_active.insert(name.to_owned(), at_ms);
-                newly.push(("active", v));
+                newly.push(Event::Active(Report::new(name, v, at_ms)));
             }
         }
-        for (kind, v) in newly {
-            self.emit(kind, json!({"peer": name, "version": v}), at_ms);
+        for e in newly {
+            self.emit(e);
         }
     }
 
@@ -457,20 +699,26 @@ impl Board {
                 s.batches.pop_first();
             }
         }
-        self.emit(
-            "batch",
-            json!({"id": id, "version": version, "size": size, "done": false}),
+        self.emit(Event::Batch(BatchChange {
+            id,
+            version: Some(version),
+            size: Some(size),
+            actors: None,
+            done: false,
             at_ms,
-        );
+        }));
     }
 
     /// A batch was split over actors.
     pub(crate) fn batch_scheduled(&self, id: i64, version: u64, actors: usize, at_ms: u64) {
-        self.emit(
-            "batch",
-            json!({"id": id, "version": version, "actors": actors, "done": false}),
+        self.emit(Event::Batch(BatchChange {
+            id,
+            version: Some(version),
+            size: None,
+            actors: Some(actors),
+            done: false,
             at_ms,
-        );
+        }));
     }
 
     /// An accepted group: its samples' rewards and its tokens.
@@ -495,27 +743,25 @@ impl Board {
         }
     }
 
-    /// A refused result: counted per actor and reason, and logged as a fault; a result whose
-    /// weight digest is not its version's is `fenced` (the actor's weights drifted: nothing it
-    /// sends is accepted until it resynchronizes).
-    pub(crate) fn result_refused(&self, actor: &str, code: &str, detail: &str, at_ms: u64) {
+    /// A refused result: counted per actor and reason code, and logged as a fault of `kind`:
+    /// [`FaultKind::Fenced`] for a result whose weight digest is not its version's (the actor's
+    /// weights drifted: nothing it sends is accepted until it resynchronizes), else
+    /// [`FaultKind::Refused`].
+    pub(crate) fn result_refused(
+        &self,
+        actor: &str,
+        code: &str,
+        detail: &str,
+        kind: FaultKind,
+        at_ms: u64,
+    ) {
         {
             let mut s = self.state();
             if let Some(a) = actor_entry(&mut s.actors, actor) {
                 *a.refused.entry(code.to_owned()).or_default() += 1;
             }
         }
-        self.fault(
-            if code == "digest" {
-                "fenced"
-            } else {
-                "refused"
-            },
-            Some(actor),
-            None,
-            &format!("{code}: {detail}"),
-            at_ms,
-        );
+        self.fault(kind, Some(actor), None, &format!("{code}: {detail}"), at_ms);
     }
 
     /// Every job of `batch` is done or failed: its totals become a step.
@@ -535,26 +781,33 @@ impl Board {
                 at_ms
             };
             let seconds = end.saturating_sub(b.posted_at_ms) as f64 / 1000.0;
-            let step = json!({
-                "batch": batch,
-                "version": b.version,
-                "groups": b.groups,
-                "size": b.size,
-                "samples": b.samples,
-                "mean_reward": (b.samples > 0).then(|| b.reward_sum / b.samples as f64),
-                "tokens": b.tokens,
-                "seconds": seconds,
-                "tokens_per_s": (seconds > 0.0).then(|| b.tokens as f64 / seconds),
-                "done_at_ms": end,
-            });
+            let step = Step {
+                batch,
+                version: b.version,
+                groups: b.groups,
+                size: b.size,
+                samples: b.samples,
+                mean_reward: (b.samples > 0).then(|| b.reward_sum / b.samples as f64),
+                tokens: b.tokens,
+                seconds,
+                tokens_per_s: (seconds > 0.0).then(|| b.tokens as f64 / seconds),
+                done_at_ms: end,
+            };
             s.steps.push_back(step.clone());
             while s.steps.len() > MAX_STEPS {
                 s.steps.pop_front();
             }
             step
         };
-        self.emit("step", step, at_ms);
-        self.emit("batch", json!({"id": batch, "done": true}), at_ms);
+        self.emit(Event::Step(StepEvent { step, at_ms }));
+        self.emit(Event::Batch(BatchChange {
+            id: batch,
+            version: None,
+            size: None,
+            actors: None,
+            done: true,
+            at_ms,
+        }));
     }
 
     /// Whether the board has seen `batch` finish.
@@ -576,7 +829,7 @@ impl Board {
     pub(crate) fn leases_expired(&self, n: u64, at_ms: u64) {
         if n > 0 {
             self.fault(
-                "lease_expired",
+                FaultKind::LeaseExpired,
                 None,
                 None,
                 &format!("{n} lease(s) expired; their jobs went back to the pool or failed"),
@@ -615,10 +868,15 @@ impl Board {
                 p.last_transfer_event_ms = Some(at_ms);
             }
             let sent = p.transfer.map_or(0, |t| t.bytes);
-            due.then(|| json!({"peer": peer, "version": version, "bytes": sent}))
+            due.then(|| Event::Transfer {
+                peer: peer.to_owned(),
+                version,
+                bytes: sent,
+                at_ms,
+            })
         };
         if let Some(e) = event {
-            self.emit("transfer", e, at_ms);
+            self.emit(e);
         }
     }
 
@@ -642,7 +900,7 @@ impl Board {
         }
     }
 
-    fn record_report(&self, peer: &str, version: u64, kind: &'static str, at_ms: u64) {
+    fn record_report(&self, peer: &str, version: u64, stage: Stage, at_ms: u64) {
         let newly = {
             let mut s = self.state();
             let State {
@@ -661,7 +919,7 @@ impl Board {
             match (role, versions.get_mut(&version)) {
                 // Cut-through: a relay can hold the whole version before it is recorded.
                 (PeerRole::Relay, None)
-                    if kind == "staged"
+                    if stage == Stage::Staged
                         && version > newest
                         && early_relay_staged.len() < MAX_VERSIONS =>
                 {
@@ -672,10 +930,10 @@ impl Board {
                         .or_insert(at_ms);
                     false
                 }
-                (PeerRole::Relay, Some(t)) if kind == "staged" => {
+                (PeerRole::Relay, Some(t)) if stage == Stage::Staged => {
                     t.relay_staged.insert(peer.to_owned(), at_ms).is_none()
                 }
-                (PeerRole::Actor, Some(t)) if kind == "active" => {
+                (PeerRole::Actor, Some(t)) if stage == Stage::Active => {
                     if let Some(a) = actors.get_mut(peer) {
                         a.active = Some(version);
                     }
@@ -685,17 +943,21 @@ impl Board {
             }
         };
         if newly {
-            self.emit(kind, json!({"peer": peer, "version": version}), at_ms);
+            let report = Report::new(peer, version, at_ms);
+            self.emit(match stage {
+                Stage::Staged => Event::Staged(report),
+                Stage::Active => Event::Active(report),
+            });
         }
     }
 
     /// The versions, newest first, with their propagation per region and actor.
     /// `actor_regions` maps every known actor to its region (from the ledger).
-    pub(crate) fn versions_json(
+    pub(crate) fn versions(
         &self,
         actor_regions: &BTreeMap<String, String>,
         checkpoint_bytes: u64,
-    ) -> Vec<Value> {
+    ) -> Vec<VersionView> {
         let s = self.state();
         let relay_region: HashMap<&str, &str> = s
             .peers
@@ -710,7 +972,7 @@ impl Board {
             .iter()
             .rev()
             .map(|(&v, t)| {
-                let per_region: Vec<Value> = regions
+                let per_region = regions
                     .keys()
                     .map(|region| {
                         let relay = relay_region
@@ -723,43 +985,42 @@ impl Board {
                             .filter_map(|(a, _)| t.actor_active.get(a).copied())
                             .collect();
                         let total = actor_regions.values().filter(|r| r == region).count();
-                        json!({
-                            "region": region,
-                            "relay": relay,
-                            "relay_sent_at_ms": relay.and_then(|n| t.relay_sent.get(n)),
-                            "relay_staged_at_ms": relay.and_then(|n| t.relay_staged.get(n)),
-                            "actors": total,
-                            "actors_active": in_region.len(),
-                            "first_active_at_ms": in_region.iter().min(),
-                            "all_active_at_ms": (total > 0 && in_region.len() == total)
-                                .then(|| in_region.iter().max()).flatten(),
-                        })
+                        RegionPropagation {
+                            region: (*region).to_owned(),
+                            relay: relay.map(str::to_owned),
+                            relay_sent_at_ms: relay.and_then(|n| t.relay_sent.get(n)).copied(),
+                            relay_staged_at_ms: relay.and_then(|n| t.relay_staged.get(n)).copied(),
+                            actors: total,
+                            actors_active: in_region.len(),
+                            first_active_at_ms: in_region.iter().min().copied(),
+                            all_active_at_ms: (total > 0 && in_region.len() == total)
+                                .then(|| in_region.iter().max().copied())
+                                .flatten(),
+                        }
                     })
                     .collect();
-                let actors: Vec<Value> = actor_regions
+                let actors = actor_regions
                     .iter()
-                    .map(|(a, region)| {
-                        json!({
-                            "actor": a,
-                            "region": region,
-                            "staged_at_ms": t.actor_staged.get(a),
-                            "active_at_ms": t.actor_active.get(a),
-                        })
+                    .map(|(a, region)| ActorPropagation {
+                        actor: a.clone(),
+                        region: region.clone(),
+                        staged_at_ms: t.actor_staged.get(a).copied(),
+                        active_at_ms: t.actor_active.get(a).copied(),
                     })
                     .collect();
-                json!({
-                    "version": v,
-                    "base": t.base,
-                    "first_segment_at_ms": t.first_segment_at_ms,
-                    "published_at_ms": t.published_at_ms,
-                    "bytes": t.bytes,
-                    "changes": t.changes,
-                    "ratio": ratio(checkpoint_bytes, t.bytes),
-                    "step": t.step,
-                    "encode_ms": t.encode_ms,
-                    "regions": per_region,
-                    "actors": actors,
-                })
+                VersionView {
+                    version: v,
+                    base: t.base,
+                    first_segment_at_ms: t.first_segment_at_ms,
+                    published_at_ms: t.published_at_ms,
+                    bytes: t.bytes,
+                    changes: t.changes,
+                    ratio: ratio(checkpoint_bytes, t.bytes),
+                    step: t.step,
+                    encode_ms: t.encode_ms,
+                    regions: per_region,
+                    actors,
+                }
             })
             .collect()
     }
@@ -789,34 +1050,29 @@ impl Board {
         s.peers
             .iter()
             .filter(|(_, p)| p.role == PeerRole::Relay)
-            .map(|(name, p)| {
-                let transfer = p.transfer.map(|t| {
+            .map(|(name, p)| RelayView {
+                region: p.region.clone(),
+                name: name.clone(),
+                connected: p.connected,
+                since_ms: p.since_ms,
+                link: p.link.map(|l| LinkView {
+                    rate_mbit: l.rate_bps as f64 / 1e6,
+                    rtt_ms: l.rtt.as_secs_f64() * 1e3,
+                }),
+                version: p.version,
+                bytes_sent: p.bytes_sent,
+                transfer: p.transfer.map(|t| {
                     let secs = t.last_at_ms.saturating_sub(t.started_at_ms) as f64 / 1000.0;
-                    json!({
-                        "version": t.version,
-                        "bytes": t.bytes,
-                        "of_bytes": delta_bytes(t.version),
-                        "started_at_ms": t.started_at_ms,
-                        "last_at_ms": t.last_at_ms,
-                        "goodput_mbit": (secs > 0.0).then(|| t.bytes as f64 * 8.0 / secs / 1e6),
-                        "done": t.done,
-                    })
-                });
-                RelayView {
-                    region: p.region.clone(),
-                    json: json!({
-                        "name": name,
-                        "connected": p.connected,
-                        "since_ms": p.since_ms,
-                        "link": p.link.map(|l| json!({
-                            "rate_mbit": l.rate_bps as f64 / 1e6,
-                            "rtt_ms": l.rtt.as_secs_f64() * 1e3,
-                        })),
-                        "version": p.version,
-                        "bytes_sent": p.bytes_sent,
-                        "transfer": transfer,
-                    }),
-                }
+                    TransferView {
+                        version: t.version,
+                        bytes: t.bytes,
+                        of_bytes: delta_bytes(t.version),
+                        started_at_ms: t.started_at_ms,
+                        last_at_ms: t.last_at_ms,
+                        goodput_mbit: (secs > 0.0).then(|| t.bytes as f64 * 8.0 / secs / 1e6),
+                        done: t.done,
+                    }
+                }),
             })
             .collect()
     }
@@ -850,12 +1106,12 @@ impl Board {
     }
 
     /// Finished batches, oldest first.
-    pub(crate) fn steps(&self) -> Vec<Value> {
+    pub(crate) fn steps(&self) -> Vec<Step> {
         self.state().steps.iter().cloned().collect()
     }
 
     /// Recent faults, newest first.
-    pub(crate) fn faults(&self) -> Vec<Value> {
+    pub(crate) fn faults(&self) -> Vec<Fault> {
         self.state().faults.iter().cloned().collect()
     }
 }
@@ -870,11 +1126,11 @@ impl SubscriberObserver for Board {
     }
 
     fn staged(&self, peer: &str, version: u64) {
-        self.record_report(peer, version, "staged", now_ms());
+        self.record_report(peer, version, Stage::Staged, now_ms());
     }
 
     fn active(&self, peer: &str, version: u64) {
-        self.record_report(peer, version, "active", now_ms());
+        self.record_report(peer, version, Stage::Active, now_ms());
     }
 
     fn refetch(&self, peer: &str, version: u64, segments: usize) {
@@ -884,7 +1140,7 @@ impl SubscriberObserver for Board {
             format!("{segments} segment(s)")
         };
         self.fault(
-            "refetch",
+            FaultKind::Refetch,
             Some(peer),
             Some(version),
             &format!("asked for {what} again"),
@@ -926,6 +1182,10 @@ fn bounded(detail: &str) -> String {
 mod tests {
     use super::*;
 
+    fn json(record: &impl Serialize) -> serde_json::Value {
+        serde_json::to_value(record).expect("a record serializes")
+    }
+
     fn regions(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs
             .iter()
@@ -944,36 +1204,38 @@ mod tests {
         b.record_sent("eu-relay", 1, 600, 101);
         b.record_sent("eu-relay", 1, 400, 102);
         b.record_delivered("eu-relay", 1, 103);
-        b.record_report("eu-relay", 1, "staged", 104);
+        b.record_report("eu-relay", 1, Stage::Staged, 104);
         b.heartbeat("eu-a1", Some(0), Some(1), 105);
         b.heartbeat("eu-a1", Some(1), None, 110);
         b.heartbeat("eu-a2", Some(1), None, 120);
         b.heartbeat("eu-a2", Some(1), None, 130); // a repeat changes nothing
 
-        let v = b.versions_json(&regions(&[("eu-a1", "eu"), ("eu-a2", "eu")]), 100_000);
+        let v = b.versions(&regions(&[("eu-a1", "eu"), ("eu-a2", "eu")]), 100_000);
         assert_eq!(v.len(), 1);
-        let r = &v[0]["regions"][0];
-        assert_eq!(r["region"], "eu");
-        assert_eq!(r["relay"], "eu-relay");
-        assert_eq!(r["relay_sent_at_ms"], 103);
-        assert_eq!(r["relay_staged_at_ms"], 104);
-        assert_eq!(r["actors_active"], 2);
-        assert_eq!(r["first_active_at_ms"], 110);
-        assert_eq!(r["all_active_at_ms"], 120);
-        assert_eq!(v[0]["ratio"], 100.0);
-        assert_eq!(v[0]["actors"][0]["staged_at_ms"], 105);
+        assert_eq!(
+            v[0].regions,
+            [RegionPropagation {
+                region: "eu".into(),
+                relay: Some("eu-relay".into()),
+                relay_sent_at_ms: Some(103),
+                relay_staged_at_ms: Some(104),
+                actors: 2,
+                actors_active: 2,
+                first_active_at_ms: Some(110),
+                all_active_at_ms: Some(120),
+            }]
+        );
+        assert_eq!(v[0].ratio, Some(100.0));
+        assert_eq!(v[0].actors[0].staged_at_ms, Some(105));
 
         let relays = b.relays();
-        let t = &relays[0].json["transfer"];
-        assert_eq!(
-            (t["bytes"].clone(), t["of_bytes"].clone()),
-            (json!(1000), json!(1000))
-        );
-        assert_eq!(t["done"], true);
+        let t = relays[0].transfer.expect("a transfer");
+        assert_eq!((t.bytes, t.of_bytes), (1000, Some(1000)));
+        assert!(t.done);
 
         let mut kinds = Vec::new();
         while let Ok(e) = events.try_recv() {
-            kinds.push(e.kind);
+            kinds.push(e.name());
         }
         assert_eq!(
             kinds,
@@ -1000,10 +1262,10 @@ mod tests {
         b.heartbeat("a1", Some(1), Some(2), 20);
         b.published(2, 1, 10, 1, None, 1, 100, 25);
         b.heartbeat("a1", Some(2), None, 30);
-        let v = b.versions_json(&regions(&[("a1", "eu")]), 100);
-        assert_eq!(v[0]["version"], 2);
-        assert_eq!(v[0]["actors"][0]["staged_at_ms"], 20);
-        assert_eq!(v[0]["actors"][0]["active_at_ms"], 30);
+        let v = b.versions(&regions(&[("a1", "eu")]), 100);
+        assert_eq!(v[0].version, 2);
+        assert_eq!(v[0].actors[0].staged_at_ms, Some(20));
+        assert_eq!(v[0].actors[0].active_at_ms, Some(30));
     }
 
     #[test]
@@ -1012,23 +1274,23 @@ mod tests {
         b.batch_posted(7, 3, 2, 1000);
         b.result_accepted("a1", 7, &[1.0, 0.0], 10, 1500);
         b.result_accepted("a2", 7, &[1.0, 1.0], 30, 3000);
-        b.result_refused("a2", "stale", "too old", 3100);
+        b.result_refused("a2", "stale", "too old", FaultKind::Refused, 3100);
         assert_eq!(b.open_batches(), [7]);
         b.batch_finished(7, 3200);
         b.batch_finished(7, 3300);
         let steps = b.steps();
         assert_eq!(steps.len(), 1);
-        assert_eq!(steps[0]["mean_reward"], 0.75);
-        assert_eq!(steps[0]["tokens"], 40);
-        assert_eq!(steps[0]["seconds"], 2.0);
-        assert_eq!(steps[0]["tokens_per_s"], 20.0);
+        assert_eq!(steps[0].mean_reward, Some(0.75));
+        assert_eq!(steps[0].tokens, 40);
+        assert_eq!(steps[0].seconds, 2.0);
+        assert_eq!(steps[0].tokens_per_s, Some(20.0));
         assert!(b.open_batches().is_empty());
         let actors = b.actors();
         assert_eq!(actors["a2"].accepted, 1);
         assert_eq!(actors["a2"].refused["stale"], 1);
-        assert_eq!(b.faults()[0]["kind"], "refused");
-        b.result_refused("a1", "digest", "weights drifted", 3200);
-        assert_eq!(b.faults()[0]["kind"], "fenced");
+        assert_eq!(b.faults()[0].kind, FaultKind::Refused);
+        b.result_refused("a1", "digest", "weights drifted", FaultKind::Fenced, 3200);
+        assert_eq!(b.faults()[0].kind, FaultKind::Fenced);
     }
 
     #[test]
@@ -1039,14 +1301,20 @@ mod tests {
             b.published(v, v - 1, 10, 1, None, 1, 100, v);
         }
         for i in 0..(MAX_FAULTS + 5) {
-            b.fault("refetch", Some("r"), None, &"x".repeat(2000), i as u64);
+            b.fault(
+                FaultKind::Refetch,
+                Some("r"),
+                None,
+                &"x".repeat(2000),
+                i as u64,
+            );
         }
-        assert_eq!(b.versions_json(&BTreeMap::new(), 100).len(), MAX_VERSIONS);
+        assert_eq!(b.versions(&BTreeMap::new(), 100).len(), MAX_VERSIONS);
         let faults = b.faults();
         assert_eq!(faults.len(), MAX_FAULTS);
-        assert!(faults[0]["detail"].as_str().is_some_and(|d| d.len() < 600));
+        assert!(faults[0].detail.len() < 600);
         for _ in 0..EVENT_QUEUE {
-            b.fault("refetch", None, None, "more", 0);
+            b.fault(FaultKind::Refetch, None, None, "more", 0);
         }
         assert!(matches!(
             slow.try_recv(),
@@ -1061,7 +1329,112 @@ mod tests {
         b.peer_disconnected("ap-relay", None, 2);
         assert!(b.faults().is_empty());
         b.peer_disconnected("ap-relay", Some("timed out"), 3);
-        assert_eq!(b.faults()[0]["kind"], "disconnect");
-        assert_eq!(b.relays()[0].json["connected"], false);
+        assert_eq!(b.faults()[0].kind, FaultKind::Disconnect);
+        assert!(!b.relays()[0].connected);
+    }
+
+    /// The JSON `/v1/status`, `/v1/events` and the dashboard read: field names, `null` for
+    /// what is not known, and the fields a batch change leaves out (`docs/observability.md`).
+    #[test]
+    fn records_keep_their_json_shape() {
+        let b = Board::new(0);
+        let mut events = b.subscribe();
+        let link = LinkProfile {
+            rate_bps: 200_000_000,
+            rtt: std::time::Duration::from_millis(40),
+        };
+        b.peer_connected("eu-relay", PeerRole::Relay, "eu", Some(link), 1);
+        b.worker_connected("eu-a1", "eu", "builtin", 2);
+        b.published(7, 6, 1000, 50, Some(7), 31, 21_000, 10);
+        b.record_sent("eu-relay", 7, 400, 11);
+        b.record_report("eu-relay", 7, Stage::Staged, 12);
+        b.batch_posted(3, 7, 2, 20);
+        b.batch_scheduled(3, 7, 1, 21);
+        b.result_accepted("eu-a1", 3, &[1.0], 8, 1020);
+        b.batch_finished(3, 1030);
+        b.fault(
+            FaultKind::LeaseExpired,
+            None,
+            None,
+            "1 lease(s) expired",
+            1040,
+        );
+
+        let versions = b.versions(&regions(&[("eu-a1", "eu")]), 21_000);
+        assert_eq!(
+            json(&versions[0]),
+            serde_json::json!({
+                "version": 7, "base": 6, "first_segment_at_ms": null, "published_at_ms": 10,
+                "bytes": 1000, "changes": 50, "ratio": 21.0, "step": 7, "encode_ms": 31,
+                "regions": [{"region": "eu", "relay": "eu-relay", "relay_sent_at_ms": null,
+                             "relay_staged_at_ms": 12, "actors": 1, "actors_active": 0,
+                             "first_active_at_ms": null, "all_active_at_ms": null}],
+                "actors": [{"actor": "eu-a1", "region": "eu", "staged_at_ms": null,
+                            "active_at_ms": null}],
+            })
+        );
+        assert_eq!(
+            json(&b.relays()[0]),
+            serde_json::json!({
+                "name": "eu-relay", "connected": true, "since_ms": 1,
+                "link": {"rate_mbit": 200.0, "rtt_ms": 40.0}, "version": 7, "bytes_sent": 400,
+                "transfer": {"version": 7, "bytes": 400, "of_bytes": 1000, "started_at_ms": 11,
+                             "last_at_ms": 11, "goodput_mbit": null, "done": false},
+            })
+        );
+        let step = serde_json::json!({
+            "batch": 3, "version": 7, "groups": 1, "size": 2, "samples": 1, "mean_reward": 1.0,
+            "tokens": 8, "seconds": 1.0, "tokens_per_s": 8.0, "done_at_ms": 1020,
+        });
+        assert_eq!(json(&b.steps()[0]), step);
+        let fault = serde_json::json!({
+            "at_ms": 1040, "kind": "lease_expired", "peer": null, "version": null,
+            "detail": "1 lease(s) expired",
+        });
+        assert_eq!(json(&b.faults()[0]), fault);
+
+        let mut step_event = step;
+        step_event["at_ms"] = 1030.into();
+        let expected = [
+            (
+                "connected",
+                serde_json::json!({"peer": "eu-relay", "role": "relay", "region": "eu", "at_ms": 1}),
+            ),
+            (
+                "connected",
+                serde_json::json!({"peer": "eu-a1", "role": "worker", "region": "eu", "at_ms": 2}),
+            ),
+            (
+                "published",
+                serde_json::json!({"version": 7, "bytes": 1000, "changes": 50, "ratio": 21.0, "at_ms": 10}),
+            ),
+            (
+                "transfer",
+                serde_json::json!({"peer": "eu-relay", "version": 7, "bytes": 400, "at_ms": 11}),
+            ),
+            (
+                "staged",
+                serde_json::json!({"peer": "eu-relay", "version": 7, "at_ms": 12}),
+            ),
+            (
+                "batch",
+                serde_json::json!({"id": 3, "version": 7, "size": 2, "done": false, "at_ms": 20}),
+            ),
+            (
+                "batch",
+                serde_json::json!({"id": 3, "version": 7, "actors": 1, "done": false, "at_ms": 21}),
+            ),
+            ("step", step_event),
+            (
+                "batch",
+                serde_json::json!({"id": 3, "done": true, "at_ms": 1030}),
+            ),
+            ("fault", fault),
+        ];
+        for (name, data) in expected {
+            let e = events.try_recv().expect("an event");
+            assert_eq!((e.name(), json(&e)), (name, data));
+        }
+        assert!(events.try_recv().is_err());
     }
 }

@@ -33,8 +33,8 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use quinn::SendStream;
 use starling_ledger::{
-    ActorId, Digest, HubRefusal, JobId, Ledger, RefusalEffect, ResultSubmission, ScheduleError,
-    Session, SubmitCall, Version,
+    ActorId, Digest, HubRefusal, JobId, Ledger, RefusalEffect, Rejection, ResultSubmission,
+    ScheduleError, Session, SubmitCall, Version,
 };
 use starling_proto::msg::{MAX_MESSAGE_BODY, Message, RefuseReason};
 use starling_proto::rollout::{JobResult, MAX_NEW_TOKENS, MAX_SAMPLES, Verdict};
@@ -42,7 +42,7 @@ use starling_telemetry::Metrics;
 use starling_transport::framed::{Incoming, MessageReader, send};
 use tokio::sync::Notify;
 
-use crate::board::Board;
+use crate::board::{Board, FaultKind};
 use crate::clock::{now, now_ms};
 use crate::limits::{Kind, RateLimiter, WorkerConnections, WorkerLimits};
 use crate::rollouts::{GroupSpec, NONFINITE_LOGPROB, RESULT_TOO_LARGE, judge_result};
@@ -462,6 +462,8 @@ async fn submit(cx: &WorkerContext, actor: &ActorId, results: Vec<JobResult>) ->
         touched.insert(batch_of.get(&r.job).copied().unwrap_or(-1));
     }
     let mut waiting = false;
+    // Results whose weight digest is not their version's: the actor's weights drifted.
+    let mut fenced = vec![false; results.len()];
     for (o, (i, tokens, job, rewards)) in outcomes.into_iter().zip(placed) {
         verdicts[i] = Some(match o.verdict {
             Ok(()) => {
@@ -473,10 +475,13 @@ async fn submit(cx: &WorkerContext, actor: &ActorId, results: Vec<JobResult>) ->
                 waiting |= unscored.contains(&job);
                 Verdict::Accepted
             }
-            Err(why) => Verdict::Refused {
-                code: why.code().to_owned(),
-                detail: bounded(why.to_string()),
-            },
+            Err(why) => {
+                fenced[i] = matches!(why, Rejection::DigestMismatch);
+                Verdict::Refused {
+                    code: why.code().to_owned(),
+                    detail: bounded(why.to_string()),
+                }
+            }
         });
     }
     if waiting {
@@ -485,7 +490,8 @@ async fn submit(cx: &WorkerContext, actor: &ActorId, results: Vec<JobResult>) ->
     let verdicts = results
         .iter()
         .zip(verdicts)
-        .map(|(r, v)| {
+        .zip(fenced)
+        .map(|((r, v), fenced)| {
             let v = v.unwrap_or(Verdict::Refused {
                 code: "internal".into(),
                 detail: "not judged".into(),
@@ -493,7 +499,13 @@ async fn submit(cx: &WorkerContext, actor: &ActorId, results: Vec<JobResult>) ->
             if let Verdict::Refused { code, detail } = &v {
                 metrics.refused(code);
                 tracing::warn!(job = r.job, code = %code, "result refused: {detail}");
-                cx.board.result_refused(actor.as_str(), code, detail, at);
+                let kind = if fenced {
+                    FaultKind::Fenced
+                } else {
+                    FaultKind::Refused
+                };
+                cx.board
+                    .result_refused(actor.as_str(), code, detail, kind, at);
             }
             (r.job, v)
         })

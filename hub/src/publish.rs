@@ -27,6 +27,7 @@ use starling_proto::manifest::delta_id;
 use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
 use tracing::Instrument;
 
+use crate::board::FaultKind;
 use crate::clock::{now, now_ms};
 use crate::durable;
 use crate::hub::{Hub, State};
@@ -75,7 +76,7 @@ pub(crate) async fn publish(
     if let Err(e) = &result {
         tracing::warn!(path = %path.display(), code = e.code(), "publish refused: {e}");
         hub.board.fault(
-            "publish_failed",
+            FaultKind::PublishFailed,
             None,
             None,
             &format!("{}: {e}", path.display()),
@@ -321,7 +322,7 @@ async fn publish_locked(
             if let Err(e) = written {
                 tracing::error!(version, "anchor not written: {e:#}");
                 hub.board.fault(
-                    "anchor_failed",
+                    FaultKind::AnchorFailed,
                     None,
                     Some(version),
                     &format!("{e:#}"),

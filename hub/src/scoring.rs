@@ -20,7 +20,7 @@ use starling_ledger::{JobId, Ledger, Unscored};
 use tokio::sync::Notify;
 use tokio::task::JoinSet;
 
-use crate::board::Board;
+use crate::board::{Board, FaultKind};
 use crate::clock::now_ms;
 use crate::reward_service::{Completion, PromptView, RewardServices, ScoreRequest};
 use crate::rollouts::{GroupSpec, StoredResult};
@@ -104,7 +104,7 @@ async fn score_one(scorer: Scorer, u: Unscored) {
         Err(why) => {
             tracing::warn!(job, batch, "reward service failed, the group fails: {why}");
             scorer.board.fault(
-                REWARD_SERVICE,
+                FaultKind::RewardService,
                 None,
                 None,
                 &format!("batch {batch} job {job}: {why}"),

@@ -40,7 +40,7 @@ use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
 use crate::anchors::Anchors;
-use crate::board::{Board, PeerRole};
+use crate::board::{Board, FaultKind, PeerRole};
 use crate::clock::now_ms;
 use crate::durable;
 use crate::hub::{Hub, State};
@@ -225,8 +225,13 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
             let hub = owner;
             if let Err(e) = write_anchor(&hub, init, v).await {
                 tracing::error!(version = v, "anchor not written: {e:#}");
-                hub.board
-                    .fault("anchor_failed", None, Some(v), &format!("{e:#}"), now_ms());
+                hub.board.fault(
+                    FaultKind::AnchorFailed,
+                    None,
+                    Some(v),
+                    &format!("{e:#}"),
+                    now_ms(),
+                );
             }
         });
     }

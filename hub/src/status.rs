@@ -158,8 +158,8 @@ async fn build(hub: &Hub) -> anyhow::Result<Value> {
         steps
             .iter()
             .rev()
-            .find(|s| s["batch"] == id)
-            .map(|s| s["done_at_ms"].clone())
+            .find(|s| s.batch == id)
+            .map(|s| s.done_at_ms)
     };
     let mut batches = Vec::new();
     let mut newest_shares: Option<BTreeMap<String, u32>> = None;
@@ -223,7 +223,7 @@ async fn build(hub: &Hub) -> anyhow::Result<Value> {
         .collect();
     let mut regions: BTreeMap<String, RegionView> = BTreeMap::new();
     for r in board.relays() {
-        regions.entry(r.region).or_default().relays.push(r.json);
+        regions.entry(r.region.clone()).or_default().relays.push(r);
     }
     for a in &actors {
         let e = regions.entry(a.region.clone()).or_default();
@@ -252,7 +252,7 @@ async fn build(hub: &Hub) -> anyhow::Result<Value> {
         "version": version,
         "checkpoint_bytes": hub.checkpoint_bytes,
         "codecs": hub.codecs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).status(),
-        "versions": board.versions_json(&actor_regions, hub.checkpoint_bytes),
+        "versions": board.versions(&actor_regions, hub.checkpoint_bytes),
         "regions": regions_json,
         "actors": actors_json,
         "jobs": counts_json(&jobs),
@@ -265,7 +265,7 @@ async fn build(hub: &Hub) -> anyhow::Result<Value> {
 /// One region while the status is assembled: its relays, its actors and their versions.
 #[derive(Debug, Default)]
 struct RegionView {
-    relays: Vec<Value>,
+    relays: Vec<board::RelayView>,
     actors: Vec<String>,
     versions: Vec<u64>,
 }
@@ -274,6 +274,15 @@ fn counts_json(c: &starling_ledger::JobCounts) -> Value {
     json!({
         "posted": c.posted, "pending": c.pending, "leased": c.leased,
         "done": c.done, "failed": c.failed,
+    })
+}
+
+/// An event's `data:` line, one JSON object.
+fn event_data(e: &board::Event) -> String {
+    // Plain fields, numbers and strings: writing them to a string cannot fail.
+    serde_json::to_string(e).unwrap_or_else(|err| {
+        tracing::error!(event = e.name(), "event not serialized: {err}");
+        String::from("{}")
     })
 }
 
@@ -296,9 +305,7 @@ async fn events(
             () = stop.cancelled() => return None,
         };
         let event = match next {
-            Ok(board::Event { kind, data }) => {
-                SseEvent::default().event(kind).data(data.to_string())
-            }
+            Ok(e) => SseEvent::default().event(e.name()).data(event_data(&e)),
             Err(RecvError::Lagged(missed)) => SseEvent::default()
                 .event("lagged")
                 .data(json!({"missed": missed, "at_ms": now_ms()}).to_string()),

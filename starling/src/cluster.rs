@@ -18,7 +18,8 @@ use crate::procs::{Proc, run_once};
 use crate::watch::Watcher;
 
 /// How weights reach the actors.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
 pub(crate) enum Mode {
     /// Deltas through the relays (Starling).
     Delta,

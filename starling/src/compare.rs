@@ -13,20 +13,47 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use serde_json::{Value, json};
+use serde::{Deserialize, Serialize};
 use starling_engine::Bf16Tensors;
 
 use crate::cluster::Mode;
 use crate::demo_args::DemoArgs;
 use crate::links::Region;
+use crate::summary::{Summary, figure};
 use crate::toy_run::run_mode;
 
-/// A number from a run's summary (NaN if absent).
-fn num(summary: &Value, path: &[&str]) -> f64 {
-    path.iter()
-        .fold(summary, |v, k| &v[*k])
-        .as_f64()
-        .unwrap_or(f64::NAN)
+/// `compare.json`: every run's summary and the per-mode medians.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Report {
+    rounds: u32,
+    /// Mode name → figure name ([`FIGURES`]) → median over rounds (`null` without any).
+    medians: BTreeMap<String, BTreeMap<String, Option<f64>>>,
+    ratios: Ratios,
+    /// Median over the delta runs.
+    #[serde(with = "figure")]
+    delta_density: f64,
+    runs: Vec<Run>,
+}
+
+/// Delta against the other modes, from the medians.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Ratios {
+    #[serde(with = "figure")]
+    delta_over_no_transfer_tokens_per_s: f64,
+    #[serde(with = "figure")]
+    delta_over_no_transfer_steps_per_hour: f64,
+    #[serde(with = "figure")]
+    delta_over_full_broadcast_steps_per_hour: f64,
+    #[serde(with = "figure")]
+    delta_over_full_broadcast_tokens_per_s: f64,
+}
+
+/// One run of one mode in one round.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct Run {
+    round: u32,
+    mode: Mode,
+    summary: Summary,
 }
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -44,51 +71,54 @@ fn median(mut xs: Vec<f64>) -> f64 {
 }
 
 /// The figures a mode is compared on, medians over its rounds.
-const FIGURES: [(&str, &[&str]); 10] = [
-    ("steps_per_hour", &["throughput", "steps_per_hour"]),
-    (
-        "rollout_tokens_per_s",
-        &["throughput", "rollout_tokens_per_s"],
-    ),
-    ("samples_per_s", &["throughput", "samples_per_s"]),
-    ("median_step_s", &["throughput", "median_step_s"]),
-    ("bytes_per_step", &["bytes", "per_step"]),
-    ("link_bytes_per_step", &["link_bytes_per_step"]),
-    ("transfer_eu_s", &["mean_transfer_s", "eu"]),
-    ("transfer_ap_s", &["mean_transfer_s", "ap"]),
-    ("reward_first", &["reward", "first"]),
-    ("reward_last", &["reward", "last"]),
+const FIGURES: [(&str, fn(&Summary) -> f64); 10] = [
+    ("steps_per_hour", |s| s.throughput.steps_per_hour),
+    ("rollout_tokens_per_s", |s| {
+        s.throughput.rollout_tokens_per_s
+    }),
+    ("samples_per_s", |s| s.throughput.samples_per_s),
+    ("median_step_s", |s| s.throughput.median_step_s),
+    ("bytes_per_step", |s| s.bytes.per_step),
+    ("link_bytes_per_step", |s| s.link_bytes_per_step),
+    ("transfer_eu_s", |s| transfer_s(s, "eu")),
+    ("transfer_ap_s", |s| transfer_s(s, "ap")),
+    ("reward_first", |s| s.reward.first),
+    ("reward_last", |s| s.reward.last),
 ];
+
+/// A region's mean transfer time (NaN when the run had no such region).
+fn transfer_s(s: &Summary, region: &str) -> f64 {
+    s.mean_transfer_s.get(region).copied().unwrap_or(f64::NAN)
+}
 
 /// Runs every mode `a.rounds` times into subdirectories of `out`; prints and writes the
 /// comparison.
 pub(crate) fn run(a: &DemoArgs, regions: &[Region], init: &Bf16Tensors, out: &Path) -> Result<()> {
     let rounds = a.rounds.max(1);
-    let mut runs: Vec<(u32, Mode, Value)> = Vec::new();
+    let mut runs: Vec<Run> = Vec::new();
     for round in 1..=rounds {
         for mode in Mode::ALL {
             let dir = out.join(format!("r{round}-{}", mode.name()));
             std::fs::create_dir_all(&dir).with_context(|| format!("create {}", dir.display()))?;
             println!("\n== round {round}/{rounds}");
             let summary = run_mode(a, mode, regions, init, &dir)?;
-            runs.push((round, mode, summary));
+            runs.push(Run {
+                round,
+                mode,
+                summary,
+            });
         }
     }
     let mut medians: BTreeMap<&str, BTreeMap<&str, f64>> = BTreeMap::new();
     for mode in Mode::ALL {
-        let of_mode: Vec<&Value> = runs
+        let of_mode: Vec<&Summary> = runs
             .iter()
-            .filter(|(_, m, _)| *m == mode)
-            .map(|(_, _, s)| s)
+            .filter(|r| r.mode == mode)
+            .map(|r| &r.summary)
             .collect();
         let figures = FIGURES
             .iter()
-            .map(|(name, path)| {
-                (
-                    *name,
-                    median(of_mode.iter().map(|s| num(s, path)).collect()),
-                )
-            })
+            .map(|(name, figure)| (*name, median(of_mode.iter().map(|s| figure(s)).collect())))
             .collect();
         medians.insert(mode.name(), figures);
     }
@@ -160,8 +190,8 @@ pub(crate) fn run(a: &DemoArgs, regions: &[Region], init: &Bf16Tensors, out: &Pa
     );
     let density = median(
         runs.iter()
-            .filter(|(_, m, _)| *m == Mode::Delta)
-            .map(|(_, _, s)| num(s, &["delta_density"]))
+            .filter(|r| r.mode == Mode::Delta)
+            .map(|r| r.summary.delta_density)
             .collect(),
     );
     println!(
@@ -169,21 +199,28 @@ pub(crate) fn run(a: &DemoArgs, regions: &[Region], init: &Bf16Tensors, out: &Pa
         a.lr(),
         100.0 * density
     );
-    let report = json!({
-        "rounds": rounds,
-        "medians": medians,
-        "ratios": {
-            "delta_over_no_transfer_tokens_per_s": fig(Mode::Delta, "rollout_tokens_per_s") / ideal,
-            "delta_over_no_transfer_steps_per_hour": fig(Mode::Delta, "steps_per_hour") / ideal_steps,
-            "delta_over_full_broadcast_steps_per_hour": delta_over_full,
-            "delta_over_full_broadcast_tokens_per_s":
-                fig(Mode::Delta, "rollout_tokens_per_s") / fig(Mode::FullBroadcast, "rollout_tokens_per_s"),
+    let report = Report {
+        rounds,
+        medians: medians
+            .iter()
+            .map(|(mode, figures)| {
+                let figures = figures
+                    .iter()
+                    .map(|(name, x)| ((*name).to_owned(), x.is_finite().then_some(*x)))
+                    .collect();
+                ((*mode).to_owned(), figures)
+            })
+            .collect(),
+        ratios: Ratios {
+            delta_over_no_transfer_tokens_per_s: fig(Mode::Delta, "rollout_tokens_per_s") / ideal,
+            delta_over_no_transfer_steps_per_hour: fig(Mode::Delta, "steps_per_hour") / ideal_steps,
+            delta_over_full_broadcast_steps_per_hour: delta_over_full,
+            delta_over_full_broadcast_tokens_per_s: fig(Mode::Delta, "rollout_tokens_per_s")
+                / fig(Mode::FullBroadcast, "rollout_tokens_per_s"),
         },
-        "delta_density": density,
-        "runs": runs.iter().map(|(round, mode, s)| json!({
-            "round": round, "mode": mode.name(), "summary": s,
-        })).collect::<Vec<_>>(),
-    });
+        delta_density: density,
+        runs,
+    };
     let path = out.join("compare.json");
     std::fs::write(&path, serde_json::to_string_pretty(&report)?)
         .with_context(|| format!("write {}", path.display()))?;
@@ -200,8 +237,5 @@ mod tests {
         assert_eq!(median(vec![3.0, 1.0, 2.0]), 2.0);
         assert_eq!(median(vec![4.0, 1.0, f64::NAN, 2.0, 3.0]), 2.5);
         assert!(median(vec![f64::NAN]).is_nan());
-        let s = json!({"a": {"b": 1.5}});
-        assert_eq!(num(&s, &["a", "b"]), 1.5);
-        assert!(num(&s, &["a", "c"]).is_nan());
     }
 }

@@ -97,22 +97,18 @@ pub(crate) fn run(a: &DemoArgs) -> Result<()> {
     let summary = run_mode(a, mode, &regions, &init, &out)?;
     println!(
         "\n   reward {:.3} (first 3 steps) -> {:.3} (last 3 steps); {} versions, {:.1} kB of deltas vs {:.1} kB of full BF16 checkpoints (density {:.1}% of weights changed per step); {:.0} steps/hour, {:.0} rollout tokens/s",
-        summary["reward"]["first"].as_f64().unwrap_or(f64::NAN),
-        summary["reward"]["last"].as_f64().unwrap_or(f64::NAN),
-        summary["steps"].as_array().map_or(0, Vec::len),
-        summary["bytes"]["deltas"].as_f64().unwrap_or(0.0) / 1e3,
-        summary["bytes"]["full_checkpoints"].as_f64().unwrap_or(0.0) / 1e3,
-        100.0 * summary["delta_density"].as_f64().unwrap_or(f64::NAN),
-        summary["throughput"]["steps_per_hour"]
-            .as_f64()
-            .unwrap_or(f64::NAN),
-        summary["throughput"]["rollout_tokens_per_s"]
-            .as_f64()
-            .unwrap_or(f64::NAN),
+        summary.reward.first,
+        summary.reward.last,
+        summary.steps.len(),
+        summary.bytes.deltas as f64 / 1e3,
+        summary.bytes.full_checkpoints as f64 / 1e3,
+        100.0 * summary.delta_density,
+        summary.throughput.steps_per_hour,
+        summary.throughput.rollout_tokens_per_s,
     );
     println!(
         "   every consumed rollout's log-probs recomputed on its version: {} samples, {} mismatches",
-        summary["behaviour_check"]["verified_samples"], summary["behaviour_check"]["mismatches"]
+        summary.behaviour_check.verified_samples, summary.behaviour_check.mismatches
     );
     println!(
         "   wrote {} and {}",

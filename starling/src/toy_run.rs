@@ -10,7 +10,6 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use serde_json::json;
 use starling_actor::shared_dir::version_file_name;
 use starling_engine::Bf16Tensors;
 use starling_trainer::policy::write_bf16;
@@ -22,6 +21,10 @@ use crate::cluster::{Cluster, Mode, Spec, mean, mean_arrival_by_region};
 use crate::demo_args::DemoArgs;
 use crate::links::Region;
 use crate::plot::{Panel, Series, render_png};
+use crate::summary::{
+    ActorSummary, BehaviourCheck, Bytes, LinkBytes, ModelSummary, RegionSummary, Reward, Settings,
+    StepSummary, Summary, Throughput,
+};
 
 /// One run in `mode` from the BF16 checkpoint `init`, in directory `out` (which exists and
 /// is empty): starts the cluster, trains, stops everything; writes `summary.json` and
@@ -32,7 +35,7 @@ pub(crate) fn run_mode(
     regions: &[Region],
     init_tensors: &Bf16Tensors,
     out: &Path,
-) -> Result<serde_json::Value> {
+) -> Result<Summary> {
     for d in ["logs", "model", "checkpoints"] {
         std::fs::create_dir_all(out.join(d))
             .with_context(|| format!("create {}", out.join(d).display()))?;
@@ -194,7 +197,7 @@ fn summarize(
     timing: Timing,
     links: &BTreeMap<&str, ProxyStats>,
     config: &starling_engine::ModelConfig,
-) -> serde_json::Value {
+) -> Summary {
     let k = 3.min(reports.len());
     let first = mean(reports[..k].iter().map(|r| f64::from(r.mean_reward)));
     let last = mean(
@@ -225,39 +228,100 @@ fn summarize(
     let mismatches: usize = reports.iter().map(|r| r.logprob_mismatches).sum();
     let first_mismatch = reports.iter().find_map(|r| r.first_mismatch.clone());
     let Timing { wall_s, loop_s } = timing;
-    json!({
-        "mode": mode.name(),
-        "model": {"parameters": config.parameter_count(), "bf16_bytes": full_bf16_bytes, "config": config},
-        "task": "digit reversal (char_match reward)",
-        "settings": {"steps": a.steps(), "groups": a.groups(), "samples_per_group": a.samples(),
-                     "lr": a.lr(), "warm_steps": a.warm_steps, "seed": a.seed, "max_staleness": 1,
-                     "engine_slowdown": a.engine_slowdown},
-        "regions": regions.iter().map(|r| json!({
-            "name": r.name, "rate_mbit": r.rate_mbit, "rtt_ms": r.rtt_ms, "loss": r.loss,
-            "actors": r.actors.iter().map(|a| json!({"name": a.name, "speed": a.speed, "vllm": a.vllm})).collect::<Vec<_>>(),
-        })).collect::<Vec<_>>(),
-        "reward": {"first": first, "last": last, "averaged_over_steps": k},
-        "bytes": {"deltas": deltas, "per_step": deltas as f64 / reports.len().max(1) as f64,
-                  "full_checkpoints": full_bf16_bytes * reports.len() as u64,
-                  "ratio": deltas as f64 / (full_bf16_bytes * reports.len().max(1) as u64) as f64},
-        "delta_density": density,
-        "link_bytes_per_step": mean(links.values().map(|s| s.down.delivered_bytes as f64))
-            / reports.len().max(1) as f64,
-        "link_bytes": links.iter().map(|(name, s)| (name.to_string(), json!({
-            "to_region": s.down.delivered_bytes, "to_hub": s.up.delivered_bytes,
-            "lost_datagrams": s.down.dropped_loss + s.down.dropped_queue + s.up.dropped_loss + s.up.dropped_queue,
-        }))).collect::<BTreeMap<_, _>>(),
-        "mean_transfer_s": transfer,
-        "rollouts_per_s": mean(reports.iter().map(|r| r.rollouts_per_s)),
-        "throughput": {"loop_s": loop_s, "steps_per_hour": reports.len() as f64 * 3600.0 / loop_s,
-                       "rollout_tokens_per_s": tokens as f64 / loop_s,
-                       "samples_per_s": samples as f64 / loop_s, "median_step_s": median_step_s},
-        "behaviour_check": {"verified_samples": verified, "mismatches": mismatches,
-                            "first_mismatch": first_mismatch},
-        "per_actor_share": per_actor.iter().map(|(a, n)| (a.clone(), *n as f64 / total.max(1) as f64)).collect::<BTreeMap<_, _>>(),
-        "wall_s": wall_s,
-        "steps": reports.iter().map(|r| json!({"report": r, "arrival_s": arrivals.get(&r.published.version)})).collect::<Vec<_>>(),
-    })
+    let per_step = |total: f64| total / reports.len().max(1) as f64;
+    Summary {
+        mode,
+        model: ModelSummary {
+            parameters: config.parameter_count(),
+            bf16_bytes: full_bf16_bytes,
+            config: config.clone(),
+        },
+        task: "digit reversal (char_match reward)".to_owned(),
+        settings: Settings {
+            steps: a.steps(),
+            groups: a.groups(),
+            samples_per_group: a.samples(),
+            lr: a.lr(),
+            warm_steps: a.warm_steps,
+            seed: a.seed,
+            max_staleness: 1,
+            engine_slowdown: a.engine_slowdown,
+        },
+        regions: regions
+            .iter()
+            .map(|r| RegionSummary {
+                name: r.name.to_owned(),
+                rate_mbit: r.rate_mbit,
+                rtt_ms: r.rtt_ms,
+                loss: r.loss,
+                actors: r
+                    .actors
+                    .iter()
+                    .map(|a| ActorSummary {
+                        name: a.name.to_owned(),
+                        speed: a.speed,
+                        vllm: a.vllm,
+                    })
+                    .collect(),
+            })
+            .collect(),
+        reward: Reward {
+            first,
+            last,
+            averaged_over_steps: k,
+        },
+        bytes: Bytes {
+            deltas,
+            per_step: per_step(deltas as f64),
+            full_checkpoints: full_bf16_bytes * reports.len() as u64,
+            ratio: deltas as f64 / (full_bf16_bytes * reports.len().max(1) as u64) as f64,
+        },
+        delta_density: density,
+        link_bytes_per_step: per_step(mean(links.values().map(|s| s.down.delivered_bytes as f64))),
+        link_bytes: links
+            .iter()
+            .map(|(name, s)| {
+                let bytes = LinkBytes {
+                    to_region: s.down.delivered_bytes,
+                    to_hub: s.up.delivered_bytes,
+                    lost_datagrams: s.down.dropped_loss
+                        + s.down.dropped_queue
+                        + s.up.dropped_loss
+                        + s.up.dropped_queue,
+                };
+                (name.to_string(), bytes)
+            })
+            .collect(),
+        mean_transfer_s: transfer
+            .into_iter()
+            .map(|(r, s)| (r.to_owned(), s))
+            .collect(),
+        rollouts_per_s: mean(reports.iter().map(|r| r.rollouts_per_s)),
+        throughput: Throughput {
+            loop_s,
+            steps_per_hour: reports.len() as f64 * 3600.0 / loop_s,
+            rollout_tokens_per_s: tokens as f64 / loop_s,
+            samples_per_s: samples as f64 / loop_s,
+            median_step_s,
+        },
+        behaviour_check: BehaviourCheck {
+            verified_samples: verified,
+            mismatches,
+            first_mismatch,
+        },
+        per_actor_share: per_actor
+            .iter()
+            .map(|(a, n)| (a.clone(), *n as f64 / total.max(1) as f64))
+            .collect(),
+        wall_s,
+        steps: reports
+            .iter()
+            .map(|r| StepSummary {
+                report: r.clone(),
+                arrival_s: arrivals.get(&r.published.version).cloned(),
+            })
+            .collect(),
+    }
 }
 
 fn panels(

@@ -3,8 +3,8 @@
 //!
 //! It speaks plain HTTP/1.1 through `starling_telemetry::http_client` (one connection per
 //! request: the trainer makes a handful per optimizer step). The hub's
-//! error bodies (`{"error": {"code", "message"}}`) become [`HubError::Refused`] with the code and
-//! sentence intact.
+//! error bodies (`{"code", "message"}`, `docs/api.md`) become [`HubError::Refused`]: the code
+//! parsed once into an [`ErrorCode`], so a caller decides by its variant, never by the text.
 
 use std::time::Duration;
 
@@ -22,11 +22,110 @@ pub enum HubError {
     #[error("the hub refused ({status} {code}): {message}")]
     Refused {
         status: u16,
-        code: String,
+        code: ErrorCode,
         message: String,
     },
     #[error("malformed answer from the hub: {0}")]
     Malformed(String),
+}
+
+/// The stable `code` of a hub error body (`docs/api.md`, "Errors").
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ErrorCode {
+    BadRequest,
+    InvalidBatch,
+    UnknownVerifier,
+    PromptTooLong,
+    Unauthorized,
+    PathNotAllowed,
+    NotFound,
+    MethodNotAllowed,
+    Timeout,
+    LayoutMismatch,
+    /// A checkpoint equal to the latest version (the trainer's publish allows it).
+    Unchanged,
+    StepBackwards,
+    UnknownVersion,
+    BatchFinished,
+    TooLarge,
+    UnreadableCheckpoint,
+    NonfiniteWeights,
+    Internal,
+    TooManyConnections,
+    /// A code this client does not know (a newer hub), or an answer without one (a proxy's
+    /// page): kept as it came, `unknown` when there was none.
+    #[serde(untagged)]
+    Other(String),
+}
+
+impl ErrorCode {
+    /// The code as the API spells it.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::BadRequest => "bad_request",
+            Self::InvalidBatch => "invalid_batch",
+            Self::UnknownVerifier => "unknown_verifier",
+            Self::PromptTooLong => "prompt_too_long",
+            Self::Unauthorized => "unauthorized",
+            Self::PathNotAllowed => "path_not_allowed",
+            Self::NotFound => "not_found",
+            Self::MethodNotAllowed => "method_not_allowed",
+            Self::Timeout => "timeout",
+            Self::LayoutMismatch => "layout_mismatch",
+            Self::Unchanged => "unchanged",
+            Self::StepBackwards => "step_backwards",
+            Self::UnknownVersion => "unknown_version",
+            Self::BatchFinished => "batch_finished",
+            Self::TooLarge => "too_large",
+            Self::UnreadableCheckpoint => "unreadable_checkpoint",
+            Self::NonfiniteWeights => "nonfinite_weights",
+            Self::Internal => "internal",
+            Self::TooManyConnections => "too_many_connections",
+            Self::Other(code) => code,
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A hub error body.
+#[derive(Debug, Deserialize)]
+struct ErrorBody {
+    code: ErrorCode,
+    #[serde(default)]
+    message: String,
+}
+
+impl HubError {
+    /// A non-2xx answer with `status` and `body`: the hub's code and sentence when the body is
+    /// the hub's, else `unknown` and the body's text.
+    fn refused(status: u16, body: &str) -> Self {
+        match serde_json::from_str::<ErrorBody>(body) {
+            Ok(e) => HubError::Refused {
+                status,
+                code: e.code,
+                message: e.message,
+            },
+            Err(_) => HubError::Refused {
+                status,
+                code: ErrorCode::Other("unknown".to_owned()),
+                message: body.trim().to_owned(),
+            },
+        }
+    }
+
+    /// The hub's code, when the hub answered with one.
+    pub fn code(&self) -> Option<&ErrorCode> {
+        match self {
+            HubError::Refused { code, .. } => Some(code),
+            HubError::Unreachable { .. } | HubError::Malformed(_) => None,
+        }
+    }
 }
 
 /// The hub's answer to a publish.
@@ -148,13 +247,7 @@ impl HubClient {
     ) -> Result<T, HubError> {
         let (status, text) = self.request(method, path, body)?;
         if !(200..300).contains(&status) {
-            let v: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
-            let e = &v["error"];
-            return Err(HubError::Refused {
-                status,
-                code: e["code"].as_str().unwrap_or("unknown").to_owned(),
-                message: e["message"].as_str().unwrap_or(text.trim()).to_owned(),
-            });
+            return Err(HubError::refused(status, &text));
         }
         serde_json::from_str(&text).map_err(|e| HubError::Malformed(format!("{path}: {e}")))
     }
@@ -182,5 +275,34 @@ impl HubClient {
             other => HubError::Malformed(starling_telemetry::error_chain(&other)),
         })?;
         Ok((r.status, r.body))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_error_body_is_parsed_into_its_code() {
+        let e = HubError::refused(409, r#"{"code": "unchanged", "message": "same as v3"}"#);
+        assert!(
+            matches!(&e, HubError::Refused { status: 409, code: ErrorCode::Unchanged, message } if message == "same as v3"),
+            "{e:?}"
+        );
+        assert_eq!(e.to_string(), "the hub refused (409 unchanged): same as v3");
+        let busy = HubError::refused(503, r#"{"code": "too_many_connections", "message": "x"}"#);
+        assert_eq!(busy.code(), Some(&ErrorCode::TooManyConnections));
+    }
+
+    #[test]
+    fn an_unknown_code_or_a_foreign_body_is_kept_as_it_came() {
+        let newer = HubError::refused(400, r#"{"code": "shiny_new", "message": "m"}"#);
+        assert_eq!(newer.code(), Some(&ErrorCode::Other("shiny_new".into())));
+        let proxy = HubError::refused(502, "  <html>bad gateway</html>\n");
+        assert!(
+            matches!(&proxy, HubError::Refused { code: ErrorCode::Other(c), message, .. }
+                if c == "unknown" && message == "<html>bad gateway</html>"),
+            "{proxy:?}"
+        );
     }
 }

@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use candle_nn::{AdamW, Optimizer, ParamsAdamW};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use crate::behaviour::Versions;
@@ -100,7 +100,7 @@ impl Default for TrainConfig {
 }
 
 /// What one step did, for progress lines, the summary and the plot.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct StepReport {
     pub step: u32,
     pub batch: u64,
@@ -145,7 +145,7 @@ pub struct StepReport {
 }
 
 /// The hub's answer to this step's publish.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct PublishedReport {
     pub version: u64,
     pub changes: u64,
