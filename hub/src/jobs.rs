@@ -325,8 +325,13 @@ async fn oversized(
     );
     cx.metrics.refused(RESULT_TOO_LARGE);
     tracing::warn!(job, code = RESULT_TOO_LARGE, "result refused: {detail}");
-    cx.board
-        .result_refused(actor.as_str(), RESULT_TOO_LARGE, &detail, now_ms());
+    cx.board.result_refused(
+        actor.as_str(),
+        RESULT_TOO_LARGE,
+        &detail,
+        FaultKind::Refused,
+        now_ms(),
+    );
     if let Some(batch) = cx
         .ledger
         .job_payloads(&[id])

@@ -70,8 +70,11 @@ fn median(mut xs: Vec<f64>) -> f64 {
     }
 }
 
+/// One figure of a run's summary (NaN where the run did not measure it).
+type Figure = fn(&Summary) -> f64;
+
 /// The figures a mode is compared on, medians over its rounds.
-const FIGURES: [(&str, fn(&Summary) -> f64); 10] = [
+const FIGURES: [(&str, Figure); 10] = [
     ("steps_per_hour", |s| s.throughput.steps_per_hour),
     ("rollout_tokens_per_s", |s| {
         s.throughput.rollout_tokens_per_s
