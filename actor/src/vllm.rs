@@ -53,7 +53,7 @@ use starling_engine::ModelConfig;
 use starling_proto::apply::UndoLog;
 use starling_proto::manifest::{hex, parse_hex};
 use starling_proto::rollout::{FinishReason, JobResult, JobSpec, Sample};
-use starling_telemetry::http_client::{self, Response};
+use starling_telemetry::http_client::{self, DEFAULT_BODY_LIMIT, Limits, Response};
 
 use crate::engine::{Capabilities, Engine, Fingerprint, JobProgress, group_seed, whole_span};
 
@@ -123,6 +123,19 @@ const TOKENIZER_FILES: [&str; 4] = [
 const RPC_TIMEOUT: Duration = Duration::from_secs(600);
 /// Generation requests (one job's samples).
 const GENERATE_TIMEOUT: Duration = Duration::from_secs(600);
+/// A generous bound on what one generated token costs in a completion's JSON (its
+/// `token_id:N`, its log-probability, its top log-probabilities, its text offset and text):
+/// about 100 bytes in vLLM's answers.
+const COMPLETION_BYTES_PER_TOKEN: u64 = 512;
+
+/// The largest completion read for `n` samples of at most `max_new_tokens` tokens each: every
+/// token at [`COMPLETION_BYTES_PER_TOKEN`], plus the default body limit for the rest.
+fn completion_limit(n: u32, max_new_tokens: u32) -> u64 {
+    u64::from(n)
+        .saturating_mul(u64::from(max_new_tokens))
+        .saturating_mul(COMPLETION_BYTES_PER_TOKEN)
+        .saturating_add(DEFAULT_BODY_LIMIT)
+}
 
 /// What the engine holds now.
 #[derive(Debug, Default)]
@@ -260,7 +273,7 @@ impl VllmEngine {
         method: &str,
         path: &str,
         body: Option<&Value>,
-        timeout: Duration,
+        limits: Limits,
     ) -> Result<Response> {
         let body = body.map(Value::to_string);
         http_client::request(
@@ -269,7 +282,7 @@ impl VllmEngine {
             path,
             &[],
             body.as_deref(),
-            timeout,
+            limits,
         )
         .with_context(|| format!("no vLLM server answers at {}", self.settings.addr))
     }
@@ -280,7 +293,7 @@ impl VllmEngine {
             "POST",
             "/collective_rpc",
             Some(&json!({"method": method, "args": args})),
-            RPC_TIMEOUT,
+            Limits::timeout(RPC_TIMEOUT),
         )?;
         if r.status == 404 {
             bail!(
@@ -335,13 +348,23 @@ impl VllmEngine {
 
     /// Whether the server answers `/health`, and has the dev routes the actor needs.
     fn healthy(&self) -> bool {
-        self.call("GET", "/health", None, Duration::from_secs(5))
-            .is_ok_and(|r| r.ok())
+        self.call(
+            "GET",
+            "/health",
+            None,
+            Limits::timeout(Duration::from_secs(5)),
+        )
+        .is_ok_and(|r| r.ok())
     }
 
     /// Probes the dev routes (`GET /is_paused`) and answers whether generation is paused.
     fn probe_dev_routes(&self) -> Result<bool> {
-        let r = self.call("GET", "/is_paused", None, Duration::from_secs(30))?;
+        let r = self.call(
+            "GET",
+            "/is_paused",
+            None,
+            Limits::timeout(Duration::from_secs(30)),
+        )?;
         if r.status == 404 {
             bail!(
                 "vLLM at {} has no /is_paused route: start it with VLLM_SERVER_DEV_MODE=1 (the \
@@ -354,7 +377,7 @@ impl VllmEngine {
     }
 
     fn resume(&self) -> Result<()> {
-        let r = self.call("POST", "/resume", None, RPC_TIMEOUT)?;
+        let r = self.call("POST", "/resume", None, Limits::timeout(RPC_TIMEOUT))?;
         if !r.ok() {
             bail!("vLLM did not resume ({}): {}", r.status, r.body.trim());
         }
@@ -448,7 +471,12 @@ impl VllmEngine {
 
     /// The model name the server answers to (`GET /v1/models`).
     fn served_name(&self) -> Result<String> {
-        let r = self.call("GET", "/v1/models", None, Duration::from_secs(30))?;
+        let r = self.call(
+            "GET",
+            "/v1/models",
+            None,
+            Limits::timeout(Duration::from_secs(30)),
+        )?;
         let v: Value = serde_json::from_str(&r.body).context("/v1/models is not JSON")?;
         v["data"][0]["id"]
             .as_str()
@@ -543,7 +571,12 @@ impl VllmEngine {
     /// replaced (a server attached to after another run, which generated for the same
     /// prompts on other weights, would otherwise serve them).
     fn load_full(&self, path: &Path, version: u64, digest: [u8; 16]) -> Result<()> {
-        let r = self.call("POST", "/pause?mode=wait", None, RPC_TIMEOUT)?;
+        let r = self.call(
+            "POST",
+            "/pause?mode=wait",
+            None,
+            Limits::timeout(RPC_TIMEOUT),
+        )?;
         if !r.ok() {
             bail!("vLLM refused to pause ({}): {}", r.status, r.body.trim());
         }
@@ -631,7 +664,12 @@ impl VllmEngine {
     /// The sparse update: pause, apply the patch, resume; the digest vLLM computed from its
     /// parameters must equal the committed one.
     fn apply_patch(&self, path: &Path, digest: [u8; 16]) -> Result<()> {
-        let r = self.call("POST", "/pause?mode=wait", None, RPC_TIMEOUT)?;
+        let r = self.call(
+            "POST",
+            "/pause?mode=wait",
+            None,
+            Limits::timeout(RPC_TIMEOUT),
+        )?;
         if !r.ok() {
             bail!("vLLM refused to pause ({}): {}", r.status, r.body.trim());
         }
@@ -717,7 +755,9 @@ impl VllmEngine {
             body["top_k"] = json!(s.top_k);
         }
         let started = Instant::now();
-        let r = self.call("POST", "/v1/completions", Some(&body), GENERATE_TIMEOUT)?;
+        let limits =
+            Limits::timeout(GENERATE_TIMEOUT).body_limit(completion_limit(n, s.max_new_tokens));
+        let r = self.call("POST", "/v1/completions", Some(&body), limits)?;
         if !r.ok() {
             bail!(
                 "vLLM answered {} to a completion: {}",
@@ -981,6 +1021,16 @@ mod tests {
         assert_eq!(parse_digest(&hex(&d)).expect("hex"), d);
         assert!(parse_digest("0123").is_err());
         assert!(parse_digest(&"zz".repeat(16)).is_err());
+    }
+
+    #[test]
+    fn a_completion_may_be_as_large_as_its_tokens_allow() {
+        assert_eq!(completion_limit(0, 100), DEFAULT_BODY_LIMIT);
+        assert_eq!(
+            completion_limit(8, 1024),
+            DEFAULT_BODY_LIMIT + 8 * 1024 * COMPLETION_BYTES_PER_TOKEN
+        );
+        assert_eq!(completion_limit(u32::MAX, u32::MAX), u64::MAX);
     }
 
     #[test]

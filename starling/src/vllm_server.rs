@@ -27,7 +27,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use starling_telemetry::http_client;
+use starling_telemetry::http_client::{self, Limits};
 
 use crate::cluster::free_tcp_port;
 use crate::procs::{Proc, tail};
@@ -123,7 +123,7 @@ fn healthy(addr: SocketAddr) -> bool {
         "/health",
         &[],
         None,
-        Duration::from_secs(5),
+        Limits::timeout(Duration::from_secs(5)),
     )
     .is_ok_and(|r| r.ok())
 }

@@ -4,12 +4,13 @@
 //! (`starling_actor_worker_connected`), so the demo submits work only once every actor can get some. A thread owned by [`Watcher`]; dropping the watcher stops and joins it.
 
 use std::collections::BTreeMap;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use starling_telemetry::http_client::{self, Limits};
 
 /// When each (actor, version) was first seen active.
 pub(crate) type Seen = BTreeMap<(String, u64), Instant>;
@@ -92,15 +93,27 @@ impl Drop for Watcher {
     }
 }
 
-/// The endpoint's metrics text, if it answers.
+/// How long one scrape may take in all: what the hand-written scrape this replaced allowed a
+/// silent actor (200 ms to connect, 500 ms for the answer), so one wedged actor delays the
+/// others' readings no more than it did.
+const SCRAPE_TIMEOUT: Duration = Duration::from_millis(700);
+/// The largest metrics text read from one actor.
+const SCRAPE_LIMIT: u64 = 4 << 20;
+
+/// The endpoint's metrics text, if it answers (whatever its status, as before: a page without
+/// the gauges reads as an actor without them). An actor's scrape is a few kilobytes; the
+/// limits keep a wedged or wrong endpoint from stalling the watch or filling its memory.
 fn scrape(addr: SocketAddr) -> Option<String> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_millis(200)).ok()?;
-    s.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
-    s.write_all(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        .ok()?;
-    let mut text = String::new();
-    s.read_to_string(&mut text).ok()?;
-    Some(text)
+    http_client::request(
+        &addr.to_string(),
+        "GET",
+        "/metrics",
+        &[],
+        None,
+        Limits::timeout(SCRAPE_TIMEOUT).body_limit(SCRAPE_LIMIT),
+    )
+    .ok()
+    .map(|r| r.body)
 }
 
 /// An unlabelled gauge's value in a metrics text.

@@ -1,29 +1,94 @@
-//! A small blocking HTTP/1.1 client for the local JSON APIs Starling's processes call: the
-//! trainer calling its hub's API, an actor driving the vLLM server beside it.
+//! The blocking HTTP/1.1 client for the local JSON APIs Starling's processes call: the trainer
+//! calling its hub's API, an actor driving the vLLM server beside it, the demo polling its
+//! actors' `/metrics` and its vLLM server's `/health`, the end-to-end tests calling the hub.
 //!
-//! One TCP connection per request (`Connection: close`): these callers make a handful of
-//! requests per step, so connection reuse would save nothing measurable, and a dependency-free
-//! client keeps the builds small. Bodies with `Content-Length`, read to EOF, or chunked are
-//! all read; the caller interprets status and body.
+//! A thin layer over [`ureq`], and the one place the project configures it, so every caller
+//! gets the same bounds:
+//! - a request takes at most [`Limits::timeout`] in all (connecting, sending, the whole
+//!   answer), not per read: a server that trickles bytes cannot hold a caller forever;
+//! - an answer's body is read up to [`Limits::body_limit`] bytes ([`DEFAULT_BODY_LIMIT`]
+//!   unless a caller whose answers can be larger says more); a longer one is
+//!   [`HttpClientError::TooLarge`], never buffered;
+//! - every status is an answer: a 4xx or 5xx is a [`Response`] for the caller to read (the
+//!   hub's and vLLM's error bodies say why), and a redirect is not followed;
+//! - no proxy from the environment (`http_proxy` must not reroute loopback calls), no
+//!   compression, plain `http` only (no TLS in the build);
+//! - one connection per request, none kept idle: these callers make a handful of requests per
+//!   step, so reuse would save nothing measurable, and a pooled connection that the server
+//!   (restarted, or timing out idle keep-alives) has closed would fail a `POST` that ureq
+//!   does not retry.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::io;
 use std::time::Duration;
 
-/// Why a request got no HTTP answer.
+use ureq::Agent;
+use ureq::http;
+
+/// The largest answer body read when the caller does not say otherwise: far above what a
+/// status document, a digest or an error says, far below what would strain a process.
+pub const DEFAULT_BODY_LIMIT: u64 = 16 << 20;
+
+/// Why a request got no (acceptable) HTTP answer.
 #[derive(Debug, thiserror::Error)]
 pub enum HttpClientError {
+    /// No connection to `addr`, or it broke before the answer was whole.
     #[error("cannot reach {addr}")]
     Unreachable {
         addr: String,
         #[source]
-        source: std::io::Error,
+        source: io::Error,
     },
-    #[error("malformed HTTP answer from {addr}: {detail}")]
-    Malformed { addr: String, detail: String },
+    /// The exchange took longer than the request's timeout.
+    #[error("no whole answer from {addr} within {after:?}")]
+    TimedOut { addr: String, after: Duration },
+    /// The answer's body is longer than the request's body limit; the rest was not read.
+    #[error("the answer from {addr} is larger than the limit of {limit} bytes")]
+    TooLarge { addr: String, limit: u64 },
+    /// The request could not be sent as given (a method, path or header HTTP does not allow).
+    #[error("cannot send {method} {path} to {addr}")]
+    Request {
+        addr: String,
+        method: String,
+        path: String,
+        #[source]
+        source: ureq::Error,
+    },
+    /// The answer is not valid HTTP/1.1.
+    #[error("malformed HTTP answer from {addr}")]
+    Malformed {
+        addr: String,
+        #[source]
+        source: ureq::Error,
+    },
 }
 
-/// A response: its status and body (as text; the APIs called here answer JSON).
+/// What one request may cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    timeout: Duration,
+    body_limit: u64,
+}
+
+impl Limits {
+    /// At most `timeout` for the whole exchange, and [`DEFAULT_BODY_LIMIT`] bytes of body.
+    pub fn timeout(timeout: Duration) -> Self {
+        Self {
+            timeout,
+            body_limit: DEFAULT_BODY_LIMIT,
+        }
+    }
+
+    /// The same, reading an answer body of up to `bytes` bytes.
+    pub fn body_limit(self, bytes: u64) -> Self {
+        Self {
+            body_limit: bytes,
+            ..self
+        }
+    }
+}
+
+/// A response: its status and body (as text, invalid UTF-8 replaced; the APIs called here
+/// answer JSON or the Prometheus text format).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Response {
     pub status: u16,
@@ -31,117 +96,94 @@ pub struct Response {
 }
 
 impl Response {
+    /// Whether the status is a success (2xx).
     pub fn ok(&self) -> bool {
         (200..300).contains(&self.status)
     }
 }
 
-/// Sends `method path` to `addr` (`host:port`) with `headers` and a JSON `body`, and waits up
-/// to `timeout` for each read of the answer.
+/// Sends `method path` to `http://addr` (`host:port`) with `headers` and, if given, a JSON
+/// `body` (with `content-type: application/json`), within `limits`.
 pub fn request(
     addr: &str,
     method: &str,
     path: &str,
     headers: &[(&str, &str)],
     body: Option<&str>,
-    timeout: Duration,
+    limits: Limits,
 ) -> Result<Response, HttpClientError> {
-    let io = |source| HttpClientError::Unreachable {
+    let bad_request = |source| HttpClientError::Request {
         addr: addr.to_owned(),
+        method: method.to_owned(),
+        path: path.to_owned(),
         source,
     };
-    let mut s = TcpStream::connect(addr).map_err(io)?;
-    s.set_read_timeout(Some(timeout)).map_err(io)?;
-    s.set_write_timeout(Some(timeout)).map_err(io)?;
-    let payload = body.unwrap_or_default();
-    let mut head = format!(
-        "{method} {path} HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
-        payload.len()
-    );
+    let mut builder = http::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"));
     for (k, v) in headers {
-        head.push_str(&format!("{k}: {v}\r\n"));
+        builder = builder.header(*k, *v);
     }
-    head.push_str("\r\n");
-    s.write_all(head.as_bytes()).map_err(io)?;
-    s.write_all(payload.as_bytes()).map_err(io)?;
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).map_err(io)?;
-    parse_response(&raw).map_err(|detail| HttpClientError::Malformed {
-        addr: addr.to_owned(),
-        detail,
-    })
-}
-
-/// Status and body of a complete `Connection: close` response (`Content-Length` or read to EOF;
-/// chunked bodies are decoded).
-fn parse_response(raw: &[u8]) -> Result<Response, String> {
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or("no header terminator")?;
-    let head = String::from_utf8_lossy(&raw[..split]);
-    let mut lines = head.lines();
-    let status = lines
-        .next()
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|s| s.parse::<u16>().ok())
-        .ok_or_else(|| format!("status line of {head:?}"))?;
-    let chunked = lines.any(|l| {
-        let l = l.to_ascii_lowercase();
-        l.starts_with("transfer-encoding:") && l.contains("chunked")
-    });
-    let body = &raw[split + 4..];
-    let body = if chunked {
-        dechunk(body)?
-    } else {
-        body.to_vec()
+    let agent = agent(limits.timeout);
+    let answer = match body {
+        Some(body) => builder
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(body)
+            .map(|r| agent.run(r)),
+        None => builder.body(()).map(|r| agent.run(r)),
     };
+    let mut answer = answer
+        .map_err(|e| bad_request(e.into()))?
+        .map_err(|e| classify(addr, limits, e).unwrap_or_else(bad_request))?;
+    let status = answer.status().as_u16();
+    let bytes = answer
+        .body_mut()
+        .with_config()
+        .limit(limits.body_limit)
+        .read_to_vec()
+        .map_err(|e| classify(addr, limits, e).unwrap_or_else(bad_request))?;
     Ok(Response {
         status,
-        body: String::from_utf8_lossy(&body).into_owned(),
+        body: String::from_utf8_lossy(&bytes).into_owned(),
     })
 }
 
-fn dechunk(mut b: &[u8]) -> Result<Vec<u8>, String> {
-    let mut out = Vec::new();
-    loop {
-        let eol = b
-            .windows(2)
-            .position(|w| w == b"\r\n")
-            .ok_or("chunk size line")?;
-        let size_text = String::from_utf8_lossy(&b[..eol]);
-        let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
-            .map_err(|_| format!("chunk size {size_text:?}"))?;
-        b = &b[eol + 2..];
-        if size == 0 {
-            return Ok(out);
-        }
-        if b.len() < size + 2 {
-            return Err("truncated chunk".into());
-        }
-        out.extend_from_slice(&b[..size]);
-        b = &b[size + 2..];
-    }
+/// The agent for one request, with every setting the module documentation lists.
+fn agent(timeout: Duration) -> Agent {
+    Agent::config_builder()
+        .timeout_global(Some(timeout))
+        .http_status_as_error(false)
+        .max_redirects(0)
+        .proxy(None)
+        .max_idle_connections(0)
+        .max_idle_connections_per_host(0)
+        .build()
+        .into()
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_plain_and_chunked_responses() {
-        let r =
-            parse_response(b"HTTP/1.1 201 Created\r\ncontent-length: 2\r\n\r\n{}").expect("plain");
-        assert_eq!((r.status, r.body.as_str()), (201, "{}"));
-        let r = parse_response(
-            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\n{\"a\r\n3\r\n\":1\r\n1\r\n}\r\n0\r\n\r\n",
-        )
-        .expect("chunked");
-        assert_eq!((r.status, r.body.as_str()), (200, "{\"a\":1}"));
-        assert!(parse_response(b"garbage").is_err());
-        assert!(
-            parse_response(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\nab")
-                .is_err()
-        );
-    }
+/// The error a failed exchange is, or `Err` with ureq's error when the request itself was
+/// refused before anything was sent (the caller's mistake, not the server's).
+fn classify(addr: &str, limits: Limits, e: ureq::Error) -> Result<HttpClientError, ureq::Error> {
+    let addr = addr.to_owned();
+    Ok(match e {
+        ureq::Error::Timeout(_) => HttpClientError::TimedOut {
+            addr,
+            after: limits.timeout,
+        },
+        ureq::Error::BodyExceedsLimit(_) => HttpClientError::TooLarge {
+            addr,
+            limit: limits.body_limit,
+        },
+        ureq::Error::Io(source) => HttpClientError::Unreachable { addr, source },
+        ureq::Error::HostNotFound => HttpClientError::Unreachable {
+            addr,
+            source: io::Error::new(io::ErrorKind::NotFound, "host not found"),
+        },
+        ureq::Error::ConnectionFailed => HttpClientError::Unreachable {
+            addr,
+            source: io::Error::other("connection failed"),
+        },
+        ureq::Error::Http(_) | ureq::Error::BadUri(_) => return Err(e),
+        source => HttpClientError::Malformed { addr, source },
+    })
 }

@@ -1,4 +1,8 @@
 //! The metrics server over real sockets: a hand-written HTTP/1.1 client against `serve`.
+//!
+//! By hand on purpose, not through `http_client`: these tests decide every byte the server
+//! sees and when (headers that never finish, a body that stalls, connections held open, a
+//! client that stops reading), which a well-behaved client does not do.
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -13,6 +13,7 @@ use starling_checkpoint::deltafile::delta_file_name;
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir};
 use starling_proto::apply::full_digest;
+use starling_telemetry::http_client::{self, Limits};
 
 /// The environment variable `starling-fault-hub` (never `starling-hub`) reads: the version
 /// whose first transmission it corrupts (`starling_transport::fanout::inject_corruption`).
@@ -670,24 +671,22 @@ pub fn publish_to(hub: &str, cluster: &std::path::Path, checkpoint: &std::path::
     );
 }
 
-/// A plain HTTP/1.1 GET over a real socket; returns the body (panics on a non-200 answer).
+/// How long a test helper's request may take: longer than the hub's longest long poll (30 s)
+/// and its request timeout (60 s), so a slow hub fails the test with its own answer.
+const HTTP_TIMEOUT: Duration = Duration::from_secs(120);
+/// The largest answer a test helper reads: the trainer client's bound (`starling_trainer`'s
+/// `hub::ANSWER_LIMIT`), enough for any results page.
+const HTTP_ANSWER_LIMIT: u64 = 256 << 20;
+
+/// A GET through the project's HTTP client; returns the body (panics on a non-200 answer).
 pub fn http_get(addr: &str, path: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect");
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .expect("send request");
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read answer");
-    let (head, body) = out.split_once("\r\n\r\n").expect("HTTP answer");
-    assert!(head.starts_with("HTTP/1.1 200"), "GET {path}: {head}");
-    body.to_owned()
+    let (status, body) = http_request(addr, "GET", path, None, None);
+    assert_eq!(status, 200, "GET {path}: {body}");
+    body
 }
 
-/// A plain HTTP/1.1 request over a real socket with an optional bearer token and JSON body;
-/// returns the status code and the body.
+/// A request through the project's HTTP client with an optional bearer token and JSON body;
+/// returns the status code and the body (panics when there is no answer).
 pub fn http_request(
     addr: &str,
     method: &str,
@@ -695,51 +694,18 @@ pub fn http_request(
     token: Option<&str>,
     body: Option<&str>,
 ) -> (u16, String) {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("connect");
-    let mut req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n");
-    if let Some(t) = token {
-        req.push_str(&format!("Authorization: Bearer {t}\r\n"));
-    }
-    let body = body.unwrap_or("");
-    if !body.is_empty() {
-        req.push_str("Content-Type: application/json\r\n");
-    }
-    req.push_str(&format!("Content-Length: {}\r\n\r\n{body}", body.len()));
-    s.write_all(req.as_bytes()).expect("send request");
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read answer");
-    let (head, body) = out.split_once("\r\n\r\n").expect("HTTP answer");
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .expect("status code");
-    // Chunked answers (axum streams JSON bodies without a length): join the chunks.
-    let body = if head
-        .to_ascii_lowercase()
-        .contains("transfer-encoding: chunked")
-    {
-        dechunk(body)
-    } else {
-        body.to_owned()
-    };
-    (status, body)
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((len, rest)) = s.split_once("\r\n") {
-        let Ok(n) = usize::from_str_radix(len.trim(), 16) else {
-            break;
-        };
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = rest[n..].trim_start_matches("\r\n");
-    }
-    out
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("authorization", a.as_str())).collect();
+    let r = http_client::request(
+        addr,
+        method,
+        path,
+        &headers,
+        body,
+        Limits::timeout(HTTP_TIMEOUT).body_limit(HTTP_ANSWER_LIMIT),
+    )
+    .unwrap_or_else(|e| panic!("{method} {path}: {}", starling_telemetry::error_chain(&e)));
+    (r.status, r.body)
 }
 
 /// A fresh PostgreSQL database on the server named by `STARLING_TEST_POSTGRES_URL`, as a

@@ -18,6 +18,7 @@ use std::time::{Duration, Instant};
 
 use base64::Engine as _;
 use serde_json::{Value, json};
+use starling_telemetry::http_client::{self, Limits};
 use starling_tests::{Testbed, http_get, http_request, metric, wait_for};
 
 /// The cluster: hub (JSON logs), relay `eu` (HTTP), actors `eu-a1`, `eu-a2`
@@ -381,49 +382,25 @@ impl Browser {
         b
     }
 
-    /// One WebDriver command. chromedriver says `Connection: close` but may keep the socket
-    /// open, so the answer is read by its `Content-Length`, not to the end of the stream.
+    /// One WebDriver command.
     fn call(&self, method: &str, path: &str, body: Option<&Value>) -> Value {
-        let body = body.map(Value::to_string).unwrap_or_default();
-        let mut s = TcpStream::connect(&self.addr).expect("connect to chromedriver");
-        s.set_read_timeout(Some(Duration::from_secs(120)))
-            .expect("timeout");
-        write!(
-            s,
-            "{method} {path} HTTP/1.1\r\nHost: {}\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\n\r\n{body}",
-            self.addr,
-            body.len()
+        let body = body.map(Value::to_string);
+        let r = http_client::request(
+            &self.addr,
+            method,
+            path,
+            &[],
+            body.as_deref(),
+            Limits::timeout(Duration::from_secs(120)),
         )
-        .expect("send a WebDriver command");
-        let mut raw = Vec::new();
-        let mut buf = [0u8; 64 * 1024];
-        let (head_len, length) = loop {
-            let n = s.read(&mut buf).expect("read chromedriver's answer");
-            assert!(
-                n > 0,
-                "chromedriver closed without an answer to {method} {path}"
-            );
-            raw.extend_from_slice(&buf[..n]);
-            if let Some(end) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
-                let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
-                let length: usize = head
-                    .lines()
-                    .find_map(|l| l.strip_prefix("content-length:"))
-                    .and_then(|v| v.trim().parse().ok())
-                    .expect("a Content-Length");
-                break (end + 4, length);
-            }
-        };
-        while raw.len() < head_len + length {
-            let n = s.read(&mut buf).expect("read chromedriver's answer");
-            assert!(n > 0, "chromedriver closed mid-answer");
-            raw.extend_from_slice(&buf[..n]);
-        }
-        let status_ok = raw.starts_with(b"HTTP/1.1 200");
-        let text = String::from_utf8_lossy(&raw[head_len..head_len + length]).into_owned();
-        let v: Value = serde_json::from_str(&text).unwrap_or(Value::String(text));
-        assert!(status_ok, "WebDriver {method} {path}: {v}");
+        .unwrap_or_else(|e| {
+            panic!(
+                "WebDriver {method} {path}: {}",
+                starling_telemetry::error_chain(&e)
+            )
+        });
+        let v: Value = serde_json::from_str(&r.body).unwrap_or(Value::String(r.body));
+        assert!(r.status == 200, "WebDriver {method} {path}: {v}");
         v
     }
 
@@ -506,7 +483,9 @@ impl Drop for Browser {
 }
 
 /// Sends `raw` as the whole request and returns the status code and body (for requests the
-/// helpers cannot make: a declared body far over the limit).
+/// helpers cannot make: a declared body far over the limit). Bytes by hand on purpose, like
+/// the event-stream clients below: these test the server against what no well-behaved client
+/// sends (a length it never delivers, a stream it never reads).
 fn raw_request(addr: &str, raw: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(10)))

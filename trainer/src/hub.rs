@@ -2,14 +2,16 @@
 //! submit a batch, long-poll its accepted results, read its status, cancel it.
 //!
 //! It speaks plain HTTP/1.1 through `starling_telemetry::http_client` (one connection per
-//! request: the trainer makes a handful per optimizer step). The hub's
-//! error bodies (`{"code", "message"}`, `docs/api.md`) become [`HubError::Refused`]: the code
-//! parsed once into an [`ErrorCode`], so a caller decides by its variant, never by the text.
+//! request: the trainer makes a handful per optimizer step; each request bounded in time and
+//! in the size of its answer, [`ANSWER_LIMIT`]). The hub's error bodies (`{"code", "message"}`,
+//! `docs/api.md`) become [`HubError::Refused`]: the code parsed once into an [`ErrorCode`], so
+//! a caller decides by its variant, never by the text.
 
 use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::Value;
+use starling_telemetry::http_client::{self, HttpClientError, Limits};
 
 /// Why a request failed.
 #[derive(Debug, thiserror::Error)]
@@ -19,6 +21,8 @@ pub enum HubError {
         addr: String,
         source: std::io::Error,
     },
+    #[error("the hub at {addr} did not answer within {after:?}")]
+    TimedOut { addr: String, after: Duration },
     #[error("the hub refused ({status} {code}): {message}")]
     Refused {
         status: u16,
@@ -123,7 +127,9 @@ impl HubError {
     pub fn code(&self) -> Option<&ErrorCode> {
         match self {
             HubError::Refused { code, .. } => Some(code),
-            HubError::Unreachable { .. } | HubError::Malformed(_) => None,
+            HubError::Unreachable { .. } | HubError::TimedOut { .. } | HubError::Malformed(_) => {
+                None
+            }
         }
     }
 }
@@ -184,6 +190,12 @@ pub struct ResultsPage {
     pub cursor: u64,
     pub done: bool,
 }
+
+/// The largest answer read from the hub. Its largest answers are results pages: at most 8 MiB
+/// of JSON, but always at least one result, and one group's result may fill a 16 MiB
+/// job-protocol message, a few times that as JSON (token ids, log-probabilities, text)
+/// (`docs/api.md`, "Bounds"); 256 MiB leaves room for it.
+pub const ANSWER_LIMIT: u64 = 256 << 20;
 
 /// A client bound to one hub and trainer token.
 #[derive(Debug, Clone)]
@@ -260,18 +272,17 @@ impl HubClient {
     ) -> Result<(u16, String), HubError> {
         let payload = body.map(Value::to_string);
         let auth = format!("Bearer {}", self.token);
-        let r = starling_telemetry::http_client::request(
+        let r = http_client::request(
             &self.addr,
             method,
             path,
             &[("authorization", &auth)],
             payload.as_deref(),
-            self.timeout,
+            Limits::timeout(self.timeout).body_limit(ANSWER_LIMIT),
         )
         .map_err(|e| match e {
-            starling_telemetry::http_client::HttpClientError::Unreachable { addr, source } => {
-                HubError::Unreachable { addr, source }
-            }
+            HttpClientError::Unreachable { addr, source } => HubError::Unreachable { addr, source },
+            HttpClientError::TimedOut { addr, after } => HubError::TimedOut { addr, after },
             other => HubError::Malformed(starling_telemetry::error_chain(&other)),
         })?;
         Ok((r.status, r.body))
@@ -280,6 +291,9 @@ impl HubClient {
 
 #[cfg(test)]
 mod tests {
+    use std::io::{Read, Write};
+    use std::net::TcpListener;
+
     use super::*;
 
     #[test]
@@ -303,6 +317,60 @@ mod tests {
             matches!(&proxy, HubError::Refused { code: ErrorCode::Other(c), message, .. }
                 if c == "unknown" && message == "<html>bad gateway</html>"),
             "{proxy:?}"
+        );
+    }
+
+    #[test]
+    fn nobody_listening_is_unreachable() {
+        let addr = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port");
+        let e = HubClient::new(addr.to_string(), "t")
+            .versions()
+            .expect_err("nobody listens");
+        assert!(matches!(e, HubError::Unreachable { .. }), "{e:?}");
+    }
+
+    #[test]
+    fn an_error_body_is_refused_with_its_code() {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let server = std::thread::spawn(move || {
+            let (mut conn, _) = listener.accept().expect("accept");
+            let mut head = Vec::new();
+            let mut byte = [0u8];
+            while !head.ends_with(b"\r\n\r\n") && conn.read(&mut byte).expect("read") == 1 {
+                head.push(byte[0]);
+            }
+            let body = r#"{"code":"step_backwards","message":"step 3 is behind 4"}"#;
+            write!(
+                conn,
+                "HTTP/1.1 409 Conflict\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            )
+            .expect("answer");
+            String::from_utf8(head).expect("UTF-8 head")
+        });
+        let e = HubClient::new(addr.to_string(), "tok")
+            .versions()
+            .expect_err("refused");
+        match e {
+            HubError::Refused {
+                status,
+                code,
+                message,
+            } => assert_eq!(
+                (status, code, message.as_str()),
+                (409, ErrorCode::StepBackwards, "step 3 is behind 4")
+            ),
+            other => panic!("not Refused: {other:?}"),
+        }
+        let head = server.join().expect("server");
+        assert!(head.starts_with("GET /v1/versions HTTP/1.1\r\n"), "{head}");
+        assert!(
+            head.to_ascii_lowercase()
+                .contains("authorization: bearer tok\r\n"),
+            "{head}"
         );
     }
 }
