@@ -109,7 +109,7 @@ impl Shell for Pipeline<'_> {
             tokio::task::block_in_place(|| s.stager.stage_frame(frame.as_frame(), weights));
         s.raw.push(frame.bytes);
         if let Err(e) = staged {
-            let e = starling_telemetry::error_chain(&e);
+            let e = starling_process::error_chain(&e);
             tracing::warn!(version, "staging failed ({e}); fetching it again");
             self.staging.remove(&version);
             return false;
@@ -227,7 +227,7 @@ impl Shell for Pipeline<'_> {
         }
         tracing::warn!(
             "source not reached: {}",
-            starling_telemetry::error_chain(&error)
+            starling_process::error_chain(&error)
         );
         Ok(())
     }

@@ -119,7 +119,7 @@ pub(crate) async fn serve_worker(
             }
             Err(e) => tracing::error!(
                 "release the leases of the actor's earlier connections: {}",
-                starling_telemetry::error_chain(&e)
+                starling_process::error_chain(&e)
             ),
         }
     }
@@ -163,7 +163,7 @@ async fn release(cx: &WorkerContext, actor: &ActorId, session: Session) {
         }
         Err(e) => tracing::error!(
             "release the worker's leases (they expire instead): {}",
-            starling_telemetry::error_chain(&e)
+            starling_process::error_chain(&e)
         ),
     }
 }
@@ -521,7 +521,7 @@ pub(crate) async fn note_if_finished(ledger: &Ledger, board: &Board, batch: i64)
         Err(e) => tracing::warn!(
             batch,
             "read batch status: {}",
-            starling_telemetry::error_chain(&e)
+            starling_process::error_chain(&e)
         ),
     }
 }
@@ -558,18 +558,12 @@ pub(crate) async fn run_scheduler(
                     }
                 }
             }
-            Err(e) => tracing::error!(
-                "lease sweep failed: {}",
-                starling_telemetry::error_chain(&e)
-            ),
+            Err(e) => tracing::error!("lease sweep failed: {}", starling_process::error_chain(&e)),
         }
         let batches = match ledger.unscheduled_batches(64).await {
             Ok(b) => b,
             Err(e) => {
-                tracing::error!(
-                    "read posted batches: {}",
-                    starling_telemetry::error_chain(&e)
-                );
+                tracing::error!("read posted batches: {}", starling_process::error_chain(&e));
                 continue;
             }
         };
@@ -589,7 +583,7 @@ pub(crate) async fn run_scheduler(
                 Err(e) => tracing::error!(
                     batch = b.raw(),
                     "schedule batch: {}",
-                    starling_telemetry::error_chain(&e)
+                    starling_process::error_chain(&e)
                 ),
             }
         }

@@ -47,7 +47,7 @@ pub(crate) fn load(dir: &Path, book: &VersionBook, trust: &TrustPolicy) -> usize
             tracing::warn!(
                 path = %path.display(),
                 "cache file refused: {}; ignoring the cache from here",
-                starling_telemetry::error_chain(&e)
+                starling_process::error_chain(&e)
             );
             return n;
         }

@@ -292,7 +292,7 @@ impl Shell for Relay<'_> {
             return true;
         };
         if let Err(e) = inc.assembler.add(frame.as_frame()) {
-            let e = starling_telemetry::error_chain(&e);
+            let e = starling_process::error_chain(&e);
             tracing::warn!(
                 version,
                 "a frame does not fit its version ({e}); fetching it again"
@@ -330,7 +330,7 @@ impl Shell for Relay<'_> {
         let task = tokio::task::spawn_blocking(move || {
             inc.assembler
                 .finish(&trust)
-                .map_err(|e| starling_telemetry::error_chain(&e))?;
+                .map_err(|e| starling_process::error_chain(&e))?;
             if let Some(dir) = &cache_dir
                 && let Err(e) = cache::store(dir, &inc.live, stale)
             {
@@ -451,7 +451,7 @@ impl Shell for Relay<'_> {
                 Err(e).context("subscribe to the hub")
             }
             e => {
-                let e = starling_telemetry::error_chain(&e);
+                let e = starling_process::error_chain(&e);
                 tracing::warn!(hub = %self.cfg.hub, "hub not reached: {e}; trying again");
                 Ok(())
             }

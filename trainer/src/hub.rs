@@ -179,7 +179,7 @@ impl HubClient {
             starling_telemetry::http_client::HttpClientError::Unreachable { addr, source } => {
                 HubError::Unreachable { addr, source }
             }
-            other => HubError::Malformed(starling_telemetry::error_chain(&other)),
+            other => HubError::Malformed(starling_process::error_chain(&other)),
         })?;
         Ok((r.status, r.body))
     }

@@ -82,7 +82,7 @@ pub async fn admit(
     } else if let Err(e) = verify_peer(conn, cert_role, cert_name) {
         Some((
             RefuseReason::NotAuthorized,
-            starling_telemetry::error_chain(&e),
+            starling_process::error_chain(&e),
         ))
     } else if theirs != model_id {
         Some((

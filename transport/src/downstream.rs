@@ -76,7 +76,7 @@ pub async fn accept_subscribers(
             match incoming.await {
                 Ok(conn) => {
                     if let Err(e) = serve_connection(&downstream, conn.clone()).await {
-                        let e = starling_telemetry::error_chain(&e);
+                        let e = starling_process::error_chain(&e);
                         tracing::warn!(remote = %conn.remote_address(), "subscriber connection ended: {e}");
                     }
                 }

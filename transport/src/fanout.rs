@@ -292,7 +292,7 @@ async fn answer_requests(
                             peer = %sender.name,
                             version,
                             "resend failed: {}",
-                            starling_telemetry::error_chain(&e)
+                            starling_process::error_chain(&e)
                         );
                     }
                 });
@@ -306,7 +306,7 @@ async fn answer_requests(
                             peer = %sender.name,
                             version,
                             "resume failed: {}",
-                            starling_telemetry::error_chain(&e)
+                            starling_process::error_chain(&e)
                         );
                     }
                 });
@@ -322,7 +322,7 @@ async fn answer_requests(
                         tracing::warn!(
                             peer = %name,
                             "anchor not sent: {}",
-                            starling_telemetry::error_chain(&e)
+                            starling_process::error_chain(&e)
                         );
                     }
                 });
