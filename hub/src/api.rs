@@ -28,7 +28,7 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use starling_ledger::{BatchId, CancelError, PostError, ReadError, Version};
-use starling_proto::manifest::hex;
+use starling_proto::delta::manifest::hex;
 
 use crate::clock::{now, now_ms};
 use crate::durable::VersionMeta;

@@ -13,8 +13,8 @@ use starling_checkpoint::deltafile::{
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir, step_file};
 use starling_checkpoint::writer::AtomicFile;
-use starling_proto::manifest::{TrustPolicy, hex};
-use starling_proto::segment::Segment;
+use starling_proto::delta::manifest::{TrustPolicy, hex};
+use starling_proto::delta::segment::Segment;
 use starling_transport::identity::Credentials;
 use starling_transport::link::LinkProfile;
 

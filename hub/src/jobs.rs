@@ -36,8 +36,8 @@ use starling_ledger::{
     ActorId, Digest, HubRefusal, JobId, Ledger, RefusalEffect, ResultSubmission, ScheduleError,
     Session, SubmitCall, Version,
 };
-use starling_proto::msg::{MAX_MESSAGE_BODY, Message, RefuseReason};
-use starling_proto::rollout::{JobResult, MAX_NEW_TOKENS, MAX_SAMPLES, Verdict};
+use starling_proto::protocol::msg::{MAX_MESSAGE_BODY, Message, RefuseReason};
+use starling_proto::protocol::rollout::{JobResult, MAX_NEW_TOKENS, MAX_SAMPLES, Verdict};
 use starling_telemetry::Metrics;
 use starling_transport::framed::{Incoming, MessageReader, send};
 use tokio::sync::Notify;
@@ -73,7 +73,8 @@ pub(crate) struct WorkerContext {
 /// The largest oversized `Submit` the hub reads past (to refuse its result by name) instead
 /// of dropping the connection: the largest result any group could ever produce.
 fn max_oversized() -> u64 {
-    starling_proto::rollout::max_result_len(MAX_SAMPLES as u32, MAX_NEW_TOKENS as u32) + 16
+    starling_proto::protocol::rollout::max_result_len(MAX_SAMPLES as u32, MAX_NEW_TOKENS as u32)
+        + 16
 }
 
 /// Serves one actor's job connection until it closes.
@@ -598,7 +599,7 @@ pub(crate) fn token_budget(spec: &GroupSpec) -> u64 {
 
 /// A refusal's detail within what the wire carries.
 fn bounded(mut detail: String) -> String {
-    let max = starling_proto::rollout::MAX_DETAIL_LEN;
+    let max = starling_proto::protocol::rollout::MAX_DETAIL_LEN;
     if detail.len() > max {
         let mut cut = max;
         while !detail.is_char_boundary(cut) {

@@ -39,8 +39,8 @@ mod tests {
     use super::error_chain;
     use starling_checkpoint::deltafile::DeltaFileError;
     use starling_checkpoint::safetensors::Checkpoint;
-    use starling_proto::apply::StageError;
-    use starling_proto::manifest::SignatureError;
+    use starling_proto::delta::apply::StageError;
+    use starling_proto::delta::manifest::SignatureError;
 
     /// The manifest refusal: what failed, then why, each once.
     #[test]

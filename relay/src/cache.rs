@@ -8,7 +8,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use starling_checkpoint::deltafile::{delta_file_name, delta_files, write_frames};
-use starling_proto::manifest::TrustPolicy;
+use starling_proto::delta::manifest::TrustPolicy;
 use starling_transport::book::{LiveVersion, VersionBook};
 
 /// The oldest version in the cache.

@@ -39,10 +39,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use starling_proto::anchor::AnchorSeal;
-use starling_proto::container::{DeltaAssembler, FrameKind};
-use starling_proto::manifest::TrustPolicy;
-use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_proto::delta::anchor::AnchorSeal;
+use starling_proto::delta::container::{DeltaAssembler, FrameKind};
+use starling_proto::delta::manifest::TrustPolicy;
+use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::{Component, Metrics};
 use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
 use starling_transport::downstream::{Downstream, accept_subscribers};

@@ -6,7 +6,7 @@
 //! says what to fix. An admitted peer gets `Welcome` with the newest version here.
 
 use quinn::{Connection, SendStream};
-use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
+use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
 use thiserror::Error;
 
 use crate::endpoint::verify_peer;

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use quinn::{Connection, Endpoint};
-use starling_proto::msg::{Message, Role as MsgRole};
+use starling_proto::protocol::msg::{Message, Role as MsgRole};
 use starling_telemetry::Metrics;
 use thiserror::Error;
 use tokio::task::JoinSet;

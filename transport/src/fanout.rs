@@ -23,8 +23,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use quinn::{Connection, SendStream};
-use starling_proto::anchor::AnchorSeal;
-use starling_proto::msg::{MAX_STRIPES, Message, RefuseReason};
+use starling_proto::delta::anchor::AnchorSeal;
+use starling_proto::protocol::msg::{MAX_STRIPES, Message, RefuseReason};
 use thiserror::Error;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;

@@ -11,8 +11,8 @@
 use std::net::SocketAddr;
 
 use quinn::{ClientConfig, Connection, Endpoint, SendStream};
-use starling_proto::anchor::AnchorSeal;
-use starling_proto::msg::{Message, RefuseReason};
+use starling_proto::delta::anchor::AnchorSeal;
+use starling_proto::protocol::msg::{Message, RefuseReason};
 use thiserror::Error;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
