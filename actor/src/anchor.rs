@@ -9,10 +9,10 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context, Result, bail};
 use starling_checkpoint::deltafile::Model;
 use starling_checkpoint::safetensors::Checkpoint;
-use starling_proto::anchor::AnchorSeal;
-use starling_proto::apply::full_digest;
-use starling_proto::digest::StateDigest;
-use starling_proto::manifest::TrustPolicy;
+use starling_proto::delta::anchor::AnchorSeal;
+use starling_proto::delta::apply::full_digest;
+use starling_proto::delta::digest::StateDigest;
+use starling_proto::delta::manifest::TrustPolicy;
 use starling_transport::framed::DataStreamReader;
 
 use crate::store::Layout;

@@ -95,7 +95,7 @@ struct Args {
     #[arg(long, default_value = "cpu", env = "STARLING_ACTOR_HARDWARE")]
     hardware: String,
     #[command(flatten)]
-    log: starling_telemetry::logging::LogArgs,
+    log: starling_process::logging::LogArgs,
 }
 
 /// Parses `args` (the first is the program name) and runs until the process is stopped.
@@ -107,8 +107,8 @@ where
     T: Into<std::ffi::OsString> + Clone,
 {
     let a = Args::parse_from(args);
-    if let Err(e) = starling_telemetry::logging::init(&a.log) {
-        eprintln!("error: {}", starling_telemetry::error_chain(&e));
+    if let Err(e) = starling_process::logging::init(&a.log) {
+        eprintln!("error: {}", starling_process::error_chain(&e));
         return std::process::ExitCode::from(2);
     }
     let mut sources = Vec::new();
@@ -182,5 +182,5 @@ where
         engine,
         weights_dir: a.weights_dir,
     };
-    starling_transport::service::run_service(|stop| crate::run(cfg, stop))
+    starling_process::service::run_service(|stop| crate::run(cfg, stop))
 }

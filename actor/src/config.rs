@@ -30,7 +30,7 @@ pub struct ActorConfig {
     /// Generate rollouts with this engine (none: hold weights only).
     pub engine: Option<EngineSettings>,
     /// Read each version's full checkpoint from this directory instead of receiving deltas
-    /// (the no-transfer baseline, [`shared_dir`]); relays are not used.
+    /// (the no-transfer baseline, [`crate::shared_dir`]); relays are not used.
     pub weights_dir: Option<PathBuf>,
 }
 

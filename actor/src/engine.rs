@@ -27,8 +27,8 @@ use anyhow::{Context, Result, bail};
 use starling_engine::{
     FinishReason as EngineFinish, GenRequest, GenerateOptions, Model, ModelConfig, Sampling,
 };
-use starling_proto::apply::{UndoLog, full_digest};
-use starling_proto::rollout::{FinishReason, JobResult, JobSpec, Sample, VersionSpan};
+use starling_proto::delta::apply::{UndoLog, full_digest};
+use starling_proto::protocol::rollout::{FinishReason, JobResult, JobSpec, Sample, VersionSpan};
 
 use crate::ActorConfig;
 use crate::vllm;

@@ -7,7 +7,7 @@
 //!   arrives**, against the active weights, while generating with them; activate it on
 //!   `Commit` only once the whole delta verified (signature by the trusted hub key, every
 //!   segment hash, base version and digest, post digest). The weights never change in
-//!   between: [`starling_proto::apply`] makes the commit a bare overwrite after every check,
+//!   between: [`starling_proto::delta::apply`] makes the commit a bare overwrite after every check,
 //!   with an undo log. Which source to follow, what to fetch again and when, and which
 //!   source to drop are the core's and its source policy's decisions.
 //! - [`store`]: each activated version is made durable (a snapshot plus a journal of the
@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use starling_checkpoint::deltafile::Model;
-use starling_proto::manifest::TrustPolicy;
+use starling_proto::delta::manifest::TrustPolicy;
 use starling_telemetry::{Component, Metrics};
 use starling_transport::endpoint::{any_addr_for, client_config, client_endpoint};
 use starling_transport::follow::{Bounds, FollowConfig, Follower, PolicyConfig, SourcePolicy};

@@ -28,10 +28,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use starling_checkpoint::deltafile::Model;
-use starling_proto::anchor::AnchorSeal;
-use starling_proto::apply::{Stager, UndoLog, VersionedWeights};
-use starling_proto::manifest::TrustPolicy;
-use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_proto::delta::anchor::AnchorSeal;
+use starling_proto::delta::apply::{Stager, UndoLog, VersionedWeights};
+use starling_proto::delta::manifest::TrustPolicy;
+use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::Metrics;
 use starling_transport::drive::Shell;
 use starling_transport::endpoint::EndpointError;
@@ -110,7 +110,7 @@ impl Shell for Pipeline<'_> {
             tokio::task::block_in_place(|| s.stager.stage_frame(frame.as_frame(), weights));
         s.raw.push(frame.bytes);
         if let Err(e) = staged {
-            let e = starling_telemetry::error_chain(&e);
+            let e = starling_process::error_chain(&e);
             tracing::warn!(version, "staging failed ({e}); fetching it again");
             self.staging.remove(&version);
             return false;
@@ -228,7 +228,7 @@ impl Shell for Pipeline<'_> {
         }
         tracing::warn!(
             "source not reached: {}",
-            starling_telemetry::error_chain(&error)
+            starling_process::error_chain(&error)
         );
         Ok(())
     }

@@ -26,8 +26,8 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use starling_checkpoint::deltafile::Model;
 use starling_checkpoint::safetensors::Checkpoint;
-use starling_proto::apply::{UndoLog, full_digest};
-use starling_proto::digest::StateDigest;
+use starling_proto::delta::apply::{UndoLog, full_digest};
+use starling_proto::delta::digest::StateDigest;
 use starling_telemetry::Metrics;
 use tokio::sync::watch;
 

@@ -80,13 +80,13 @@ impl ActorStatus {
             "region": self.region,
             "now_ms": now_ms,
             "active_version": p.active.map(|(v, _)| v),
-            "active_digest": p.active.map(|(_, d)| starling_proto::manifest::hex(&d)),
+            "active_digest": p.active.map(|(_, d)| starling_proto::delta::manifest::hex(&d)),
             "staged_version": p.staged,
             "source": source.map(|s| json!({"name": s.name, "kind": s.kind, "connected": s.connected})),
             "engine": self.engine,
             // What the engine proves it holds; null while it is fenced (it then takes no work).
             "engine_version": fingerprint.map(|f| f.version),
-            "engine_digest": fingerprint.map(|f| starling_proto::manifest::hex(&f.digest)),
+            "engine_digest": fingerprint.map(|f| starling_proto::delta::manifest::hex(&f.digest)),
             "worker_connected": self.metrics.worker_connected(),
         })
     }

@@ -23,8 +23,8 @@ use anyhow::{Context, Result};
 use starling_checkpoint::deltafile::{Model, read_manifest, write_frames};
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::writer::SafetensorsWriter;
-use starling_proto::apply::{VersionedWeights, full_digest};
-use starling_proto::manifest::TrustPolicy;
+use starling_proto::delta::apply::{VersionedWeights, full_digest};
+use starling_proto::delta::manifest::TrustPolicy;
 
 /// Journal length that triggers a snapshot rewrite.
 pub const MAX_JOURNAL: usize = 16;
@@ -246,7 +246,7 @@ mod tests {
     use ed25519_dalek::SigningKey;
     use starling_checkpoint::deltafile::{DiffOptions, diff_to_file};
     use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir};
-    use starling_proto::container::split_frames;
+    use starling_proto::delta::container::split_frames;
 
     #[test]
     fn the_journal_replays_compacts_and_stops_at_a_damaged_entry() {

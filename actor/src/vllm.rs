@@ -50,9 +50,9 @@ use anyhow::{Context, Result, bail};
 use serde_json::{Value, json};
 use starling_checkpoint::writer::SafetensorsWriter;
 use starling_engine::ModelConfig;
-use starling_proto::apply::UndoLog;
-use starling_proto::manifest::{hex, parse_hex};
-use starling_proto::rollout::{FinishReason, JobResult, JobSpec, Sample};
+use starling_proto::delta::apply::UndoLog;
+use starling_proto::delta::manifest::{hex, parse_hex};
+use starling_proto::protocol::rollout::{FinishReason, JobResult, JobSpec, Sample};
 use starling_telemetry::http_client::{self, DEFAULT_BODY_LIMIT, Limits, Response};
 
 use crate::engine::{Capabilities, Engine, Fingerprint, JobProgress, group_seed, whole_span};

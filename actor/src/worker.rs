@@ -42,8 +42,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use quinn::{ClientConfig, Endpoint, SendStream};
-use starling_proto::msg::{MAX_MESSAGE_BODY, Message, PROTOCOL_VERSION, Role as MsgRole};
-use starling_proto::rollout::{JobResult, JobSpec, Verdict, split_for_messages};
+use starling_proto::protocol::msg::{MAX_MESSAGE_BODY, Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_proto::protocol::rollout::{JobResult, JobSpec, Verdict, split_for_messages};
 use starling_telemetry::Metrics;
 use starling_transport::endpoint::connect_with;
 use starling_transport::framed::{MessageReader, send};

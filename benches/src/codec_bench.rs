@@ -20,15 +20,15 @@ use anyhow::{Context, Result};
 use clap::Parser;
 use rayon::prelude::*;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_in_memory};
-use starling_proto::apply::{VersionedWeights, full_digest, scatter};
-use starling_proto::codec::value::ulp_step_zigzag;
-use starling_proto::codec::{IndexCodec, ValueCodec};
-use starling_proto::container::read_delta;
-use starling_proto::diff::{count_differences, diff_range};
-use starling_proto::digest::DigestKey;
-use starling_proto::encode::{DeltaHeader, EncoderConfig, encode_in_memory, flat_pairs};
-use starling_proto::manifest::TrustPolicy;
-use starling_proto::segment::PartPayload;
+use starling_proto::delta::apply::{VersionedWeights, full_digest, scatter};
+use starling_proto::delta::codec::value::ulp_step_zigzag;
+use starling_proto::delta::codec::{IndexCodec, ValueCodec};
+use starling_proto::delta::container::read_delta;
+use starling_proto::delta::diff::{count_differences, diff_range};
+use starling_proto::delta::digest::DigestKey;
+use starling_proto::delta::encode::{DeltaHeader, EncoderConfig, encode_in_memory, flat_pairs};
+use starling_proto::delta::manifest::TrustPolicy;
+use starling_proto::delta::segment::PartPayload;
 use starling_proto::wire::put_varint;
 
 #[derive(Parser, Debug)]
@@ -618,16 +618,17 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
     let (bytes_v1, _) = encode_in_memory(hdr.clone(), v1_config(), &ts, None);
     let delta_v1 = read_delta(&bytes_v1, &TrustPolicy::AnySigner)?;
     let pre = hdr.pre_digest.unwrap_or_default();
-    let stage_delta =
-        |delta: &starling_proto::container::Delta, w: &VersionedWeights<Model>| -> Result<_> {
-            let mut st = w.stager();
-            for s in &delta.segments {
-                let e = &delta.manifest.manifest.segments[s.seq as usize];
-                st.stage_segment(s, e.hash, e.frame_len, w.weights())?;
-            }
-            st.stage_manifest(delta.manifest.clone())?;
-            Ok(st.seal(&TrustPolicy::AnySigner)?)
-        };
+    let stage_delta = |delta: &starling_proto::delta::container::Delta,
+                       w: &VersionedWeights<Model>|
+     -> Result<_> {
+        let mut st = w.stager();
+        for s in &delta.segments {
+            let e = &delta.manifest.manifest.segments[s.seq as usize];
+            st.stage_segment(s, e.hash, e.frame_len, w.weights())?;
+        }
+        st.stage_manifest(delta.manifest.clone())?;
+        Ok(st.seal(&TrustPolicy::AnySigner)?)
+    };
     let stage = |w: &VersionedWeights<Model>| stage_delta(&delta, w);
     let w = VersionedWeights::new("bench", old.clone(), 1, pre);
     let decode_1 = one.install(|| time(reps, || stage(&w).map(|_| ())));
@@ -663,7 +664,7 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
     let changes: u64 = pairs.iter().map(|p| p.1.len() as u64).sum();
     // Digest update per change: h(old) and h(new) for every change.
     let key = DigestKey::for_model("bench");
-    let diffs: Vec<(String, starling_proto::diff::RangeDiff)> = old
+    let diffs: Vec<(String, starling_proto::delta::diff::RangeDiff)> = old
         .iter()
         .map(|(n, o)| (n.clone(), diff_range(o, &new[n])))
         .collect();

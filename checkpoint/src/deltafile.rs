@@ -13,15 +13,15 @@ use std::path::{Path, PathBuf};
 
 use ed25519_dalek::SigningKey;
 use rayon::prelude::*;
-use starling_proto::apply::{StageError, VersionedWeights, full_digest};
-use starling_proto::container::{
+use starling_proto::delta::apply::{StageError, VersionedWeights, full_digest};
+use starling_proto::delta::container::{
     FILE_HEADER_LEN, FRAME_HEADER_LEN, Frame, FrameKind, Trailer, check_file_header, file_header,
     frame_hash, parse_frame, parse_frame_header,
 };
-use starling_proto::digest::{DigestKey, StateDigest};
-use starling_proto::encode::{DeltaEncoder, DeltaHeader, EncoderConfig, TensorPair};
-use starling_proto::manifest::{Manifest, TrustPolicy, hex};
-use starling_proto::{DecodeError, manifest::SignedManifest};
+use starling_proto::delta::digest::{DigestKey, StateDigest};
+use starling_proto::delta::encode::{DeltaEncoder, DeltaHeader, EncoderConfig, TensorPair};
+use starling_proto::delta::manifest::{Manifest, TrustPolicy, hex};
+use starling_proto::{DecodeError, delta::manifest::SignedManifest};
 use thiserror::Error;
 
 use crate::safetensors::{Checkpoint, CheckpointError, TensorInfo};
@@ -353,8 +353,8 @@ pub fn write_frames(dest: &Path, frames: &[&[u8]]) -> Result<u64, DeltaFileError
         let frame = parse_frame(f).map_err(decode_err)?;
         match frame.kind {
             FrameKind::Segment => {
-                let (_, seq) =
-                    starling_proto::segment::Segment::peek_id(frame.body).map_err(decode_err)?;
+                let (_, seq) = starling_proto::delta::segment::Segment::peek_id(frame.body)
+                    .map_err(decode_err)?;
                 segments.push((seq, *f));
             }
             FrameKind::Manifest => manifest = Some(*f),

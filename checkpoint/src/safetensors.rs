@@ -26,7 +26,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
-use starling_proto::bf16::{f16_to_bf16, f32_to_bf16};
+use starling_proto::delta::bf16::{f16_to_bf16, f32_to_bf16};
 use thiserror::Error;
 
 /// The `__metadata__` key under which Starling records a checkpoint's version.

@@ -20,7 +20,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use rayon::prelude::*;
-use starling_proto::bf16::f32_to_bf16;
+use starling_proto::delta::bf16::f32_to_bf16;
 use starling_rng::{SplitMix64, mix64};
 
 /// What role a tensor plays; sets its initial magnitude. (`Bias` is unused by the Qwen3

@@ -3,7 +3,7 @@
 //! whose exponents the next byte spreads or concentrates.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use starling_proto::codec::{IndexCodec, index};
+use starling_proto::delta::codec::{IndexCodec, index};
 
 fuzz_target!(|data: &[u8]| {
     if data.len() < 7 {

@@ -4,7 +4,7 @@
 //! included, NaN payloads too: `Sample` compares floats by bits).
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use starling_proto::msg::{Message, check};
+use starling_proto::protocol::msg::{Message, check};
 
 fuzz_target!(|data: &[u8]| {
     let _ = check(data);

@@ -1,7 +1,7 @@
 //! Segment bodies and every part decoder they reach, against a fixed base.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use starling_proto::segment::Segment;
+use starling_proto::delta::segment::Segment;
 
 fuzz_target!(|data: &[u8]| {
     if let Ok(seg) = Segment::decode_body(data) {

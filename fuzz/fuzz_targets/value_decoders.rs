@@ -2,7 +2,7 @@
 //! signs vary (so the context-modelled codecs visit many contexts).
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use starling_proto::codec::{DenseCodec, ValueCodec, dense, value};
+use starling_proto::delta::codec::{DenseCodec, ValueCodec, dense, value};
 
 fuzz_target!(|data: &[u8]| {
     if data.len() < 3 {

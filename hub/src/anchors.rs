@@ -4,7 +4,7 @@
 //!
 //! Layout: `anchors/vNNNNNNNN.safetensors` (one file, whatever the trainer's sharding, with
 //! the version in its metadata) and `anchors/vNNNNNNNN.seal` (the signed size and BLAKE3;
-//! see `starling_proto::anchor`). Both are written atomically, the seal last, so an anchor
+//! see `starling_proto::delta::anchor`). Both are written atomically, the seal last, so an anchor
 //! exists only once it is whole. Retention: the newest `keep` anchors, and the delta files
 //! from the oldest kept anchor on — older deltas can no longer be the shortest way anywhere.
 //!
@@ -22,8 +22,8 @@ use ed25519_dalek::SigningKey;
 use starling_checkpoint::deltafile::version_file_name;
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::writer::{AtomicFile, SafetensorsWriter};
-use starling_proto::anchor::AnchorSeal;
-use starling_proto::manifest::TrustPolicy;
+use starling_proto::delta::anchor::AnchorSeal;
+use starling_proto::delta::manifest::TrustPolicy;
 use starling_transport::fanout::AnchorSource;
 
 /// The anchors of one hub.
@@ -167,7 +167,7 @@ fn read_seal(path: &Path) -> Result<AnchorSeal> {
     AnchorSeal::from_bytes(&b).with_context(|| {
         format!(
             "a seal is {} bytes, this one {}",
-            starling_proto::anchor::SEAL_LEN,
+            starling_proto::delta::anchor::SEAL_LEN,
             b.len()
         )
     })

@@ -28,7 +28,7 @@ use serde::Deserialize;
 use serde::de::DeserializeOwned;
 use serde_json::{Value, json};
 use starling_ledger::{BatchId, CancelError, PostError, ReadError, Version};
-use starling_proto::manifest::hex;
+use starling_proto::delta::manifest::hex;
 
 use crate::clock::{now, now_ms};
 use crate::durable::VersionMeta;
@@ -66,7 +66,7 @@ impl ApiError {
     /// `what: ` and the whole chain of `e` (a ledger error says only "ledger database"; its
     /// cause is in its source).
     fn internal(what: &str, e: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
-        let e = starling_telemetry::error_chain(&*e.into());
+        let e = starling_process::error_chain(&*e.into());
         Self::new(
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal",
@@ -445,7 +445,7 @@ async fn results(
                     tracing::warn!(
                         batch = id.raw(),
                         "mark delivered: {}",
-                        starling_telemetry::error_chain(&e)
+                        starling_process::error_chain(&e)
                     );
                 }
             }

@@ -35,7 +35,7 @@ pub(crate) async fn run(ledger: Arc<Ledger>, dir: PathBuf, policy: Retention, ev
             Err(e) => {
                 tracing::error!(
                     "read batches to archive: {}",
-                    starling_telemetry::error_chain(&e)
+                    starling_process::error_chain(&e)
                 );
                 continue;
             }

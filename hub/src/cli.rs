@@ -13,8 +13,8 @@ use starling_checkpoint::deltafile::{
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir, step_file};
 use starling_checkpoint::writer::AtomicFile;
-use starling_proto::manifest::{TrustPolicy, hex};
-use starling_proto::segment::Segment;
+use starling_proto::delta::manifest::{TrustPolicy, hex};
+use starling_proto::delta::segment::Segment;
 use starling_transport::identity::Credentials;
 use starling_transport::link::LinkProfile;
 
@@ -36,7 +36,7 @@ pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
     #[command(flatten)]
-    pub log: starling_telemetry::logging::LogArgs,
+    pub log: starling_process::logging::LogArgs,
 }
 
 // Parsed once at start and matched once: the size of `Serve` costs nothing.
@@ -555,7 +555,7 @@ pub fn run(cli: Cli) -> Result<()> {
             };
             runtime()?.block_on(crate::serve::serve(
                 cfg,
-                starling_transport::service::shutdown_signal(),
+                starling_process::signal::shutdown_signal(),
             ))
         }
         Command::Publish {
@@ -647,14 +647,14 @@ where
     T: Into<std::ffi::OsString> + Clone,
 {
     let cli = Cli::parse_from(args);
-    if let Err(e) = starling_telemetry::logging::init(&cli.log) {
-        eprintln!("error: {}", starling_telemetry::error_chain(&e));
+    if let Err(e) = starling_process::logging::init(&cli.log) {
+        eprintln!("error: {}", starling_process::error_chain(&e));
         return std::process::ExitCode::from(2);
     }
     match run(cli) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            starling_telemetry::logging::fatal(&format_args!("{e:#}"));
+            starling_process::logging::fatal(&format_args!("{e:#}"));
             std::process::ExitCode::FAILURE
         }
     }

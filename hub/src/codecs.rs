@@ -29,8 +29,8 @@ use std::time::Instant;
 
 use serde_json::{Value, json};
 use starling_checkpoint::safetensors::{Checkpoint, SourceDtype, TensorInfo};
-use starling_proto::diff::{RangeDiff, diff_range_into, diff_range_ranked_into};
-use starling_proto::segment::{CodecChoice, EncodedPart};
+use starling_proto::delta::diff::{RangeDiff, diff_range_into, diff_range_ranked_into};
+use starling_proto::delta::segment::{CodecChoice, EncodedPart};
 use starling_transport::link::LinkProfile;
 
 /// What the operator asked for.

@@ -28,8 +28,8 @@ use serde::{Deserialize, Serialize};
 use starling_checkpoint::deltafile::{apply_to_file, checkpoint_digest};
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_ledger::{Digest, Ledger, Version, VersionRecord};
-use starling_proto::digest::StateDigest;
-use starling_proto::manifest::{TrustPolicy, hex};
+use starling_proto::delta::digest::StateDigest;
+use starling_proto::delta::manifest::{TrustPolicy, hex};
 
 use crate::clock::now;
 

@@ -15,7 +15,7 @@ use std::sync::Arc;
 
 use ed25519_dalek::SigningKey;
 use starling_ledger::{Ledger, LedgerConfig};
-use starling_proto::digest::StateDigest;
+use starling_proto::delta::digest::StateDigest;
 use starling_telemetry::Metrics;
 use starling_transport::book::VersionBook;
 use starling_transport::link::LinkProfile;

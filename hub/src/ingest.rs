@@ -120,7 +120,7 @@ impl PublishError {
             other => Self::Unreadable(format!(
                 "{}: {}",
                 path.display(),
-                starling_telemetry::error_chain(&other)
+                starling_process::error_chain(&other)
             )),
         }
     }

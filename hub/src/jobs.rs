@@ -36,8 +36,8 @@ use starling_ledger::{
     ActorId, Digest, HubRefusal, JobId, Ledger, RefusalEffect, Rejection, ResultSubmission,
     ScheduleError, Session, SubmitCall, Version,
 };
-use starling_proto::msg::{MAX_MESSAGE_BODY, Message, RefuseReason};
-use starling_proto::rollout::{JobResult, MAX_NEW_TOKENS, MAX_SAMPLES, Verdict};
+use starling_proto::protocol::msg::{MAX_MESSAGE_BODY, Message, RefuseReason};
+use starling_proto::protocol::rollout::{JobResult, MAX_NEW_TOKENS, MAX_SAMPLES, Verdict};
 use starling_telemetry::Metrics;
 use starling_transport::framed::{Incoming, MessageReader, send};
 use tokio::sync::Notify;
@@ -73,7 +73,8 @@ pub(crate) struct WorkerContext {
 /// The largest oversized `Submit` the hub reads past (to refuse its result by name) instead
 /// of dropping the connection: the largest result any group could ever produce.
 fn max_oversized() -> u64 {
-    starling_proto::rollout::max_result_len(MAX_SAMPLES as u32, MAX_NEW_TOKENS as u32) + 16
+    starling_proto::protocol::rollout::max_result_len(MAX_SAMPLES as u32, MAX_NEW_TOKENS as u32)
+        + 16
 }
 
 /// Serves one actor's job connection until it closes.
@@ -119,7 +120,7 @@ pub(crate) async fn serve_worker(
             }
             Err(e) => tracing::error!(
                 "release the leases of the actor's earlier connections: {}",
-                starling_telemetry::error_chain(&e)
+                starling_process::error_chain(&e)
             ),
         }
     }
@@ -163,7 +164,7 @@ async fn release(cx: &WorkerContext, actor: &ActorId, session: Session) {
         }
         Err(e) => tracing::error!(
             "release the worker's leases (they expire instead): {}",
-            starling_telemetry::error_chain(&e)
+            starling_process::error_chain(&e)
         ),
     }
 }
@@ -538,7 +539,7 @@ pub(crate) async fn note_if_finished(ledger: &Ledger, board: &Board, batch: i64)
         Err(e) => tracing::warn!(
             batch,
             "read batch status: {}",
-            starling_telemetry::error_chain(&e)
+            starling_process::error_chain(&e)
         ),
     }
 }
@@ -575,18 +576,12 @@ pub(crate) async fn run_scheduler(
                     }
                 }
             }
-            Err(e) => tracing::error!(
-                "lease sweep failed: {}",
-                starling_telemetry::error_chain(&e)
-            ),
+            Err(e) => tracing::error!("lease sweep failed: {}", starling_process::error_chain(&e)),
         }
         let batches = match ledger.unscheduled_batches(64).await {
             Ok(b) => b,
             Err(e) => {
-                tracing::error!(
-                    "read posted batches: {}",
-                    starling_telemetry::error_chain(&e)
-                );
+                tracing::error!("read posted batches: {}", starling_process::error_chain(&e));
                 continue;
             }
         };
@@ -606,7 +601,7 @@ pub(crate) async fn run_scheduler(
                 Err(e) => tracing::error!(
                     batch = b.raw(),
                     "schedule batch: {}",
-                    starling_telemetry::error_chain(&e)
+                    starling_process::error_chain(&e)
                 ),
             }
         }
@@ -621,7 +616,7 @@ pub(crate) fn token_budget(spec: &GroupSpec) -> u64 {
 
 /// A refusal's detail within what the wire carries.
 fn bounded(mut detail: String) -> String {
-    let max = starling_proto::rollout::MAX_DETAIL_LEN;
+    let max = starling_proto::protocol::rollout::MAX_DETAIL_LEN;
     if detail.len() > max {
         let mut cut = max;
         while !detail.is_char_boundary(cut) {

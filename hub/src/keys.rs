@@ -5,7 +5,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use ed25519_dalek::{SigningKey, VerifyingKey};
-use starling_proto::manifest::{hex, parse_hex};
+use starling_proto::delta::manifest::{hex, parse_hex};
 
 fn parse_hex32(text: &str, what: &str) -> Result<[u8; 32]> {
     parse_hex(text.trim()).with_context(|| format!("{what} must be 64 hex digits"))

@@ -22,8 +22,8 @@ use starling_checkpoint::deltafile::{DiffOptions, diff_checkpoints};
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::writer::AtomicFile;
 use starling_ledger::Digest;
-use starling_proto::container::{FrameKind, split_frames};
-use starling_proto::manifest::delta_id;
+use starling_proto::delta::container::{FrameKind, split_frames};
+use starling_proto::delta::manifest::delta_id;
 use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
 use tracing::Instrument;
 
@@ -154,8 +154,8 @@ async fn publish_locked(
     opts.signing_key = Some(hub.signing.clone());
     opts.encoder.segment_target_bytes = hub.cfg.segment_bytes;
     if hub.cfg.full_broadcast {
-        opts.encoder.choice = starling_proto::segment::CodecChoice::only_dense(
-            starling_proto::codec::DenseCodec::PlanesZstd,
+        opts.encoder.choice = starling_proto::delta::segment::CodecChoice::only_dense(
+            starling_proto::delta::codec::DenseCodec::PlanesZstd,
         );
     }
     opts.pre_digest = Some(state.digest);

@@ -8,7 +8,7 @@
 //! result stream returns. Both are hub-private: actors speak `proto::rollout`.
 
 use serde::{Deserialize, Serialize};
-use starling_proto::rollout::{FinishReason, JobResult, JobSpec, SamplingParams};
+use starling_proto::protocol::rollout::{FinishReason, JobResult, JobSpec, SamplingParams};
 
 use crate::reward_service::RewardServices;
 use crate::verify::Verifier;
@@ -86,18 +86,18 @@ impl Sampling {
         if self.max_new_tokens == 0 {
             return Err("max_new_tokens must be at least 1".into());
         }
-        if self.max_new_tokens as usize > starling_proto::rollout::MAX_NEW_TOKENS {
+        if self.max_new_tokens as usize > starling_proto::protocol::rollout::MAX_NEW_TOKENS {
             return Err(format!(
                 "max_new_tokens {} is above the limit of {}",
                 self.max_new_tokens,
-                starling_proto::rollout::MAX_NEW_TOKENS
+                starling_proto::protocol::rollout::MAX_NEW_TOKENS
             ));
         }
-        if self.stop_token_ids.len() > starling_proto::rollout::MAX_STOP_TOKENS {
+        if self.stop_token_ids.len() > starling_proto::protocol::rollout::MAX_STOP_TOKENS {
             return Err(format!(
                 "{} stop tokens, at most {}",
                 self.stop_token_ids.len(),
-                starling_proto::rollout::MAX_STOP_TOKENS
+                starling_proto::protocol::rollout::MAX_STOP_TOKENS
             ));
         }
         Ok(())
@@ -204,9 +204,10 @@ pub(crate) fn check_rewards(req: &BatchRequest, services: &RewardServices) -> Re
 /// tokens must fit one job-protocol message (`proto::rollout::max_result_len`).
 pub(crate) fn check_deliverable(groups: &[GroupSpec]) -> Result<(), Invalid> {
     for g in groups {
-        let need = starling_proto::rollout::max_result_len(g.n, g.sampling.max_new_tokens);
+        let need =
+            starling_proto::protocol::rollout::max_result_len(g.n, g.sampling.max_new_tokens);
         // A `Submit` of this one result: its count, then the result.
-        if need + 1 > starling_proto::msg::MAX_MESSAGE_BODY as u64 {
+        if need + 1 > starling_proto::protocol::msg::MAX_MESSAGE_BODY as u64 {
             return Err(invalid(
                 "too_large",
                 format!(
@@ -216,7 +217,7 @@ pub(crate) fn check_deliverable(groups: &[GroupSpec]) -> Result<(), Invalid> {
                     g.n,
                     g.sampling.max_new_tokens,
                     need.div_ceil(1 << 20),
-                    starling_proto::msg::MAX_MESSAGE_BODY >> 20
+                    starling_proto::protocol::msg::MAX_MESSAGE_BODY >> 20
                 ),
             ));
         }
@@ -236,11 +237,11 @@ pub(crate) fn expand(req: &BatchRequest, model: &ModelLimits) -> Result<Vec<Grou
         if g.n == 0 {
             return Err(bad("n must be at least 1".into()));
         }
-        if g.n as usize > starling_proto::rollout::MAX_SAMPLES {
+        if g.n as usize > starling_proto::protocol::rollout::MAX_SAMPLES {
             return Err(bad(format!(
                 "n = {} is above the limit of {}",
                 g.n,
-                starling_proto::rollout::MAX_SAMPLES
+                starling_proto::protocol::rollout::MAX_SAMPLES
             )));
         }
         // Rendered and tokenized once, here: actors get token ids.
@@ -276,7 +277,7 @@ pub(crate) fn expand(req: &BatchRequest, model: &ModelLimits) -> Result<Vec<Grou
         };
         sampling.check().map_err(bad)?;
         let need = prompt_ids.len() as u64 + u64::from(sampling.max_new_tokens);
-        if prompt_ids.len() > starling_proto::rollout::MAX_PROMPT_TOKENS
+        if prompt_ids.len() > starling_proto::protocol::rollout::MAX_PROMPT_TOKENS
             || need > u64::from(model.context)
         {
             return Err(invalid(
@@ -593,7 +594,7 @@ mod tests {
 
     #[test]
     fn non_finite_log_probabilities_are_refused_by_name() {
-        use starling_proto::rollout::{JobResult, Sample, VersionSpan};
+        use starling_proto::protocol::rollout::{JobResult, Sample, VersionSpan};
         let spec = expand(
             &req(r#"{"groups": [{"prompt": "a", "n": 2, "verifier": "none", "sampling": {"max_new_tokens": 4}}]}"#),
             &model(),

@@ -67,7 +67,7 @@ pub(crate) async fn run(scorer: Scorer) {
                 }
                 Err(e) => tracing::error!(
                     "read results waiting for scoring: {}",
-                    starling_telemetry::error_chain(&e)
+                    starling_process::error_chain(&e)
                 ),
             }
         }
@@ -98,7 +98,7 @@ async fn score_one(scorer: Scorer, u: Unscored) {
             Err(e) => tracing::error!(
                 job,
                 "store a scored result: {}",
-                starling_telemetry::error_chain(&e)
+                starling_process::error_chain(&e)
             ),
         },
         Err(why) => {
@@ -115,7 +115,7 @@ async fn score_one(scorer: Scorer, u: Unscored) {
                 Err(e) => tracing::error!(
                     job,
                     "fail a group whose scoring failed: {}",
-                    starling_telemetry::error_chain(&e)
+                    starling_process::error_chain(&e)
                 ),
             }
         }

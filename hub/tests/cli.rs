@@ -276,7 +276,7 @@ fn sharded_and_f32_checkpoints_are_read_and_cast_like_torch() {
             0x0000,
             0x7FC0,
             0x4060,
-            starling_proto::bf16::f32_to_bf16(2e-40)
+            starling_proto::delta::bf16::f32_to_bf16(2e-40)
         ]
     );
     assert_eq!(got["z"], vec![1, 2, 9, 4]);

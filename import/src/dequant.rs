@@ -28,7 +28,7 @@ pub enum DequantError {
 }
 
 fn f16(b: [u8; 2]) -> f32 {
-    starling_proto::bf16::f16_to_f32(u16::from_le_bytes(b))
+    starling_proto::delta::bf16::f16_to_f32(u16::from_le_bytes(b))
 }
 
 /// The `numel` values stored in `data` as `kind`, in `f32`.
@@ -62,7 +62,7 @@ pub fn dequantize(kind: GgmlType, data: &[u8], numel: u64) -> Result<Vec<f32>, D
             data.as_chunks::<2>()
                 .0
                 .iter()
-                .map(|b| starling_proto::bf16::bf16_to_f32(u16::from_le_bytes(*b))),
+                .map(|b| starling_proto::delta::bf16::bf16_to_f32(u16::from_le_bytes(*b))),
         ),
         GgmlType::Q8_0 => {
             for block in data.chunks_exact(34) {

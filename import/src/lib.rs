@@ -6,7 +6,7 @@
 //!
 //! - `model.safetensors`: every tensor in BF16 under Hugging Face's names, dequantised in
 //!   `f32` as gguf-py does ([`dequant`]) and rounded to BF16 as PyTorch does
-//!   (`starling_proto::bf16`), with llama.cpp's rotary row permutation undone ([`llama`]);
+//!   (`starling_proto::delta::bf16`), with llama.cpp's rotary row permutation undone ([`llama`]);
 //!   tied embeddings stay tied (no `lm_head.weight`);
 //! - `config.json` (`LlamaForCausalLM`, no `quantization_config`) and
 //!   `generation_config.json`;
@@ -201,7 +201,7 @@ fn write_dir(
         };
         let bits: Vec<u16> = values
             .iter()
-            .map(|&x| starling_proto::bf16::f32_to_bf16(x))
+            .map(|&x| starling_proto::delta::bf16::f32_to_bf16(x))
             .collect();
         writer.write(&bits).map_err(io("write", &st))?;
     }

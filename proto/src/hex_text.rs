@@ -1,6 +1,6 @@
 //! The one spelling of hex in Starling: keys, hashes and digests in messages, files and JSON,
 //! encoded lower-case and strictly decoded (exactly `2N` digits, either case, nothing else) by
-//! the `hex` crate. (Re-exported by [`crate::manifest`], where callers find it.)
+//! the `hex` crate. (Re-exported by [`crate::delta::manifest`], where callers find it.)
 
 use thiserror::Error;
 

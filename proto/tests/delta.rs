@@ -4,12 +4,12 @@ use std::collections::BTreeMap;
 
 use ed25519_dalek::SigningKey;
 use proptest::prelude::*;
-use starling_proto::apply::{StageError, VersionedWeights, Weights, full_digest};
-use starling_proto::container::{AssembleError, FILE_HEADER_LEN, parse_frame, read_delta};
-use starling_proto::digest::StateDigest;
-use starling_proto::encode::{DeltaHeader, EncoderConfig, encode_in_memory, flat_pairs};
-use starling_proto::manifest::TrustPolicy;
-use starling_proto::segment::CodecChoice;
+use starling_proto::delta::apply::{StageError, VersionedWeights, Weights, full_digest};
+use starling_proto::delta::container::{AssembleError, FILE_HEADER_LEN, parse_frame, read_delta};
+use starling_proto::delta::digest::StateDigest;
+use starling_proto::delta::encode::{DeltaHeader, EncoderConfig, encode_in_memory, flat_pairs};
+use starling_proto::delta::manifest::TrustPolicy;
+use starling_proto::delta::segment::CodecChoice;
 
 type Model = BTreeMap<String, Vec<u16>>;
 
@@ -179,7 +179,7 @@ proptest! {
         (old, new) in weight_model_strategy(),
         part_elems in prop_oneof![Just(1u64), 7u64..100, 100u64..6000],
     ) {
-        use starling_proto::codec::{IndexCodec, ValueCodec};
+        use starling_proto::delta::codec::{IndexCodec, ValueCodec};
         for choice in [
             CodecChoice::only(IndexCodec::ExpClassGapsRc, ValueCodec::UlpStepRc),
             CodecChoice::only(IndexCodec::ExpClassGapsRc, ValueCodec::Raw),
@@ -341,7 +341,9 @@ fn commit_refuses_a_sealed_delta_after_the_base_moved() {
 }
 
 /// The written changes of an undo log, gathered per tensor in position order.
-fn written_by_tensor(log: &starling_proto::apply::UndoLog) -> BTreeMap<String, Vec<(u64, u16)>> {
+fn written_by_tensor(
+    log: &starling_proto::delta::apply::UndoLog,
+) -> BTreeMap<String, Vec<(u64, u16)>> {
     let mut out: BTreeMap<String, Vec<(u64, u16)>> = BTreeMap::new();
     for (tensor, positions, new) in log.written() {
         let entry = out.entry(tensor.to_owned()).or_default();
@@ -370,8 +372,8 @@ fn a_change_computed_from_two_checkpoints_is_what_a_commit_writes() {
         .commit(st.seal(&TrustPolicy::AnySigner).expect("seals"))
         .expect("commits");
 
-    let between =
-        starling_proto::apply::UndoLog::between(4, digest, &old, &new).expect("same tensors");
+    let between = starling_proto::delta::apply::UndoLog::between(4, digest, &old, &new)
+        .expect("same tensors");
     assert_eq!(between.base(), (4, digest));
     assert_eq!(between.changes(), committed.changes());
     assert_eq!(written_by_tensor(&between), written_by_tensor(&committed));
@@ -389,12 +391,12 @@ fn a_change_computed_from_two_checkpoints_is_what_a_commit_writes() {
     let mut renamed = new.clone();
     let t0 = renamed.remove("t0").expect("t0");
     renamed.insert("u0".into(), t0);
-    assert!(starling_proto::apply::UndoLog::between(4, digest, &old, &renamed).is_none());
+    assert!(starling_proto::delta::apply::UndoLog::between(4, digest, &old, &renamed).is_none());
     let mut shorter = new.clone();
     shorter.get_mut("t1").expect("t1").pop();
-    assert!(starling_proto::apply::UndoLog::between(4, digest, &old, &shorter).is_none());
+    assert!(starling_proto::delta::apply::UndoLog::between(4, digest, &old, &shorter).is_none());
     assert_eq!(
-        starling_proto::apply::UndoLog::between(4, digest, &old, &old).map(|l| l.changes()),
+        starling_proto::delta::apply::UndoLog::between(4, digest, &old, &old).map(|l| l.changes()),
         Some(0)
     );
 }

@@ -19,8 +19,8 @@ use std::sync::Mutex;
 use anyhow::{Context, Result, bail};
 use starling_checkpoint::deltafile::version_file_name;
 use starling_checkpoint::writer::AtomicFile;
-use starling_proto::anchor::AnchorSeal;
-use starling_proto::manifest::TrustPolicy;
+use starling_proto::delta::anchor::AnchorSeal;
+use starling_proto::delta::manifest::TrustPolicy;
 use starling_transport::fanout::AnchorSource;
 use starling_transport::framed::DataStreamReader;
 

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result};
 use starling_checkpoint::deltafile::{delta_file_name, delta_files, write_frames};
-use starling_proto::manifest::TrustPolicy;
+use starling_proto::delta::manifest::TrustPolicy;
 use starling_transport::book::{LiveVersion, VersionBook};
 
 /// The oldest version in the cache.
@@ -47,7 +47,7 @@ pub(crate) fn load(dir: &Path, book: &VersionBook, trust: &TrustPolicy) -> usize
             tracing::warn!(
                 path = %path.display(),
                 "cache file refused: {}; ignoring the cache from here",
-                starling_telemetry::error_chain(&e)
+                starling_process::error_chain(&e)
             );
             return n;
         }

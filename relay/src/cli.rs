@@ -52,7 +52,7 @@ struct Args {
     #[arg(long)]
     print_rtt: bool,
     #[command(flatten)]
-    log: starling_telemetry::logging::LogArgs,
+    log: starling_process::logging::LogArgs,
 }
 
 /// Parses `args` (the first is the program name) and runs until the process is stopped.
@@ -64,8 +64,8 @@ where
     T: Into<std::ffi::OsString> + Clone,
 {
     let a = Args::parse_from(args);
-    if let Err(e) = starling_telemetry::logging::init(&a.log) {
-        eprintln!("error: {}", starling_telemetry::error_chain(&e));
+    if let Err(e) = starling_process::logging::init(&a.log) {
+        eprintln!("error: {}", starling_process::error_chain(&e));
         return std::process::ExitCode::from(2);
     }
     if !(a.wan_mbit.is_finite() && a.wan_mbit > 0.0) {
@@ -94,5 +94,5 @@ where
         ping: Duration::from_millis(a.ping_ms.max(1)),
         print_rtt: a.print_rtt,
     };
-    starling_transport::service::run_service(|stop| crate::run(cfg, stop))
+    starling_process::service::run_service(|stop| crate::run(cfg, stop))
 }

@@ -39,10 +39,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use starling_proto::anchor::AnchorSeal;
-use starling_proto::container::{DeltaAssembler, FrameKind};
-use starling_proto::manifest::TrustPolicy;
-use starling_proto::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_proto::delta::anchor::AnchorSeal;
+use starling_proto::delta::container::{DeltaAssembler, FrameKind};
+use starling_proto::delta::manifest::TrustPolicy;
+use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::{Component, Metrics};
 use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
 use starling_transport::downstream::{Downstream, accept_subscribers};
@@ -291,7 +291,7 @@ impl Shell for Relay<'_> {
             return true;
         };
         if let Err(e) = inc.assembler.add(frame.as_frame()) {
-            let e = starling_telemetry::error_chain(&e);
+            let e = starling_process::error_chain(&e);
             tracing::warn!(
                 version,
                 "a frame does not fit its version ({e}); fetching it again"
@@ -329,7 +329,7 @@ impl Shell for Relay<'_> {
         let task = tokio::task::spawn_blocking(move || {
             inc.assembler
                 .finish(&trust)
-                .map_err(|e| starling_telemetry::error_chain(&e))?;
+                .map_err(|e| starling_process::error_chain(&e))?;
             if let Some(dir) = &cache_dir
                 && let Err(e) = cache::store(dir, &inc.live, stale)
             {
@@ -450,7 +450,7 @@ impl Shell for Relay<'_> {
                 Err(e).context("subscribe to the hub")
             }
             e => {
-                let e = starling_telemetry::error_chain(&e);
+                let e = starling_process::error_chain(&e);
                 tracing::warn!(hub = %self.cfg.hub, "hub not reached: {e}; trying again");
                 Ok(())
             }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use starling_checkpoint::deltafile::delta_file_name;
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir};
-use starling_proto::apply::full_digest;
+use starling_proto::delta::apply::full_digest;
 use starling_telemetry::http_client::{self, Limits};
 
 /// The environment variable `starling-fault-hub` (never `starling-hub`) reads: the version
@@ -411,7 +411,7 @@ impl Testbed {
     /// The bytes of the delta frames of `versions` as the hub stores them (segments and
     /// manifests, without the file header and trailer): what a subscriber is sent for them.
     pub fn delta_frame_bytes(&self, versions: std::ops::RangeInclusive<u64>) -> u64 {
-        use starling_proto::container::{FILE_HEADER_LEN, TRAILER_FRAME_LEN};
+        use starling_proto::delta::container::{FILE_HEADER_LEN, TRAILER_FRAME_LEN};
         versions
             .map(|k| {
                 let f = self.root.join("hub-store/deltas").join(delta_file_name(k));
@@ -704,7 +704,7 @@ pub fn http_request(
         body,
         Limits::timeout(HTTP_TIMEOUT).body_limit(HTTP_ANSWER_LIMIT),
     )
-    .unwrap_or_else(|e| panic!("{method} {path}: {}", starling_telemetry::error_chain(&e)));
+    .unwrap_or_else(|e| panic!("{method} {path}: {}", starling_process::error_chain(&e)));
     (r.status, r.body)
 }
 
@@ -770,9 +770,9 @@ impl WorkClient {
         .expect("connect");
         let (mut tx, rx) = conn.open_bi().await.expect("stream");
         let mut rx = starling_transport::framed::MessageReader::new(rx);
-        let hello = starling_proto::msg::Message::Hello {
-            protocol: starling_proto::msg::PROTOCOL_VERSION,
-            role: starling_proto::msg::Role::Actor,
+        let hello = starling_proto::protocol::msg::Message::Hello {
+            protocol: starling_proto::protocol::msg::PROTOCOL_VERSION,
+            role: starling_proto::protocol::msg::Role::Actor,
             name: name.into(),
             region: "nowhere".into(),
             model_id: "tiny".into(),
@@ -784,9 +784,9 @@ impl WorkClient {
             .expect("hello");
         assert!(matches!(
             rx.next().await,
-            Ok(Some(starling_proto::msg::Message::Welcome { .. }))
+            Ok(Some(starling_proto::protocol::msg::Message::Welcome { .. }))
         ));
-        let work = starling_proto::msg::Message::Work {
+        let work = starling_proto::protocol::msg::Message::Work {
             engine: "rogue".into(),
             hardware: "none".into(),
             max_batch: 1,
@@ -794,7 +794,7 @@ impl WorkClient {
         starling_transport::framed::send(&mut tx, &work)
             .await
             .expect("work");
-        let beat = starling_proto::msg::Message::Heartbeat {
+        let beat = starling_proto::protocol::msg::Message::Heartbeat {
             active: Some(active),
             staged: None,
         };
@@ -810,7 +810,10 @@ impl WorkClient {
     }
 
     /// Sends `m` and reads the answer.
-    pub async fn ask(&mut self, m: starling_proto::msg::Message) -> starling_proto::msg::Message {
+    pub async fn ask(
+        &mut self,
+        m: starling_proto::protocol::msg::Message,
+    ) -> starling_proto::protocol::msg::Message {
         starling_transport::framed::send(&mut self.tx, &m)
             .await
             .expect("send");
@@ -818,9 +821,12 @@ impl WorkClient {
     }
 
     /// Claims up to `max` jobs.
-    pub async fn claim(&mut self, max: u32) -> Vec<starling_proto::rollout::JobSpec> {
-        match self.ask(starling_proto::msg::Message::Claim { max }).await {
-            starling_proto::msg::Message::Jobs { jobs } => jobs,
+    pub async fn claim(&mut self, max: u32) -> Vec<starling_proto::protocol::rollout::JobSpec> {
+        match self
+            .ask(starling_proto::protocol::msg::Message::Claim { max })
+            .await
+        {
+            starling_proto::protocol::msg::Message::Jobs { jobs } => jobs,
             other => panic!("unexpected {other:?}"),
         }
     }
@@ -828,13 +834,15 @@ impl WorkClient {
     /// Submits one result; returns its verdict.
     pub async fn submit(
         &mut self,
-        r: starling_proto::rollout::JobResult,
-    ) -> starling_proto::rollout::Verdict {
+        r: starling_proto::protocol::rollout::JobResult,
+    ) -> starling_proto::protocol::rollout::Verdict {
         match self
-            .ask(starling_proto::msg::Message::Submit { results: vec![r] })
+            .ask(starling_proto::protocol::msg::Message::Submit { results: vec![r] })
             .await
         {
-            starling_proto::msg::Message::Verdicts { mut verdicts } => verdicts.remove(0).1,
+            starling_proto::protocol::msg::Message::Verdicts { mut verdicts } => {
+                verdicts.remove(0).1
+            }
             other => panic!("unexpected {other:?}"),
         }
     }

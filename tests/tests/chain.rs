@@ -3,10 +3,10 @@
 //! weights at every version; the incremental state digest equals a full rehash throughout.
 
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_in_memory};
-use starling_proto::apply::{VersionedWeights, full_digest};
-use starling_proto::container::read_delta;
-use starling_proto::encode::{DeltaHeader, EncoderConfig, encode_in_memory, flat_pairs};
-use starling_proto::manifest::TrustPolicy;
+use starling_proto::delta::apply::{VersionedWeights, full_digest};
+use starling_proto::delta::container::read_delta;
+use starling_proto::delta::encode::{DeltaHeader, EncoderConfig, encode_in_memory, flat_pairs};
+use starling_proto::delta::manifest::TrustPolicy;
 
 #[test]
 fn fifty_chained_deltas_stay_bit_identical() {

@@ -16,8 +16,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use starling_proto::container::{FrameKind, encode_frame};
-use starling_proto::msg::{Message, Role as MsgRole};
+use starling_proto::delta::container::{FrameKind, encode_frame};
+use starling_proto::protocol::msg::{Message, Role as MsgRole};
 use starling_tests::{Testbed, http_get, metric, wait_for};
 use starling_transport::admit::admit;
 use starling_transport::framed::send;

@@ -396,7 +396,7 @@ impl Browser {
         .unwrap_or_else(|e| {
             panic!(
                 "WebDriver {method} {path}: {}",
-                starling_telemetry::error_chain(&e)
+                starling_process::error_chain(&e)
             )
         });
         let v: Value = serde_json::from_str(&r.body).unwrap_or(Value::String(r.body));

@@ -24,9 +24,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use starling_engine::ByteTokenizer;
-use starling_proto::apply::full_digest;
-use starling_proto::msg::Message;
-use starling_proto::rollout::{FinishReason, JobResult, JobSpec, Sample, Verdict, VersionSpan};
+use starling_proto::delta::apply::full_digest;
+use starling_proto::protocol::msg::Message;
+use starling_proto::protocol::rollout::{
+    FinishReason, JobResult, JobSpec, Sample, Verdict, VersionSpan,
+};
 use starling_tests::{Testbed, WorkClient, http_request, metric};
 
 /// A hub with one test actor (`w`) and a trainer (`t1`).

@@ -9,8 +9,10 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use starling_proto::apply::full_digest;
-use starling_proto::rollout::{FinishReason, JobResult, JobSpec, Sample, Verdict, VersionSpan};
+use starling_proto::delta::apply::full_digest;
+use starling_proto::protocol::rollout::{
+    FinishReason, JobResult, JobSpec, Sample, Verdict, VersionSpan,
+};
 use starling_tests::{Testbed, WorkClient, http_request, metric};
 
 /// A well-formed result for `job` claiming `version` with `digest`, `n` samples.

@@ -283,7 +283,7 @@ impl HubClient {
         .map_err(|e| match e {
             HttpClientError::Unreachable { addr, source } => HubError::Unreachable { addr, source },
             HttpClientError::TimedOut { addr, after } => HubError::TimedOut { addr, after },
-            other => HubError::Malformed(starling_telemetry::error_chain(&other)),
+            other => HubError::Malformed(starling_process::error_chain(&other)),
         })?;
         Ok((r.status, r.body))
     }

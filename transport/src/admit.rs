@@ -6,7 +6,7 @@
 //! says what to fix. An admitted peer gets `Welcome` with the newest version here.
 
 use quinn::{Connection, SendStream};
-use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
+use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
 use thiserror::Error;
 
 use crate::endpoint::verify_peer;
@@ -82,7 +82,7 @@ pub async fn admit(
     } else if let Err(e) = verify_peer(conn, cert_role, cert_name) {
         Some((
             RefuseReason::NotAuthorized,
-            starling_telemetry::error_chain(&e),
+            starling_process::error_chain(&e),
         ))
     } else if theirs != model_id {
         Some((

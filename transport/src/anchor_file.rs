@@ -1,4 +1,4 @@
-//! Receiving an anchor (a full checkpoint, see `starling_proto::anchor`) into a file: the
+//! Receiving an anchor (a full checkpoint, see `starling_proto::delta::anchor`) into a file: the
 //! bytes that follow `Anchor { seal }` on its stream, hashed as they arrive and written on a
 //! blocking thread, so a multi-gigabyte anchor never stalls the receiver's event loop.
 //!
@@ -12,7 +12,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use starling_proto::anchor::AnchorSeal;
+use starling_proto::delta::anchor::AnchorSeal;
 use thiserror::Error;
 use tokio::sync::mpsc;
 

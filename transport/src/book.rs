@@ -17,8 +17,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use starling_proto::DecodeError;
-use starling_proto::container::{FRAME_HEADER_LEN, FrameKind, parse_frame_header};
-use starling_proto::segment::Segment;
+use starling_proto::delta::container::{FRAME_HEADER_LEN, FrameKind, parse_frame_header};
+use starling_proto::delta::segment::Segment;
 use thiserror::Error;
 use tokio::sync::watch;
 
@@ -229,7 +229,7 @@ impl LiveVersion {
     pub fn spill(&self, map: Arc<memmap2::Mmap>) -> Result<(), LoadError> {
         let base = map.as_ptr() as usize;
         let mut mapped = Vec::new();
-        for f in starling_proto::container::split_frames(&map)? {
+        for f in starling_proto::delta::container::split_frames(&map)? {
             let start = f.as_ptr() as usize - base;
             let w = WireFrame::parse_bytes(FrameBytes::Mapped {
                 map: map.clone(),
@@ -307,7 +307,7 @@ pub enum LoadError {
     #[error("unreadable delta")]
     Decode(#[from] DecodeError),
     #[error("delta does not verify")]
-    Verify(#[from] starling_proto::container::AssembleError),
+    Verify(#[from] starling_proto::delta::container::AssembleError),
     #[error("the file holds version {found}, the book needs {expected}")]
     WrongVersion { found: u64, expected: u64 },
     #[error(transparent)]
@@ -440,7 +440,7 @@ impl VersionBook {
     pub fn load_delta(
         &self,
         bytes: &[u8],
-        trust: &starling_proto::manifest::TrustPolicy,
+        trust: &starling_proto::delta::manifest::TrustPolicy,
     ) -> Result<u64, LoadError> {
         let expected = self.load_frames(bytes, trust, |f| Ok(FrameBytes::Owned(f.to_vec())))?;
         self.complete(expected)?;
@@ -452,7 +452,7 @@ impl VersionBook {
     pub fn load_delta_mapped(
         &self,
         map: Arc<memmap2::Mmap>,
-        trust: &starling_proto::manifest::TrustPolicy,
+        trust: &starling_proto::delta::manifest::TrustPolicy,
     ) -> Result<u64, LoadError> {
         let base = map.as_ptr() as usize;
         let expected = self.load_frames(&map, trust, |f| {
@@ -470,11 +470,11 @@ impl VersionBook {
     fn load_frames(
         &self,
         bytes: &[u8],
-        trust: &starling_proto::manifest::TrustPolicy,
+        trust: &starling_proto::delta::manifest::TrustPolicy,
         keep: impl Fn(&[u8]) -> Result<FrameBytes, LoadError>,
     ) -> Result<u64, LoadError> {
         let expected = self.latest() + 1;
-        let delta = starling_proto::container::read_delta(bytes, trust)?;
+        let delta = starling_proto::delta::container::read_delta(bytes, trust)?;
         let m = &delta.manifest.manifest;
         if m.version != expected {
             return Err(LoadError::WrongVersion {
@@ -483,7 +483,7 @@ impl VersionBook {
             });
         }
         let live = self.begin(expected, m.base_version, m.delta_id())?;
-        for f in starling_proto::container::split_frames(bytes)? {
+        for f in starling_proto::delta::container::split_frames(bytes)? {
             let w = WireFrame::parse_bytes(keep(f)?)?;
             if w.kind != FrameKind::Trailer {
                 live.push(w);
@@ -553,7 +553,7 @@ impl VersionBook {
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
-    use starling_proto::container::encode_frame;
+    use starling_proto::delta::container::encode_frame;
 
     fn seg(delta_id: [u8; 32], seq: u8) -> WireFrame {
         let mut body = delta_id.to_vec();
@@ -605,7 +605,7 @@ mod tests {
 
     /// A file as the store holds it: the file header, the frames, a trailer-kind frame.
     fn store_file(dir: &std::path::Path, frames: &[&WireFrame], flip: bool) -> Arc<memmap2::Mmap> {
-        let mut bytes = starling_proto::container::file_header().to_vec();
+        let mut bytes = starling_proto::delta::container::file_header().to_vec();
         for f in frames {
             bytes.extend_from_slice(&f.bytes);
         }

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use quinn::{Connection, Endpoint};
-use starling_proto::msg::{Message, Role as MsgRole};
+use starling_proto::protocol::msg::{Message, Role as MsgRole};
 use starling_telemetry::Metrics;
 use thiserror::Error;
 use tokio::task::JoinSet;
@@ -76,7 +76,7 @@ pub async fn accept_subscribers(
             match incoming.await {
                 Ok(conn) => {
                     if let Err(e) = serve_connection(&downstream, conn.clone()).await {
-                        let e = starling_telemetry::error_chain(&e);
+                        let e = starling_process::error_chain(&e);
                         tracing::warn!(remote = %conn.remote_address(), "subscriber connection ended: {e}");
                     }
                 }

@@ -12,8 +12,8 @@
 
 use std::time::{Duration, Instant};
 
-use starling_proto::anchor::AnchorSeal;
-use starling_proto::msg::Message;
+use starling_proto::delta::anchor::AnchorSeal;
+use starling_proto::protocol::msg::Message;
 use tokio_util::sync::CancellationToken;
 
 use crate::follow::{Action, Event, Follower, GaveUp, Notice};

@@ -23,8 +23,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use quinn::{Connection, SendStream};
-use starling_proto::anchor::AnchorSeal;
-use starling_proto::msg::{MAX_STRIPES, Message, RefuseReason};
+use starling_proto::delta::anchor::AnchorSeal;
+use starling_proto::protocol::msg::{MAX_STRIPES, Message, RefuseReason};
 use thiserror::Error;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
@@ -292,7 +292,7 @@ async fn answer_requests(
                             peer = %sender.name,
                             version,
                             "resend failed: {}",
-                            starling_telemetry::error_chain(&e)
+                            starling_process::error_chain(&e)
                         );
                     }
                 });
@@ -306,7 +306,7 @@ async fn answer_requests(
                             peer = %sender.name,
                             version,
                             "resume failed: {}",
-                            starling_telemetry::error_chain(&e)
+                            starling_process::error_chain(&e)
                         );
                     }
                 });
@@ -322,7 +322,7 @@ async fn answer_requests(
                         tracing::warn!(
                             peer = %name,
                             "anchor not sent: {}",
-                            starling_telemetry::error_chain(&e)
+                            starling_process::error_chain(&e)
                         );
                     }
                 });

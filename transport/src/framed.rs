@@ -1,9 +1,9 @@
 //! Control messages over QUIC streams: length-delimited by the message framing itself
-//! (`starling_proto::msg`), read with a bounded buffer.
+//! (`starling_proto::protocol::msg`), read with a bounded buffer.
 
 use quinn::{RecvStream, SendStream};
 use starling_proto::DecodeError;
-use starling_proto::msg::{MAX_MESSAGE_BODY, Message, check};
+use starling_proto::protocol::msg::{MAX_MESSAGE_BODY, Message, check};
 use thiserror::Error;
 
 /// Why a message could not be sent or received.
@@ -181,7 +181,7 @@ fn oversized_header(buf: &[u8]) -> Result<Option<(u8, u64, usize)>, FramedError>
 /// it without re-encoding or re-hashing).
 #[derive(Debug, Clone)]
 pub struct StreamFrame {
-    pub kind: starling_proto::container::FrameKind,
+    pub kind: starling_proto::delta::container::FrameKind,
     /// The whole frame: header, body, hash.
     pub bytes: Vec<u8>,
     pub hash: [u8; 32],
@@ -189,12 +189,12 @@ pub struct StreamFrame {
 
 impl StreamFrame {
     pub fn body(&self) -> &[u8] {
-        use starling_proto::container::{FRAME_HASH_LEN, FRAME_HEADER_LEN};
+        use starling_proto::delta::container::{FRAME_HASH_LEN, FRAME_HEADER_LEN};
         &self.bytes[FRAME_HEADER_LEN..self.bytes.len() - FRAME_HASH_LEN]
     }
 
-    pub fn as_frame(&self) -> starling_proto::container::Frame<'_> {
-        starling_proto::container::Frame {
+    pub fn as_frame(&self) -> starling_proto::delta::container::Frame<'_> {
+        starling_proto::delta::container::Frame {
             kind: self.kind,
             body: self.body(),
             hash: self.hash,
@@ -259,7 +259,7 @@ impl DataStreamReader {
 
     /// The next verified frame, or `None` at a clean end of the stream.
     pub async fn frame(&mut self) -> Result<Option<StreamFrame>, FramedError> {
-        use starling_proto::container::{
+        use starling_proto::delta::container::{
             FRAME_HASH_LEN, FRAME_HEADER_LEN, frame_hash, parse_frame_header,
         };
         loop {

@@ -21,7 +21,7 @@ use rcgen::{
     KeyUsagePurpose,
 };
 use serde::{Deserialize, Serialize};
-use starling_proto::manifest::TrustPolicy;
+use starling_proto::delta::manifest::TrustPolicy;
 use thiserror::Error;
 
 /// What a peer is.
@@ -212,7 +212,7 @@ pub fn init_cluster(
         })
         .unwrap_or_default(),
     )?;
-    let signing = starling_proto::manifest::hex(&signing_seed);
+    let signing = starling_proto::delta::manifest::hex(&signing_seed);
     let public = ed25519_public_hex(&signing_seed);
     write_secret(&dir.join("signing.key"), &(signing + "\n"))?;
     write_public(&dir.join("signing.pub"), &(public + "\n"))?;
@@ -225,7 +225,7 @@ pub fn init_cluster(
 
 fn ed25519_public_hex(seed: &[u8; 32]) -> String {
     // The signing key type lives in proto's manifest module (ed25519-dalek).
-    starling_proto::manifest::hex(&starling_proto::manifest::public_key_of(seed))
+    starling_proto::delta::manifest::hex(&starling_proto::delta::manifest::public_key_of(seed))
 }
 
 fn issue_leaf(
@@ -270,7 +270,7 @@ fn read_signing_seed(cluster_dir: &Path) -> Result<[u8; 32], IdentityError> {
         path: path.clone(),
         detail: "signing.key must hold 64 hex characters".into(),
     };
-    starling_proto::manifest::parse_hex(t).map_err(|_| bad())
+    starling_proto::delta::manifest::parse_hex(t).map_err(|_| bad())
 }
 
 /// Issues credentials for a relay, actor or trainer from the cluster in `cluster_dir` into
@@ -334,7 +334,7 @@ pub fn manifest_key(dir: &Path) -> Result<[u8; 32], IdentityError> {
         path: path.clone(),
         detail: "signing.pub must hold 64 hex characters".into(),
     };
-    starling_proto::manifest::parse_hex(t).map_err(|_| bad())
+    starling_proto::delta::manifest::parse_hex(t).map_err(|_| bad())
 }
 
 /// The trust a relay or actor verifies manifests under: the hub's key from `dir`

@@ -23,8 +23,9 @@
 //!   [`upstream::Feed`] and [`drive`]: the I/O half and the loop both shells run, the relay and
 //!   the actor each implementing [`drive::Shell`];
 //! - [`anchor_file`]: receiving an anchor (full checkpoint) into a file, checked against its
-//!   seal, off the event loop;
-//! - [`service`]: running a service binary until it is stopped.
+//!   seal, off the event loop.
+//!
+//! Running a binary until it is stopped (signals, the service runner) is `starling-process`'s.
 
 pub mod admit;
 pub mod anchor_file;
@@ -39,7 +40,6 @@ pub mod framed;
 pub mod identity;
 pub mod link;
 pub mod reception;
-pub mod service;
 pub mod upstream;
 
 /// The ALPN protocol id of Starling's QUIC connections.

@@ -16,9 +16,9 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use starling_proto::DecodeError;
-use starling_proto::container::FrameKind;
-use starling_proto::manifest::SignedManifest;
-use starling_proto::segment::Segment;
+use starling_proto::delta::container::FrameKind;
+use starling_proto::delta::manifest::SignedManifest;
+use starling_proto::delta::segment::Segment;
 
 /// What a receiver needs to know of a verified frame to account for it: parsed once, where
 /// the frame arrived, so the receiving core never touches bytes.

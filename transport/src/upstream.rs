@@ -11,8 +11,8 @@
 use std::net::SocketAddr;
 
 use quinn::{ClientConfig, Connection, Endpoint, SendStream};
-use starling_proto::anchor::AnchorSeal;
-use starling_proto::msg::{Message, RefuseReason};
+use starling_proto::delta::anchor::AnchorSeal;
+use starling_proto::protocol::msg::{Message, RefuseReason};
 use thiserror::Error;
 use tokio::sync::mpsc;
 use tokio::task::JoinSet;
@@ -177,7 +177,7 @@ impl Upstream {
                         continue;
                     }
                     Ok(None) => UpstreamEvent::Closed("upstream closed the control stream".into()),
-                    Err(e) => UpstreamEvent::Closed(starling_telemetry::error_chain(&e)),
+                    Err(e) => UpstreamEvent::Closed(starling_process::error_chain(&e)),
                 };
                 let closed = matches!(ev, UpstreamEvent::Closed(_));
                 if tx.send(ev).await.is_err() || closed {
@@ -231,7 +231,7 @@ async fn read_data_stream(recv: quinn::RecvStream, ev: mpsc::Sender<UpstreamEven
             return;
         }
         Ok(other) => return tracing::warn!("data stream began with {other:?}"),
-        Err(e) => return tracing::warn!("data stream: {}", starling_telemetry::error_chain(&e)),
+        Err(e) => return tracing::warn!("data stream: {}", starling_process::error_chain(&e)),
     };
     let started = UpstreamEvent::StreamStarted {
         version,
@@ -264,7 +264,7 @@ async fn read_data_stream(recv: quinn::RecvStream, ev: mpsc::Sender<UpstreamEven
                 }
             }
             Ok(None) => break None,
-            Err(e) => break Some(starling_telemetry::error_chain(&e)),
+            Err(e) => break Some(starling_process::error_chain(&e)),
         }
     };
     let _ = ev
@@ -411,7 +411,7 @@ impl Feed {
             m => up.send(m).await,
         };
         if let Err(e) = &sent {
-            tracing::debug!("not sent upstream: {}", starling_telemetry::error_chain(e));
+            tracing::debug!("not sent upstream: {}", starling_process::error_chain(e));
         }
         sent.is_ok()
     }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use quinn::crypto::rustls::QuicClientConfig;
 use rustls::pki_types::pem::PemObject;
-use starling_proto::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
+use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
 use starling_transport::endpoint::{
     EndpointError, client_endpoint, connect, server_endpoint, verify_peer,
 };

@@ -49,8 +49,8 @@ use clap::Parser;
 use starling_checkpoint::deltafile::delta_file_name;
 use starling_checkpoint::safetensors::Checkpoint;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir};
-use starling_proto::apply::full_digest;
-use starling_proto::container::{FILE_HEADER_LEN, TRAILER_FRAME_LEN};
+use starling_proto::delta::apply::full_digest;
+use starling_proto::delta::container::{FILE_HEADER_LEN, TRAILER_FRAME_LEN};
 use starling_tests::{bin, http_get, le_bytes};
 
 const NS_PREFIX: &str = "fsoak-";

@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use serde_json::{Value, json};
-use starling_proto::apply::full_digest;
-use starling_proto::msg::Message;
-use starling_proto::rollout::{FinishReason, JobResult, Sample, VersionSpan};
+use starling_proto::delta::apply::full_digest;
+use starling_proto::protocol::msg::Message;
+use starling_proto::protocol::rollout::{FinishReason, JobResult, Sample, VersionSpan};
 use starling_tests::{Testbed, WorkClient, http_get, http_request};
 
 #[derive(Parser, Debug)]

@@ -22,8 +22,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use serde_json::{Value, json};
-use starling_proto::apply::full_digest;
-use starling_proto::rollout::{FinishReason, JobResult, Sample, Verdict, VersionSpan};
+use starling_proto::delta::apply::full_digest;
+use starling_proto::protocol::rollout::{FinishReason, JobResult, Sample, Verdict, VersionSpan};
 use starling_tests::{Testbed, WorkClient, http_request, wait_for};
 
 #[derive(Parser, Debug)]
@@ -300,9 +300,9 @@ fn jobs(a: &Args, postgres: Option<String>) -> Result<()> {
                         })
                         .collect();
                     let answer = c
-                        .ask(starling_proto::msg::Message::Submit { results })
+                        .ask(starling_proto::protocol::msg::Message::Submit { results })
                         .await;
-                    if let starling_proto::msg::Message::Verdicts { verdicts } = answer {
+                    if let starling_proto::protocol::msg::Message::Verdicts { verdicts } = answer {
                         done += verdicts
                             .iter()
                             .filter(|(_, v)| *v == Verdict::Accepted)

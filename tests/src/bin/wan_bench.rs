@@ -35,7 +35,7 @@ use anyhow::{Context, Result, bail};
 use clap::Parser;
 use starling_checkpoint::deltafile::delta_file_name;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir};
-use starling_proto::container::{FILE_HEADER_LEN, TRAILER_FRAME_LEN};
+use starling_proto::delta::container::{FILE_HEADER_LEN, TRAILER_FRAME_LEN};
 use starling_tests::{Testbed, metric};
 
 #[derive(Parser, Debug)]

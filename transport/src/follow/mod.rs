@@ -40,7 +40,7 @@ mod sim;
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::{Duration, Instant};
 
-use starling_proto::msg::{MAX_SEQS, Message, RefuseReason};
+use starling_proto::protocol::msg::{MAX_SEQS, Message, RefuseReason};
 
 use crate::reception::{Added, FrameInfo, Reception};
 pub use policy::{GaveUp, PolicyConfig, SourceId, SourcePolicy};

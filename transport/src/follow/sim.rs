@@ -34,7 +34,7 @@ use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
 use starling_netem::rng::SplitMix64;
-use starling_proto::msg::{Message, RefuseReason};
+use starling_proto::protocol::msg::{Message, RefuseReason};
 
 use super::*;
 

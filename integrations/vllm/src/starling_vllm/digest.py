@@ -1,4 +1,4 @@
-"""Starling's 128-bit additive state digest, bit for bit the same as `proto/src/digest.rs`.
+"""Starling's 128-bit additive state digest, bit for bit the same as `proto/src/delta/digest.rs`.
 
 ``D(W) = Σ h(tensor, i, W[tensor][i]) mod 2**128`` over every element of every tensor, with
 the element hash keyed by the model id (BLAKE3 ``derive_key("starling state digest v1",

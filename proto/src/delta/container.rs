@@ -12,9 +12,9 @@
 
 use std::collections::BTreeMap;
 
+use crate::delta::manifest::{SignedManifest, TrustPolicy};
+use crate::delta::segment::Segment;
 use crate::error::DecodeError;
-use crate::manifest::{SignedManifest, TrustPolicy};
-use crate::segment::Segment;
 use crate::wire::Reader;
 
 pub const MAGIC: [u8; 8] = [0x89, b'S', b'D', b'C', 0x0D, 0x0A, 0x1A, 0x0A];
@@ -381,7 +381,7 @@ pub enum AssembleError {
     #[error("segments missing: {0:?}")]
     MissingSegments(Vec<u32>),
     #[error("refused manifest signature")]
-    Signature(#[from] crate::manifest::SignatureError),
+    Signature(#[from] crate::delta::manifest::SignatureError),
     #[error(transparent)]
     Decode(#[from] DecodeError),
 }

@@ -1,11 +1,11 @@
 //! The plain data of rollout jobs and their results, as the job protocol carries them
-//! (`docs/api.md`, "The actors' job protocol"; framed by [`crate::msg`]).
+//! (`docs/api.md`, "The actors' job protocol"; framed by [`crate::protocol::msg`]).
 //!
 //! The hub leases a group to an actor as a [`JobSpec`] (prompt token ids, `n`, sampling);
 //! the actor answers with a [`JobResult`] holding all `n` [`Sample`]s, each with its tokens,
 //! their log-probabilities and the [`VersionSpan`]s saying which weights produced which
 //! tokens; the hub answers each result with a [`Verdict`]. Each type writes itself with
-//! `write` and reads itself with `read`; `crate::msg` frames them.
+//! `write` and reads itself with `read`; `crate::protocol::msg` frames them.
 //!
 //! Why exact bits: the trainer uses the actor's log-probabilities as the behaviour policy's,
 //! so they travel as the little-endian bits of each `f32` (`to_bits`) and arrive bit for bit,
@@ -31,8 +31,8 @@
 //! `u32::MAX`), `f32`s are 4 little-endian bytes of their bits, lists are a varint count
 //! followed by their elements, strings are length-prefixed UTF-8.
 
+use crate::delta::segment::MAX_NAME_LEN;
 use crate::error::DecodeError;
-use crate::segment::MAX_NAME_LEN;
 use crate::wire::{Reader, put_bytes, put_varint, varint_len};
 
 /// The most prompt tokens one job may carry.
@@ -613,7 +613,7 @@ mod tests {
         }
         // The worst case a group may ask for: 16 samples of 65,536 tokens fit a message, 32
         // do not.
-        let body = crate::msg::MAX_MESSAGE_BODY as u64;
+        let body = crate::protocol::msg::MAX_MESSAGE_BODY as u64;
         assert!(max_result_len(16, MAX_NEW_TOKENS as u32) + 3 <= body);
         assert!(max_result_len(32, MAX_NEW_TOKENS as u32) > body);
     }

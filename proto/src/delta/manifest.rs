@@ -11,10 +11,10 @@
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 use thiserror::Error;
 
-use crate::digest::StateDigest;
+use crate::delta::digest::StateDigest;
+use crate::delta::segment::MAX_NAME_LEN;
 use crate::error::DecodeError;
 pub use crate::hex_text::{HexError, hex, parse_hex};
-use crate::segment::MAX_NAME_LEN;
 use crate::wire::{Reader, put_bytes, put_varint};
 
 /// Version of the manifest encoding (bumped with the container format).

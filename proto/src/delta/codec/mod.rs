@@ -3,7 +3,7 @@
 //! A *part* is the delta of one contiguous element range of one tensor. It is coded either
 //! **sparse** (positions by an [`IndexCodec`], new values by a [`ValueCodec`]) or **dense**
 //! (a [`DenseCodec`] over the whole range). The encoder tries the candidates and keeps the
-//! smallest, per part, by measured size (see [`crate::encode`]).
+//! smallest, per part, by measured size (see [`crate::delta::encode`]).
 //!
 //! Codecs that [need the base](IndexCodec::needs_base) condition on the base values of the
 //! part's range, which every receiver holds when it stages a segment:
@@ -47,7 +47,7 @@ mod synthetic {
                 let g: f32 = (0..4)
                     .map(|_| (rng.next_u64() >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
                     .sum();
-                crate::bf16::f32_to_bf16(g * 0.03)
+                crate::delta::bf16::f32_to_bf16(g * 0.03)
             })
             .collect()
     }

@@ -1,20 +1,20 @@
 //! Control messages of the distribution protocol (hub ↔ relay ↔ actor), and their framing.
 //!
 //! Segment and manifest frames travel as the container defines them (self-hashing,
-//! `crate::container`); everything else — who a peer is, what it has, what it needs, when to
-//! activate — is one of these messages. A message is framed as `type u8, body_len varint,
+//! `crate::delta::container`); everything else — who a peer is, what it has, what it needs,
+//! when to activate — is one of these messages. A message is framed as `type u8, body_len varint,
 //! body`. [`check`] tells whether a whole message is buffered (cheap, allocates nothing);
 //! [`Message::decode`] then parses it, bounding every length. The transport adds TLS, so
 //! messages carry no hash of their own.
 //!
 //! Besides distribution, the same framing carries the rollout job protocol between the hub
 //! and an actor's worker connection (`Work`, `Heartbeat`, `Claim`, `Jobs`, `Progress`,
-//! `Submit`, `Verdicts`; `docs/api.md`); their payloads are the types of [`crate::rollout`], which
-//! keep their own invariants at decode.
+//! `Submit`, `Verdicts`; `docs/api.md`); their payloads are the types of
+//! [`crate::protocol::rollout`], which keep their own invariants at decode.
 
+use crate::delta::segment::MAX_NAME_LEN;
 use crate::error::DecodeError;
-use crate::rollout::{JobResult, JobSpec, MAX_JOBS_PER_MESSAGE, Verdict};
-use crate::segment::MAX_NAME_LEN;
+use crate::protocol::rollout::{JobResult, JobSpec, MAX_JOBS_PER_MESSAGE, Verdict};
 use crate::wire::{Reader, put_bytes, put_varint, varint_len};
 
 /// Protocol version spoken by this build (in `Hello`).
@@ -164,9 +164,9 @@ pub enum Message {
         after_version: u64,
     },
     /// The first message of a data stream carrying an anchor: `seal.size` bytes of
-    /// safetensors follow; `seal` is signed by the hub (see `crate::anchor`).
+    /// safetensors follow; `seal` is signed by the hub (see `crate::delta::anchor`).
     Anchor {
-        seal: crate::anchor::AnchorSeal,
+        seal: crate::delta::anchor::AnchorSeal,
     },
     /// Actor → hub, first on a worker connection: register (or re-register) as a rollout
     /// worker. `engine` and `hardware` are at most `MAX_NAME_LEN` bytes.
@@ -494,7 +494,7 @@ impl Message {
                 after_version: r.varint("version")?,
             },
             15 => Self::Anchor {
-                seal: crate::anchor::AnchorSeal {
+                seal: crate::delta::anchor::AnchorSeal {
                     version: r.varint("version")?,
                     size: r.varint("anchor size")?,
                     hash: r.array("anchor hash")?,
@@ -653,7 +653,7 @@ fn read_seqs(r: &mut Reader<'_>) -> Result<Vec<u32>, DecodeError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rollout::{
+    use crate::protocol::rollout::{
         FinishReason, MAX_NEW_TOKENS, MAX_PROMPT_TOKENS, MAX_SAMPLES, MAX_SPANS, MAX_STOP_TOKENS,
         Sample, SamplingParams, VersionSpan,
     };
@@ -806,7 +806,7 @@ mod tests {
                 have: vec![0, 1, 7],
             },
             Message::Anchor {
-                seal: crate::anchor::AnchorSeal {
+                seal: crate::delta::anchor::AnchorSeal {
                     version: 16,
                     size: 1 << 33,
                     hash: [9; 32],
@@ -1152,7 +1152,7 @@ mod tests {
             verdicts: vec![(
                 1,
                 Verdict::Refused {
-                    code: "x".repeat(crate::rollout::MAX_CODE_LEN + 1),
+                    code: "x".repeat(crate::protocol::rollout::MAX_CODE_LEN + 1),
                     detail: String::new(),
                 },
             )],

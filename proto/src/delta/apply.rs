@@ -16,11 +16,11 @@ use std::collections::{BTreeMap, HashMap};
 use rayon::prelude::*;
 use thiserror::Error;
 
-use crate::container::{Frame, FrameKind};
-use crate::digest::{DigestKey, StateDigest};
+use crate::delta::container::{Frame, FrameKind};
+use crate::delta::digest::{DigestKey, StateDigest};
+use crate::delta::manifest::{Manifest, SignatureError, SignedManifest, TrustPolicy, hex};
+use crate::delta::segment::{EncodedPart, Segment, SparseChanges};
 use crate::error::DecodeError;
-use crate::manifest::{Manifest, SignatureError, SignedManifest, TrustPolicy, hex};
-use crate::segment::{EncodedPart, Segment, SparseChanges};
 
 /// Read and write access to BF16 tensors by name.
 pub trait Weights {

@@ -1,12 +1,19 @@
 //! Running a service binary: a multi-threaded runtime, the service told when the process is
 //! asked to stop (Ctrl-C/SIGTERM) so it can drain within its grace period, and the exit code
 //! with the error's causes on stderr.
+//!
+//! The relay and the actor run under it, so they stop the same way: the first signal cancels
+//! the service's token and waits for it to return, a second one stops at once, and blocking
+//! work left after that gets half a second before the runtime is dropped.
 
 use std::fmt::Display;
 use std::future::Future;
 use std::process::ExitCode;
 
 use tokio_util::sync::CancellationToken;
+
+use crate::logging::fatal;
+use crate::signal::shutdown_signal;
 
 /// Runs `service` to completion. The token it is given is cancelled at the first SIGTERM or
 /// SIGINT: the service drains (bounded by its own grace period) and returns. A second signal
@@ -23,7 +30,7 @@ where
     {
         Ok(rt) => rt,
         Err(e) => {
-            starling_telemetry::logging::fatal(&format_args!("start the async runtime: {e}"));
+            fatal(&format_args!("start the async runtime: {e}"));
             return ExitCode::FAILURE;
         }
     };
@@ -52,25 +59,8 @@ where
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            starling_telemetry::logging::fatal(&format_args!("{e:#}"));
+            fatal(&format_args!("{e:#}"));
             ExitCode::FAILURE
         }
-    }
-}
-
-/// Completes when the process is asked to stop: SIGTERM (systemd, Kubernetes) or SIGINT
-/// (Ctrl-C).
-pub async fn shutdown_signal() {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term => {}
     }
 }

@@ -10,7 +10,7 @@
 
 use ed25519_dalek::{Signature, Signer, SigningKey, Verifier, VerifyingKey};
 
-use crate::manifest::{SignatureError, TrustPolicy};
+use crate::delta::manifest::{SignatureError, TrustPolicy};
 
 const ANCHOR_CONTEXT: &[u8] = b"starling anchor v1\0";
 

@@ -7,8 +7,8 @@
 //! retransmission and parallel apply. A segment is decodable on its own, in any order,
 //! given only the base values of the ranges it covers.
 
-use crate::codec::{self, DenseCodec, IndexCodec, ValueCodec};
-use crate::diff::RangeDiff;
+use crate::delta::codec::{self, DenseCodec, IndexCodec, ValueCodec};
+use crate::delta::diff::RangeDiff;
 use crate::error::DecodeError;
 use crate::wire::{Reader, put_bytes, put_varint};
 
@@ -601,7 +601,7 @@ impl Segment {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::diff::diff_range;
+    use crate::delta::diff::diff_range;
     use proptest::prelude::*;
 
     fn part_round_trip(old: &[u16], new: &[u16], choice: &CodecChoice) -> EncodedPart {

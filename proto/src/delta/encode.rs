@@ -10,14 +10,18 @@
 use ed25519_dalek::SigningKey;
 use rayon::prelude::*;
 
-use crate::codec::IndexCodec;
-use crate::container::{
+use crate::delta::codec::IndexCodec;
+use crate::delta::container::{
     FILE_HEADER_LEN, FrameKind, Trailer, build_frame, encode_frame, file_header,
 };
-use crate::diff::{RangeDiff, diff_range_into, diff_range_ranked_into};
-use crate::digest::{DigestKey, StateDigest};
-use crate::manifest::{Dtype, Manifest, SegmentEntry, SignedManifest, TensorEntry, delta_id};
-use crate::segment::{CodecChoice, EncodedPart, MAX_PART_ELEMS, MAX_PARTS_PER_SEGMENT, Segment};
+use crate::delta::diff::{RangeDiff, diff_range_into, diff_range_ranked_into};
+use crate::delta::digest::{DigestKey, StateDigest};
+use crate::delta::manifest::{
+    Dtype, Manifest, SegmentEntry, SignedManifest, TensorEntry, delta_id,
+};
+use crate::delta::segment::{
+    CodecChoice, EncodedPart, MAX_PART_ELEMS, MAX_PARTS_PER_SEGMENT, Segment,
+};
 
 /// Knobs of the encoder.
 #[derive(Debug, Clone)]

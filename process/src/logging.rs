@@ -9,6 +9,9 @@
 //! A JSON line has `timestamp`, `level`, `target`, `fields` (with `message`), and the span the
 //! event is in (`span`) with its parents (`spans`), so a `version`, `peer` or `actor` recorded
 //! on a span is on every line logged inside it.
+//!
+//! [`fatal`] lives here, not beside the exit codes, because how the last error is written
+//! depends on the format [`init`] chose: a JSON log must not end with a line that is not JSON.
 
 use std::io::IsTerminal;
 use std::sync::OnceLock;

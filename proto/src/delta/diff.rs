@@ -32,7 +32,7 @@ impl RangeDiff {
 
 const BLOCK: usize = 32;
 
-use crate::codec::rc::EXP_CLASSES;
+use crate::delta::codec::rc::EXP_CLASSES;
 
 /// Diffs two equally long ranges of BF16 bits.
 ///
@@ -93,10 +93,10 @@ pub fn diff_range_ranked_into(old: &[u16], new: &[u16], out: &mut RangeDiff) {
     out.new.clear();
     out.old.clear();
     out.ranks.clear();
-    let totals = crate::codec::scan::diff_ranked(
+    let totals = crate::delta::codec::scan::diff_ranked(
         old,
         new,
-        &mut crate::codec::scan::RankOut {
+        &mut crate::delta::codec::scan::RankOut {
             positions: &mut out.positions,
             old: &mut out.old,
             new: &mut out.new,
