@@ -20,6 +20,7 @@ mod model;
 mod plot;
 mod procs;
 mod real;
+mod real_summary;
 mod summary;
 mod toy_run;
 mod vllm_server;

@@ -23,7 +23,6 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
 use starling_actor::shared_dir::version_file_name;
 
 use crate::cluster::{Cluster, Mode, Spec, mean, mean_arrival_by_region, path};
@@ -31,6 +30,11 @@ use crate::demo_args::DemoArgs;
 use crate::links::Region;
 use crate::plot::{Panel, Series, render_png};
 use crate::procs::Proc;
+use crate::real_summary::{
+    EngineCheck, FIGURES, Figures, LinkCarried, Makespan, QuarterReward, Ratios, RealComparison,
+    RealModel, RealRunSettings, RealStep, RealSummary, RoundRun, RunCheck, ShareVsSpeed,
+    SteadyThroughput, TrainerStep, VersionBytes, region_summary,
+};
 use crate::vllm_server::{VllmServer, VllmSetup};
 
 /// The first step whose batch waits for a freshly published version.
@@ -86,41 +90,6 @@ pub(crate) struct RealSettings {
     pub(crate) problems: usize,
 }
 
-/// One line of the trainer's report (`starling.grpo.trainer`), the fields used here.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-pub(crate) struct TrainerStep {
-    pub(crate) step: u32,
-    pub(crate) batch: u64,
-    pub(crate) batch_version: u64,
-    pub(crate) sample_versions: Vec<u64>,
-    pub(crate) samples: u64,
-    pub(crate) completion_tokens: u64,
-    pub(crate) mean_reward: f64,
-    pub(crate) solved: f64,
-    pub(crate) loss: f64,
-    pub(crate) trained_samples: u64,
-    pub(crate) check: Value,
-    pub(crate) per_actor_samples: BTreeMap<String, u64>,
-    pub(crate) per_actor_tokens: BTreeMap<String, u64>,
-    pub(crate) batch_created_at_ms: Option<f64>,
-    pub(crate) last_accepted_at_ms: Option<f64>,
-    pub(crate) loop_started_at_unix_ms: f64,
-    pub(crate) ended_at_unix_ms: f64,
-    pub(crate) published: Published,
-    pub(crate) seconds: BTreeMap<String, f64>,
-}
-
-/// The version a step published.
-#[derive(Debug, Clone, Deserialize, Serialize)]
-pub(crate) struct Published {
-    pub(crate) version: u64,
-    pub(crate) bytes: u64,
-    pub(crate) changes: u64,
-    pub(crate) density: f64,
-    pub(crate) at_unix_ms: f64,
-    pub(crate) path: PathBuf,
-}
-
 /// One run in `mode`, in `out` (created), its vLLM actor (if any) attached to `vllm`;
 /// returns its summary.
 pub(crate) fn run_mode(
@@ -129,7 +98,7 @@ pub(crate) fn run_mode(
     regions: &[Region],
     mut vllm: Option<&mut VllmServer>,
     out: &Path,
-) -> Result<Value> {
+) -> Result<RealSummary> {
     std::fs::create_dir_all(out.join("checkpoints"))
         .with_context(|| format!("create {}", out.join("checkpoints").display()))?;
     println!("== mode {} (output in {})", mode.name(), out.display());
@@ -269,31 +238,24 @@ pub(crate) fn run_mode(
     println!(
         "\n   {}: reward {:.3} (first quarter) -> {:.3} (last quarter); {:.0} steps/hour, {:.0} rollout tokens/s (steady state); {:.2} MB per version ({:.2}% of the checkpoint), density {:.2}%",
         mode.name(),
-        summary["reward"]["first_quarter"]
-            .as_f64()
-            .unwrap_or(f64::NAN),
-        summary["reward"]["last_quarter"]
-            .as_f64()
-            .unwrap_or(f64::NAN),
-        summary["throughput"]["steps_per_hour"]
-            .as_f64()
-            .unwrap_or(f64::NAN),
-        summary["throughput"]["rollout_tokens_per_s"]
-            .as_f64()
-            .unwrap_or(f64::NAN),
-        summary["bytes"]["per_version"].as_f64().unwrap_or(f64::NAN) / 1e6,
-        100.0 * summary["bytes"]["ratio"].as_f64().unwrap_or(f64::NAN),
-        100.0 * summary["delta_density"].as_f64().unwrap_or(f64::NAN),
+        summary.reward.first_quarter,
+        summary.reward.last_quarter,
+        summary.throughput.steps_per_hour,
+        summary.throughput.rollout_tokens_per_s,
+        summary.bytes.per_version / 1e6,
+        100.0 * summary.bytes.ratio,
+        100.0 * summary.delta_density,
     );
-    if let Some(actors) = summary["share_vs_speed"].as_object() {
-        let line: Vec<String> = actors
+    if !summary.share_vs_speed.is_empty() {
+        let line: Vec<String> = summary
+            .share_vs_speed
             .iter()
             .map(|(a, v)| {
                 format!(
                     "{a} {:.0}% of tokens at {:.0}% of the speed ({:.2}x)",
-                    100.0 * v["token_share"].as_f64().unwrap_or(f64::NAN),
-                    100.0 * v["speed_share"].as_f64().unwrap_or(f64::NAN),
-                    v["ratio"].as_f64().unwrap_or(f64::NAN)
+                    100.0 * v.token_share,
+                    100.0 * v.speed_share,
+                    v.ratio
                 )
             })
             .collect();
@@ -471,7 +433,7 @@ fn summarize(
     taus: &BTreeMap<String, f64>,
     links: &BTreeMap<&'static str, starling_netem::ProxyStats>,
     wall_s: f64,
-) -> Result<Value> {
+) -> Result<RealSummary> {
     let full = checkpoint_bytes(&s.model)?;
     let n = steps.len();
     let q = (n / 4).max(1);
@@ -517,17 +479,19 @@ fn summarize(
     }
     let all_tokens: u64 = tokens_of.values().sum();
     let tau_total: f64 = taus.values().sum();
-    let share_vs_speed: BTreeMap<String, Value> = taus
+    let share_vs_speed: BTreeMap<String, ShareVsSpeed> = taus
         .iter()
         .map(|(a, tau)| {
             let token_share =
                 tokens_of.get(a).copied().unwrap_or(0) as f64 / all_tokens.max(1) as f64;
             let speed_share = tau / tau_total;
-            (
-                a.clone(),
-                json!({"token_share": token_share, "speed_share": speed_share,
-                       "ratio": token_share / speed_share}),
-            )
+            let ratio = token_share / speed_share;
+            let share = ShareVsSpeed {
+                token_share,
+                speed_share,
+                ratio,
+            };
+            (a.clone(), share)
         })
         .collect();
     // Over the versions that arrived (within ARRIVAL_WAIT of the run's end for the last ones):
@@ -536,7 +500,7 @@ fn summarize(
     // Each batch's makespan (posted → last accepted group) against the ideal: its tokens at
     // the actors' combined throughput as the hub measured it.
     let tau_sum: f64 = taus.values().sum();
-    let makespans: Vec<Value> = steps
+    let makespans: Vec<Makespan> = steps
         .iter()
         .map(|r| {
             let made = match (r.batch_created_at_ms, r.last_accepted_at_ms) {
@@ -544,78 +508,108 @@ fn summarize(
                 _ => f64::NAN,
             };
             let ideal = r.completion_tokens as f64 / tau_sum;
-            json!({"batch": r.batch, "makespan_s": made, "ideal_s": ideal, "ratio": made / ideal})
+            Makespan {
+                batch: r.batch,
+                makespan_s: made,
+                ideal_s: ideal,
+                ratio: made / ideal,
+            }
         })
         .collect();
-    let mut check: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
+    let mut per_engine: BTreeMap<String, EngineCheck> = BTreeMap::new();
     for r in steps {
-        if let Some(engines) = r.check["per_engine"].as_object() {
-            for (engine, a) in engines {
-                let e = check.entry(engine.clone()).or_default();
-                for key in [
-                    "samples",
-                    "tokens",
-                    "tokens_over_tolerance",
-                    "exact_checked_samples",
-                    "exact_mismatches",
-                ] {
-                    *e.entry(key.into()).or_default() += a[key].as_f64().unwrap_or(0.0);
-                }
-                let m = e.entry("max_abs_logprob_diff".into()).or_default();
-                *m = m.max(a["max_abs_logprob_diff"].as_f64().unwrap_or(0.0));
-                if let Some(t) = a["tolerance"].as_f64() {
-                    e.insert("tolerance".into(), t);
-                }
-            }
+        for (engine, c) in &r.check.per_engine {
+            per_engine.entry(engine.clone()).or_default().add(c);
         }
     }
-    let refused: usize = steps
-        .iter()
-        .map(|r| r.check["refused_groups"].as_array().map_or(0, Vec::len))
-        .sum();
-    Ok(json!({
-        "mode": mode.name(),
-        "model": {"dir": path(&s.model), "bf16_bytes": full},
-        "task": "arithmetic word problems as chat messages (math verifier)",
-        "settings": {"steps": s.steps, "groups": s.groups, "samples_per_group": s.samples,
-                     "max_new_tokens": s.max_new_tokens, "temperature": s.temperature,
-                     "lr": s.lr, "seed": s.seed, "problems": s.problems, "max_staleness": 1,
-                     "engine_slowdown": s.engine_slowdown, "vllm": s.vllm.is_some(),
-                     "exclude_late_region": mode.exclude_late},
-        "regions": regions.iter().map(|r| json!({
-            "name": r.name, "rate_mbit": r.rate_mbit, "rtt_ms": r.rtt_ms, "loss": r.loss,
-            "actors": r.actors.iter().map(|a| json!({"name": a.name, "speed": a.speed, "vllm": a.vllm})).collect::<Vec<_>>(),
-        })).collect::<Vec<_>>(),
-        "reward": {"first_quarter": first_q, "last_quarter": last_q, "steps_per_quarter": q,
-                   "per_step": steps.iter().map(|r| r.mean_reward).collect::<Vec<_>>()},
-        "bytes": {"per_version": bytes as f64 / n.max(1) as f64, "full_checkpoint": full,
-                  "ratio": bytes as f64 / (full as f64 * n.max(1) as f64),
-                  "per_step": steps.iter().map(|r| r.published.bytes).collect::<Vec<_>>()},
-        "delta_density": mean(steps.iter().map(|r| r.published.density)),
-        "density_per_step": steps.iter().map(|r| r.published.density).collect::<Vec<_>>(),
-        "mean_transfer_s": transfer,
-        "arrival_wait_s": ARRIVAL_WAIT.as_secs(),
-        "not_arrived": late,
-        "link_bytes": links.iter().map(|(name, st)| (name.to_string(), json!({
-            "to_region": st.down.delivered_bytes, "to_hub": st.up.delivered_bytes,
-        }))).collect::<BTreeMap<_, _>>(),
-        "throughput": {
-            "steady_from_step": STEADY_FROM,
-            "steady_s": steady_s,
-            "steps_per_hour": steady.len() as f64 * 3600.0 / steady_s,
-            "rollout_tokens_per_s": steady_tokens as f64 / steady_s,
-            "loop_s": loop_s,
-            "loop_steps_per_hour": n as f64 * 3600.0 / loop_s,
-            "median_step_s": median(steady.iter().map(|r| r.seconds.get("step").copied().unwrap_or(f64::NAN)).collect()),
+    let refused_groups = steps.iter().map(|r| r.check.refused_groups.len()).sum();
+    let versions = n.max(1) as f64;
+    Ok(RealSummary {
+        mode: mode.name(),
+        model: RealModel {
+            dir: path(&s.model),
+            bf16_bytes: full,
         },
-        "per_actor_share": per_actor.iter().map(|(a, k)| (a.clone(), *k as f64 / total.max(1) as f64)).collect::<BTreeMap<_, _>>(),
-        "tau_at_end": taus,
-        "share_vs_speed": share_vs_speed,
-        "makespans": makespans,
-        "behaviour_check": {"per_engine": check, "refused_groups": refused},
-        "wall_s": wall_s,
-        "steps": steps.iter().map(|r| json!({"trainer": r, "arrival_s": arrivals.get(&r.published.version)})).collect::<Vec<_>>(),
-    }))
+        task: "arithmetic word problems as chat messages (math verifier)".into(),
+        settings: RealRunSettings {
+            steps: s.steps,
+            groups: s.groups,
+            samples_per_group: s.samples,
+            max_new_tokens: s.max_new_tokens,
+            temperature: s.temperature,
+            lr: s.lr,
+            seed: s.seed,
+            problems: s.problems,
+            max_staleness: 1,
+            engine_slowdown: s.engine_slowdown,
+            vllm: s.vllm.is_some(),
+            exclude_late_region: mode.exclude_late,
+        },
+        regions: regions.iter().map(region_summary).collect(),
+        reward: QuarterReward {
+            first_quarter: first_q,
+            last_quarter: last_q,
+            steps_per_quarter: q,
+            per_step: steps.iter().map(|r| r.mean_reward).collect(),
+        },
+        bytes: VersionBytes {
+            per_version: bytes as f64 / versions,
+            full_checkpoint: full,
+            ratio: bytes as f64 / (full as f64 * versions),
+            per_step: steps.iter().map(|r| r.published.bytes).collect(),
+        },
+        delta_density: mean(steps.iter().map(|r| r.published.density)),
+        density_per_step: steps.iter().map(|r| r.published.density).collect(),
+        mean_transfer_s: transfer
+            .into_iter()
+            .map(|(region, t)| (region.to_owned(), t))
+            .collect(),
+        arrival_wait_s: ARRIVAL_WAIT.as_secs(),
+        not_arrived: late.clone(),
+        link_bytes: links
+            .iter()
+            .map(|(name, st)| {
+                let carried = LinkCarried {
+                    to_region: st.down.delivered_bytes,
+                    to_hub: st.up.delivered_bytes,
+                };
+                (name.to_string(), carried)
+            })
+            .collect(),
+        throughput: SteadyThroughput {
+            steady_from_step: STEADY_FROM,
+            steady_s,
+            steps_per_hour: steady.len() as f64 * 3600.0 / steady_s,
+            rollout_tokens_per_s: steady_tokens as f64 / steady_s,
+            loop_s,
+            loop_steps_per_hour: n as f64 * 3600.0 / loop_s,
+            median_step_s: median(
+                steady
+                    .iter()
+                    .map(|r| r.seconds.get("step").copied().unwrap_or(f64::NAN))
+                    .collect(),
+            ),
+        },
+        per_actor_share: per_actor
+            .iter()
+            .map(|(a, k)| (a.clone(), *k as f64 / total.max(1) as f64))
+            .collect(),
+        tau_at_end: taus.clone(),
+        share_vs_speed,
+        makespans,
+        behaviour_check: RunCheck {
+            per_engine,
+            refused_groups,
+        },
+        wall_s,
+        steps: steps
+            .iter()
+            .map(|r| RealStep {
+                trainer: r.clone(),
+                arrival_s: arrivals.get(&r.published.version).cloned(),
+            })
+            .collect(),
+    })
 }
 
 pub(crate) fn median(mut xs: Vec<f64>) -> f64 {
@@ -848,28 +842,6 @@ fn check_python(s: &RealSettings) -> Result<()> {
     Ok(())
 }
 
-/// The figures runs are compared on: (name, path in a summary).
-const FIGURES: [(&str, &[&str]); 8] = [
-    ("steps_per_hour", &["throughput", "steps_per_hour"]),
-    (
-        "rollout_tokens_per_s",
-        &["throughput", "rollout_tokens_per_s"],
-    ),
-    ("median_step_s", &["throughput", "median_step_s"]),
-    ("bytes_per_version", &["bytes", "per_version"]),
-    ("transfer_eu_s", &["mean_transfer_s", "eu"]),
-    ("transfer_ap_s", &["mean_transfer_s", "ap"]),
-    ("reward_first_quarter", &["reward", "first_quarter"]),
-    ("reward_last_quarter", &["reward", "last_quarter"]),
-];
-
-fn num(v: &Value, path: &[&str]) -> f64 {
-    path.iter()
-        .fold(v, |v, k| &v[*k])
-        .as_f64()
-        .unwrap_or(f64::NAN)
-}
-
 /// Runs every mode `--rounds` times (modes interleaved), then prints and writes the
 /// comparison (`compare.json`, `compare.png`).
 fn compare(
@@ -882,7 +854,7 @@ fn compare(
 ) -> Result<()> {
     let rounds = a.rounds.max(1);
     let t0 = Instant::now();
-    let mut runs: Vec<(u32, RunMode, Value)> = Vec::new();
+    let mut runs: Vec<(u32, RunMode, RealSummary)> = Vec::new();
     for round in 1..=rounds {
         for &mode in modes {
             let dir = out.join(format!("r{round}-{}", mode.name()));
@@ -901,28 +873,30 @@ fn compare(
             runs.push((round, mode, summary));
         }
     }
-    let mut medians: BTreeMap<String, BTreeMap<&str, f64>> = BTreeMap::new();
+    let mut medians: BTreeMap<String, Figures> = BTreeMap::new();
     for &mode in modes {
-        let of_mode: Vec<&Value> = runs
+        let of_mode: Vec<&RealSummary> = runs
             .iter()
             .filter(|(_, m, _)| *m == mode)
             .map(|(_, _, v)| v)
             .collect();
         medians.insert(
             mode.name(),
-            FIGURES
-                .iter()
-                .map(|(name, p)| (*name, median(of_mode.iter().map(|v| num(v, p)).collect())))
-                .collect(),
+            Figures(
+                FIGURES
+                    .iter()
+                    .map(|(name, f)| {
+                        (
+                            name.to_string(),
+                            median(of_mode.iter().map(|v| f(v)).collect()),
+                        )
+                    })
+                    .collect(),
+            ),
         );
     }
-    let fig = |mode: &str, name: &str| -> f64 {
-        medians
-            .get(mode)
-            .and_then(|m| m.get(name))
-            .copied()
-            .unwrap_or(f64::NAN)
-    };
+    let fig =
+        |mode: &str, name: &str| -> f64 { medians.get(mode).map_or(f64::NAN, |m| m.get(name)) };
     let ideal = fig("no-transfer", "steps_per_hour");
     println!(
         "\n== comparison ({rounds} round(s), {:.0} s; links: {})\n",
@@ -977,15 +951,15 @@ fn compare(
             fig(&m, "steps_per_hour") / fig("full-broadcast", "steps_per_hour"),
         );
     }
-    let ratios = json!({
-        "delta_over_full_broadcast_steps_per_hour":
-            fig("delta", "steps_per_hour") / fig("full-broadcast", "steps_per_hour"),
-        "delta_over_full_broadcast_exclusive_steps_per_hour":
-            fig("delta", "steps_per_hour") / fig("full-broadcast-exclusive", "steps_per_hour"),
-        "delta_over_no_transfer_steps_per_hour": fig("delta", "steps_per_hour") / ideal,
-        "delta_over_no_transfer_tokens_per_s":
-            fig("delta", "rollout_tokens_per_s") / fig("no-transfer", "rollout_tokens_per_s"),
-    });
+    let delta = fig("delta", "steps_per_hour");
+    let ratios = Ratios {
+        delta_over_full_broadcast_steps_per_hour: delta / fig("full-broadcast", "steps_per_hour"),
+        delta_over_full_broadcast_exclusive_steps_per_hour: delta
+            / fig("full-broadcast-exclusive", "steps_per_hour"),
+        delta_over_no_transfer_steps_per_hour: delta / ideal,
+        delta_over_no_transfer_tokens_per_s: fig("delta", "rollout_tokens_per_s")
+            / fig("no-transfer", "rollout_tokens_per_s"),
+    };
     println!(
         "\n   steady state from step {STEADY_FROM}; vs ideal: steps/hour over no-transfer's; vs full: over full-broadcast's (every region taking part)"
     );
@@ -994,10 +968,11 @@ fn compare(
         ARRIVAL_WAIT.as_secs()
     );
     for (round, mode, v) in &runs {
-        if let Some(late) = v["not_arrived"].as_object().filter(|l| !l.is_empty()) {
-            let line: Vec<String> = late
+        if !v.not_arrived.is_empty() {
+            let line: Vec<String> = v
+                .not_arrived
                 .iter()
-                .map(|(region, versions)| format!("{region} version(s) {versions}"))
+                .map(|(region, versions)| format!("{region} version(s) {}", join(versions)))
                 .collect();
             println!(
                 "   {} (round {round}): not arrived within {} s after the run: {}",
@@ -1007,27 +982,27 @@ fn compare(
             );
         }
     }
-    println!("   ratios: {ratios}");
-    let report = json!({
-        "rounds": rounds,
-        "wall_s": t0.elapsed().as_secs_f64(),
-        "modes": modes.iter().map(|m| m.name()).collect::<Vec<_>>(),
-        "medians": medians,
-        "ratios": ratios,
-        "runs": runs.iter().map(|(round, mode, v)| json!({
-            "round": round, "mode": mode.name(), "summary": v,
-        })).collect::<Vec<_>>(),
-    });
+    println!("   ratios: {}", serde_json::to_string(&ratios)?);
+    let panels = compare_panels(&runs);
+    let report = RealComparison {
+        rounds,
+        wall_s: t0.elapsed().as_secs_f64(),
+        modes: modes.iter().map(|m| m.name()).collect(),
+        medians,
+        ratios,
+        runs: runs
+            .into_iter()
+            .map(|(round, mode, summary)| RoundRun {
+                round,
+                mode: mode.name(),
+                summary,
+            })
+            .collect(),
+    };
     let path = out.join("compare.json");
     std::fs::write(&path, serde_json::to_string_pretty(&report)?)
         .with_context(|| format!("write {}", path.display()))?;
-    render_png(
-        &compare_panels(&runs),
-        "step",
-        900,
-        720,
-        &out.join("compare.png"),
-    )?;
+    render_png(&panels, "step", 900, 720, &out.join("compare.png"))?;
     println!(
         "   wrote {} and {}",
         path.display(),
@@ -1045,27 +1020,18 @@ const COLORS: [[u8; 3]; 5] = [
 ];
 
 /// Reward and step time per step, one series per run.
-fn compare_panels(runs: &[(u32, RunMode, Value)]) -> Vec<Panel> {
-    let series = |path: &[&str]| -> Vec<Series> {
+fn compare_panels(runs: &[(u32, RunMode, RealSummary)]) -> Vec<Panel> {
+    let series = |y: fn(&TrainerStep) -> f64| -> Vec<Series> {
         runs.iter()
             .enumerate()
             .map(|(i, (round, mode, v))| Series {
                 label: format!("{} (round {round})", mode.name()),
                 color: COLORS[i % COLORS.len()],
-                points: v["steps"]
-                    .as_array()
-                    .map(|steps| {
-                        steps
-                            .iter()
-                            .map(|st| {
-                                (
-                                    st["trainer"]["step"].as_f64().unwrap_or(f64::NAN),
-                                    num(st, path),
-                                )
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default(),
+                points: v
+                    .steps
+                    .iter()
+                    .map(|st| (f64::from(st.trainer.step), y(&st.trainer)))
+                    .collect(),
             })
             .collect()
     };
@@ -1073,12 +1039,12 @@ fn compare_panels(runs: &[(u32, RunMode, Value)]) -> Vec<Panel> {
         Panel {
             title: "Reward per step".into(),
             y_label: "mean reward".into(),
-            series: series(&["trainer", "mean_reward"]),
+            series: series(|t| t.mean_reward),
         },
         Panel {
             title: "Step time".into(),
             y_label: "seconds".into(),
-            series: series(&["trainer", "seconds", "step"]),
+            series: series(|t| t.seconds.get("step").copied().unwrap_or(f64::NAN)),
         },
     ]
 }
@@ -1147,7 +1113,7 @@ mod tests {
         // comparison's median.
         let none = mean(std::iter::empty());
         assert!(none.is_nan());
-        assert_eq!(json!(none), Value::Null);
+        assert_eq!(serde_json::json!(none), serde_json::Value::Null);
         assert!(median(vec![none, 1.0, 3.0]) == 2.0);
     }
 }
