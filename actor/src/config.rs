@@ -3,9 +3,13 @@
 //! and `starling demo` build them directly).
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
+use anyhow::{Context, Result};
+use starling_engine::ModelConfig;
 use starling_transport::link::LinkProfile;
 
+use crate::engine::{BuiltinEngine, Engine};
 use crate::vllm;
 
 /// Where to subscribe: relays of the actor's region first, then the hub.
@@ -49,4 +53,33 @@ pub struct EngineSettings {
     pub hardware: String,
     /// Generate with a vLLM server (`vllm`) instead of the built-in engine.
     pub vllm: Option<vllm::VllmSettings>,
+}
+
+impl ActorConfig {
+    /// The engine this configuration asks for (none: the actor holds weights only).
+    pub(crate) fn build_engine(&self) -> Result<Option<Arc<dyn Engine>>> {
+        Ok(match &self.engine {
+            None => None,
+            Some(e) if e.vllm.is_some() => {
+                let settings = e.vllm.clone().context("vllm settings")?;
+                Some(Arc::new(vllm::VllmEngine::new(
+                    settings,
+                    &e.model_config,
+                    &self.model_id,
+                    &self.store,
+                    e.max_batch,
+                )?))
+            }
+            Some(e) => {
+                let config = ModelConfig::from_file(&e.model_config)
+                    .with_context(|| format!("read {}", e.model_config.display()))?;
+                Some(Arc::new(BuiltinEngine::new(
+                    config,
+                    &self.model_id,
+                    e.max_batch,
+                    e.slowdown,
+                )?))
+            }
+        })
+    }
 }

@@ -30,9 +30,6 @@ use starling_engine::{
 use starling_proto::delta::apply::{UndoLog, full_digest};
 use starling_proto::protocol::rollout::{FinishReason, JobResult, JobSpec, Sample, VersionSpan};
 
-use crate::ActorConfig;
-use crate::vllm;
-
 /// What an engine can do.
 #[derive(Debug, Clone)]
 pub struct Capabilities {
@@ -315,33 +312,6 @@ impl Engine for BuiltinEngine {
 
 fn micros(d: Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
-}
-
-/// The engine `cfg` asks for (none: the actor holds weights only).
-pub(crate) fn from_config(cfg: &ActorConfig) -> Result<Option<Arc<dyn Engine>>> {
-    Ok(match &cfg.engine {
-        None => None,
-        Some(e) if e.vllm.is_some() => {
-            let settings = e.vllm.clone().context("vllm settings")?;
-            Some(Arc::new(vllm::VllmEngine::new(
-                settings,
-                &e.model_config,
-                &cfg.model_id,
-                &cfg.store,
-                e.max_batch,
-            )?))
-        }
-        Some(e) => {
-            let config = ModelConfig::from_file(&e.model_config)
-                .with_context(|| format!("read {}", e.model_config.display()))?;
-            Some(Arc::new(BuiltinEngine::new(
-                config,
-                &cfg.model_id,
-                e.max_batch,
-                e.slowdown,
-            )?))
-        }
-    })
 }
 
 #[cfg(test)]

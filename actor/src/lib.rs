@@ -72,7 +72,7 @@ pub async fn run(cfg: ActorConfig, stop: CancellationToken) -> Result<()> {
     let trust = manifest_trust(&cfg.credentials)?;
     let metrics = Metrics::new(Component::Actor);
     let (status, status_rx) = watch::channel(PipelineStatus::default());
-    let engine = engine::from_config(&cfg)?;
+    let engine = cfg.build_engine()?;
     let engine_name = match &cfg.engine {
         None => "none",
         Some(e) if e.vllm.is_some() => "vllm",
