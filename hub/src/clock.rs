@@ -5,16 +5,12 @@
 //! One place that reads the clock, below every module that needs the time, so the time is
 //! read and rounded the same way everywhere. A clock before 1970 reads as 0.
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use starling_ledger::Timestamp;
 
-/// Milliseconds since the Unix epoch.
+/// Milliseconds since the Unix epoch ([`starling_telemetry::unix_ms`], the clock the relay's
+/// and the actor's status documents read too).
 pub(crate) fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-        .unwrap_or(0)
+    starling_telemetry::unix_ms()
 }
 
 /// The current time as the ledger records it.
