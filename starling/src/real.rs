@@ -22,7 +22,6 @@ use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{Context, Result, bail};
-use serde::{Deserialize, Serialize};
 use starling_actor::shared_dir::version_file_name;
 
 use crate::cluster::{Cluster, Mode, Spec, mean, mean_arrival_by_region, path};
