@@ -32,8 +32,9 @@ use crate::procs::Proc;
 use crate::real_summary::{
     EngineCheck, FIGURES, Figures, LinkCarried, Makespan, QuarterReward, Ratios, RealComparison,
     RealModel, RealRunSettings, RealStep, RealSummary, RoundRun, RunCheck, ShareVsSpeed,
-    SteadyThroughput, TrainerStep, VersionBytes, region_summary,
+    SteadyThroughput, TrainerStep, VersionBytes,
 };
+use crate::summary::region_summary;
 use crate::vllm_server::{VllmServer, VllmSetup};
 
 /// The first step whose batch waits for a freshly published version.

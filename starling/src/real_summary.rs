@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use crate::summary::{ActorSummary, RegionSummary, figure, figures};
+use crate::summary::{RegionSummary, figure, figures};
 
 /// One line of the trainer's report (`starling.grpo.trainer`), the fields used here.
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -317,25 +317,6 @@ pub(crate) const FIGURES: [(&str, Figure); 8] = [
 /// A region's mean transfer time (NaN when the run had no such region or none arrived).
 fn transfer_s(s: &RealSummary, region: &str) -> f64 {
     s.mean_transfer_s.get(region).copied().unwrap_or(f64::NAN)
-}
-
-/// A region as the summaries state it.
-pub(crate) fn region_summary(r: &crate::links::Region) -> RegionSummary {
-    RegionSummary {
-        name: r.name.to_owned(),
-        rate_mbit: r.rate_mbit,
-        rtt_ms: r.rtt_ms,
-        loss: r.loss,
-        actors: r
-            .actors
-            .iter()
-            .map(|a| ActorSummary {
-                name: a.name.to_owned(),
-                speed: a.speed,
-                vllm: a.vllm,
-            })
-            .collect(),
-    }
 }
 
 #[cfg(test)]

@@ -140,6 +140,25 @@ pub(crate) struct StepSummary {
     pub(crate) arrival_s: Option<BTreeMap<String, Option<f64>>>,
 }
 
+/// A region as the summaries state it.
+pub(crate) fn region_summary(r: &crate::links::Region) -> RegionSummary {
+    RegionSummary {
+        name: r.name.to_owned(),
+        rate_mbit: r.rate_mbit,
+        rtt_ms: r.rtt_ms,
+        loss: r.loss,
+        actors: r
+            .actors
+            .iter()
+            .map(|a| ActorSummary {
+                name: a.name.to_owned(),
+                speed: a.speed,
+                vllm: a.vllm,
+            })
+            .collect(),
+    }
+}
+
 /// An `f64` that is `null` in the file when it is not finite, and NaN when read back from
 /// `null` (serde_json writes NaN and ±Inf as `null` but refuses `null` for an `f64`).
 pub(crate) mod figure {

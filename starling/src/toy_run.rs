@@ -22,8 +22,8 @@ use crate::demo_args::DemoArgs;
 use crate::links::Region;
 use crate::plot::{Panel, Series, render_png};
 use crate::summary::{
-    ActorSummary, BehaviourCheck, Bytes, LinkBytes, ModelSummary, RegionSummary, Reward, Settings,
-    StepSummary, Summary, Throughput,
+    BehaviourCheck, Bytes, LinkBytes, ModelSummary, Reward, Settings, StepSummary, Summary,
+    Throughput, region_summary,
 };
 
 /// One run in `mode` from the BF16 checkpoint `init`, in directory `out` (which exists and
@@ -247,24 +247,7 @@ fn summarize(
             max_staleness: 1,
             engine_slowdown: a.engine_slowdown,
         },
-        regions: regions
-            .iter()
-            .map(|r| RegionSummary {
-                name: r.name.to_owned(),
-                rate_mbit: r.rate_mbit,
-                rtt_ms: r.rtt_ms,
-                loss: r.loss,
-                actors: r
-                    .actors
-                    .iter()
-                    .map(|a| ActorSummary {
-                        name: a.name.to_owned(),
-                        speed: a.speed,
-                        vllm: a.vllm,
-                    })
-                    .collect(),
-            })
-            .collect(),
+        regions: regions.iter().map(region_summary).collect(),
         reward: Reward {
             first,
             last,
