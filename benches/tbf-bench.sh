@@ -347,6 +347,10 @@ run_case() { # case rep
         --codecs "$codecs" --http 127.0.0.1:9100 --publish-dir "$ckpt"
     start_watch hub "$NS_HUB" 9100 /metrics
     wait_for hub "$run/hub.watch" 'up 1$' 600 >/dev/null
+    # Only the hub's `up` is read from its watch: polling its long /metrics in bash every
+    # 50 ms for the rest of the run would take CPU from the processes being measured.
+    kill_pids "${PIDS[hub-watch]}"
+    unset 'PIDS[hub-watch]'
     start relay "$NS_RELAY" "$RELAY" --model-id tiny --listen $RELAY_LAN_IP:7444 \
         --hub $HUB_IP:7443 --region r1 --credentials "$run_root/r1" \
         --wan-mbit "$rate_mbit" --wan-rtt-ms 1 --stripes "$relay_stripes" --http 127.0.0.1:9101
