@@ -262,7 +262,10 @@ impl DeltaEncoder {
         let compute_pre = self.computed_pre.is_some();
         // The exponent-class mask codec needs every change's rank in its class: count the
         // classes in the diff's own pass over the ranges.
-        let ranked = choice.index.contains(&IndexCodec::ExpClassGapsRc);
+        let ranked = choice
+            .index
+            .iter()
+            .any(|c| matches!(c, IndexCodec::ExpClassGapsRc | IndexCodec::ExpClassGapsRans));
         let keys: Vec<_> = work
             .iter()
             .map(|w| self.key.tensor(&self.tensors[w.tensor].name))

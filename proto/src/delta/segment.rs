@@ -135,20 +135,35 @@ impl EncodedPart {
         let allowed_v = |c| choice.value.contains(&c);
 
         let mut best_index = Best::default();
-        // The base-conditioned mask scans the whole range once; it is the usual winner.
-        if allowed_i(IndexCodec::ExpClassGapsRc) && len <= u64::from(u32::MAX) {
-            best_index.offer(IndexCodec::ExpClassGapsRc, || match &diff.class_totals {
+        // The base-conditioned mask scans the whole range once; it is the usual winner. Its
+        // table-driven form is tried first; the adaptive one only where the table-driven one
+        // is not allowed, on small parts (where the tables' parameter bytes can outweigh
+        // what they save), or exhaustively.
+        let rans_i = allowed_i(IndexCodec::ExpClassGapsRans);
+        for (class_codec, wanted) in [
+            (IndexCodec::ExpClassGapsRans, rans_i),
+            (
+                IndexCodec::ExpClassGapsRc,
+                allowed_i(IndexCodec::ExpClassGapsRc) && (all || !rans_i || n < SMALL_PART_CHANGES),
+            ),
+        ] {
+            if !wanted || len > u64::from(u32::MAX) {
+                continue;
+            }
+            best_index.offer(class_codec, || match &diff.class_totals {
                 // A ranked diff already counted the classes: no second pass over the base.
                 Some(totals) if diff.ranks.len() == diff.len() => {
-                    codec::index::encode_exp_class_gaps_ranked(&diff.old, &diff.ranks, totals)
+                    if class_codec == IndexCodec::ExpClassGapsRc {
+                        codec::index::encode_exp_class_gaps_ranked(&diff.old, &diff.ranks, totals)
+                    } else {
+                        codec::index::encode_exp_class_gaps_rans_ranked(
+                            &diff.old,
+                            &diff.ranks,
+                            totals,
+                        )
+                    }
                 }
-                _ => codec::index::encode(
-                    IndexCodec::ExpClassGapsRc,
-                    &diff.positions,
-                    len,
-                    level,
-                    old,
-                ),
+                _ => codec::index::encode(class_codec, &diff.positions, len, level, old),
             });
         }
         // Rice gaps code close to the order-0 entropy of the mask; the exponent-class codec
@@ -185,7 +200,13 @@ impl EncodedPart {
         }
 
         let mut best_value = Best::default();
-        if allowed_v(ValueCodec::UlpStepRc) {
+        let rans_v = allowed_v(ValueCodec::UlpStepRans);
+        if rans_v {
+            best_value.offer(ValueCodec::UlpStepRans, || {
+                codec::value::encode(ValueCodec::UlpStepRans, &diff.new, &diff.old, level)
+            });
+        }
+        if allowed_v(ValueCodec::UlpStepRc) && (all || !rans_v || n < SMALL_PART_CHANGES) {
             best_value.offer(ValueCodec::UlpStepRc, || {
                 codec::value::encode(ValueCodec::UlpStepRc, &diff.new, &diff.old, level)
             });

@@ -11,6 +11,7 @@
 //! the positions) and needs the base values of exactly the part's range.
 
 use super::bits::{BitReader, BitWriter};
+use super::gaps_rans;
 use super::rc::{Bit, EXP_CLASSES, IntModel, RangeDecoder, RangeEncoder, exp_class};
 use super::scan;
 use super::{IndexCodec, zstd_compress, zstd_decompress};
@@ -37,12 +38,16 @@ pub fn encode(
     base: &[u16],
 ) -> Vec<u8> {
     match codec {
-        IndexCodec::ExpClassGapsRc => {
+        IndexCodec::ExpClassGapsRc | IndexCodec::ExpClassGapsRans => {
             assert!(
                 base.len() as u64 == range_len && range_len <= u64::from(u32::MAX),
                 "exp-class gaps need the base values of the whole range"
             );
-            exp_class_gaps(positions, base)
+            if codec == IndexCodec::ExpClassGapsRc {
+                exp_class_gaps(positions, base)
+            } else {
+                exp_class_gaps_rans(positions, base)
+            }
         }
         IndexCodec::Leb128Gaps => leb128_gaps(positions),
         IndexCodec::Leb128GapsZstd => zstd_compress(&leb128_gaps(positions), zstd_level),
@@ -73,7 +78,7 @@ pub fn decode(
             decode_leb128_gaps(&raw, count, range_len)?
         }
         IndexCodec::RiceGaps => decode_rice_gaps(bytes, count, range_len)?,
-        IndexCodec::ExpClassGapsRc => {
+        IndexCodec::ExpClassGapsRc | IndexCodec::ExpClassGapsRans => {
             let Some(base) = base.filter(|b| b.len() as u64 == range_len) else {
                 return Err(DecodeError::malformed(
                     "exp-class gaps",
@@ -86,7 +91,11 @@ pub fn decode(
                     "range of 2^32 elements or more",
                 ));
             }
-            decode_exp_class_gaps(bytes, count, base)?
+            if codec == IndexCodec::ExpClassGapsRc {
+                decode_exp_class_gaps(bytes, count, base)?
+            } else {
+                gaps_rans::decode(bytes, count, base)?
+            }
         }
         IndexCodec::BitmapZstd => {
             let want = range_len.div_ceil(8) as usize;
@@ -406,27 +415,55 @@ pub fn encode_exp_class_gaps_ranked(
     exp_class_gaps_ranked(old_at_changes.iter().copied(), ranks, class_totals)
 }
 
-fn exp_class_gaps_ranked(
-    old_at_changes: impl DoubleEndedIterator<Item = u16> + ExactSizeIterator + Clone,
+/// [`IndexCodec::ExpClassGapsRans`] from what a ranked diff found (as
+/// [`encode_exp_class_gaps_ranked`]). The bytes are those of [`encode`] on the same range.
+pub fn encode_exp_class_gaps_rans_ranked(
+    old_at_changes: &[u16],
+    ranks: &[u32],
+    class_totals: &[u32; EXP_CLASSES],
+) -> Vec<u8> {
+    let (classes, after, firsts) = class_gaps(old_at_changes.iter().copied(), ranks, class_totals);
+    gaps_rans::encode(&classes, &after, &firsts)
+}
+
+fn exp_class_gaps_rans(positions: &[u64], base: &[u16]) -> Vec<u8> {
+    let mut ranks = Vec::with_capacity(positions.len());
+    let totals = scan::ranks_at(base, positions, &mut ranks);
+    let old = positions.iter().map(|&p| base[p as usize]);
+    let (classes, after, firsts) = class_gaps(old, &ranks, &totals);
+    gaps_rans::encode(&classes, &after, &firsts)
+}
+
+/// The class gaps of a part from its changes' ranks: the class of each change, the gap after
+/// it to its class's next change (or to the class's end), and each class's gap before its
+/// first change (its total for a class without changes).
+pub(super) fn class_gaps(
+    old_at_changes: impl DoubleEndedIterator<Item = u16> + ExactSizeIterator,
     ranks: &[u32],
     totals: &[u32; EXP_CLASSES],
-) -> Vec<u8> {
+) -> (Vec<u8>, Vec<u32>, [u32; EXP_CLASSES]) {
     debug_assert_eq!(old_at_changes.len(), ranks.len());
     // Backwards, the gap after each change is the next change's rank in the same class
     // (or the class's total) minus its own rank minus one; what is left in `next` at the
     // front is each class's first gap.
     let mut next = *totals;
     let mut after = vec![0u32; ranks.len()];
-    for ((k, o), &r) in old_at_changes
-        .clone()
-        .enumerate()
-        .rev()
-        .zip(ranks.iter().rev())
-    {
+    let mut classes = vec![0u8; ranks.len()];
+    for ((k, o), &r) in old_at_changes.enumerate().rev().zip(ranks.iter().rev()) {
         let c = exp_class(o);
+        classes[k] = c as u8;
         after[k] = next[c] - r - 1;
         next[c] = r;
     }
+    (classes, after, next)
+}
+
+fn exp_class_gaps_ranked(
+    old_at_changes: impl DoubleEndedIterator<Item = u16> + ExactSizeIterator + Clone,
+    ranks: &[u32],
+    totals: &[u32; EXP_CLASSES],
+) -> Vec<u8> {
+    let (_, after, next) = class_gaps(old_at_changes.clone(), ranks, totals);
     let mut models = vec![GapModel::default(); EXP_CLASSES];
     let mut escape = IntModel::default();
     let mut e = RangeEncoder::with_capacity(ranks.len() + 16);
@@ -633,8 +670,28 @@ mod tests {
     const GOLDEN_EXP_CLASS_GAPS: [u8; 6] = [0x80, 0x1f, 0x9e, 0x84, 0xd7, 0xd9];
 
     #[test]
+    fn golden_exp_class_gaps_rans() {
+        // The same part: class 27 has gaps 1 (first), 1, 0; class 0 has no change.
+        let base = [0x3F80, 0x3F80, 0x0000, 0x3F80, 0x3F80];
+        let enc = encode(IndexCodec::ExpClassGapsRans, &[1, 3], 5, 1, &base);
+        assert_eq!(enc, GOLDEN_EXP_CLASS_GAPS_RANS, "{enc:02x?}");
+        round_trip_with(IndexCodec::ExpClassGapsRans, &[1, 3], &base);
+    }
+
+    /// Pinned: any change to these bytes is a format change (see docs/format.md).
+    const GOLDEN_EXP_CLASS_GAPS_RANS: [u8; 12] = [0, 0, 0, 8, 0, 85, 0, 0, 177, 237, 6, 0];
+
+    const CLASS_CODECS: [IndexCodec; 2] =
+        [IndexCodec::ExpClassGapsRc, IndexCodec::ExpClassGapsRans];
+
+    #[test]
     fn exp_class_gaps_edge_cases() {
-        let c = IndexCodec::ExpClassGapsRc;
+        for c in CLASS_CODECS {
+            exp_class_gaps_edge_cases_with(c);
+        }
+    }
+
+    fn exp_class_gaps_edge_cases_with(c: IndexCodec) {
         let base = weight_like_base(1, 4096);
         // None changed, all changed, one element, first and last only.
         round_trip_with(c, &[], &base);
@@ -664,37 +721,42 @@ mod tests {
             })
             .map(|(i, _)| i as u64)
             .collect();
-        let ctx = encode(IndexCodec::ExpClassGapsRc, &positions, 200_000, 1, &base).len();
         let rice = encode(IndexCodec::RiceGaps, &positions, 200_000, 1, &base).len();
-        assert!(ctx * 10 < rice * 9, "{ctx} vs rice {rice}");
-        round_trip_with(IndexCodec::ExpClassGapsRc, &positions, &base);
+        for c in CLASS_CODECS {
+            let ctx = encode(c, &positions, 200_000, 1, &base).len();
+            assert!(ctx * 10 < rice * 9, "{}: {ctx} vs rice {rice}", c.name());
+            round_trip_with(c, &positions, &base);
+        }
     }
 
     #[test]
     fn exp_class_gaps_refuse_truncated_and_flipped_payloads() {
+        for c in CLASS_CODECS {
+            refuse_truncated_and_flipped_payloads_with(c);
+        }
+    }
+
+    fn refuse_truncated_and_flipped_payloads_with(c: IndexCodec) {
         let base = weight_like_base(3, 3000);
         let positions: Vec<u64> = (0..3000u64)
             .filter(|i| i.is_multiple_of(37) || i.is_multiple_of(41))
             .collect();
-        let enc = encode(IndexCodec::ExpClassGapsRc, &positions, 3000, 1, &base);
+        let enc = encode(c, &positions, 3000, 1, &base);
         let n = positions.len() as u64;
         for cut in 0..enc.len() {
             assert!(
-                decode(
-                    IndexCodec::ExpClassGapsRc,
-                    &enc[..cut],
-                    n,
-                    3000,
-                    Some(&base)
-                )
-                .is_err(),
-                "cut at {cut}"
+                decode(c, &enc[..cut], n, 3000, Some(&base)).is_err(),
+                "{}: cut at {cut}",
+                c.name()
             );
         }
+        let mut padded = enc.clone();
+        padded.extend_from_slice(&[0, 0]);
+        assert!(decode(c, &padded, n, 3000, Some(&base)).is_err());
         for i in 0..enc.len() * 8 {
             let mut b = enc.clone();
             b[i / 8] ^= 1 << (i % 8);
-            if let Ok(p) = decode(IndexCodec::ExpClassGapsRc, &b, n, 3000, Some(&base)) {
+            if let Ok(p) = decode(c, &b, n, 3000, Some(&base)) {
                 assert_eq!(p.len() as u64, n);
                 assert!(p.windows(2).all(|w| w[0] < w[1]) && p.iter().all(|&x| x < 3000));
             }
@@ -728,7 +790,9 @@ mod tests {
                 .filter(|(_, b)| density == 255 || b.1 < density)
                 .map(|(i, _)| i as u64)
                 .collect();
-            round_trip_with(IndexCodec::ExpClassGapsRc, &positions, &base);
+            for c in CLASS_CODECS {
+                round_trip_with(c, &positions, &base);
+            }
         }
 
         #[test]
@@ -800,29 +864,27 @@ mod timing {
                 }
                 (r.expect("ran"), b)
             }
-            let (enc, te) =
-                best(|| encode(IndexCodec::ExpClassGapsRc, &positions, n as u64, 1, &base));
-            let (dec, td) = best(|| {
-                decode(
-                    IndexCodec::ExpClassGapsRc,
-                    &enc,
-                    positions.len() as u64,
-                    n as u64,
-                    Some(&base),
-                )
-                .expect("ok")
-            });
             let (rice, tr) = best(|| encode(IndexCodec::RiceGaps, &positions, n as u64, 1, &base));
-            assert_eq!(dec, positions);
-            println!(
-                "density {:.2}%: ctx {} B, rice {} B; encode {:.2} ns/elem, decode {:.2} ns/elem, rice encode {:.2} ns/elem",
-                100.0 * positions.len() as f64 / n as f64,
-                enc.len(),
-                rice.len(),
-                te.as_nanos() as f64 / n as f64,
-                td.as_nanos() as f64 / n as f64,
-                tr.as_nanos() as f64 / n as f64,
-            );
+            for codec in [IndexCodec::ExpClassGapsRc, IndexCodec::ExpClassGapsRans] {
+                let (enc, te) = best(|| encode(codec, &positions, n as u64, 1, &base));
+                let (dec, td) = best(|| {
+                    decode(codec, &enc, positions.len() as u64, n as u64, Some(&base)).expect("ok")
+                });
+                assert_eq!(dec, positions);
+                let per_change =
+                    |t: std::time::Duration| t.as_nanos() as f64 / positions.len() as f64;
+                println!(
+                    "{} density {:.2}%: {} B (rice {} B); encode {:.2} ns/elem, decode {:.2} ns/elem = {:.1} ns/change, rice encode {:.2} ns/elem",
+                    codec.name(),
+                    100.0 * positions.len() as f64 / n as f64,
+                    enc.len(),
+                    rice.len(),
+                    te.as_nanos() as f64 / n as f64,
+                    td.as_nanos() as f64 / n as f64,
+                    per_change(td),
+                    tr.as_nanos() as f64 / n as f64,
+                );
+            }
         }
     }
 }

@@ -14,9 +14,12 @@
 
 pub mod bits;
 pub mod dense;
+mod gaps_rans;
 pub mod index;
+pub mod rans;
 pub mod rc;
 pub(crate) mod scan;
+mod step_rans;
 pub mod value;
 
 /// Synthetic BF16 weights for the codecs' timing tests: a sum of four uniforms (close to a
@@ -72,6 +75,10 @@ pub enum IndexCodec {
     /// adaptive binary range coder (contexts per class): the change mask conditioned on
     /// the base exponent. Needs the base values of the range to decode.
     ExpClassGapsRc = 5,
+    /// The gaps of [`IndexCodec::ExpClassGapsRc`] coded with static per-part tables (four
+    /// parameter bytes per class present) through a rANS coder: a table lookup per change
+    /// instead of adaptive context updates. Needs the base values of the range to decode.
+    ExpClassGapsRans = 6,
 }
 
 /// How the new BF16 values of a sparse part are coded.
@@ -89,6 +96,9 @@ pub enum ValueCodec {
     /// coder, with contexts from the base value's exponent class and sign; an escape codes
     /// large steps raw. Needs the base values to decode.
     UlpStepRc = 4,
+    /// The step of [`ValueCodec::UlpStepRc`] with static per-part tables (two parameter bytes
+    /// per (exponent class, sign) present) through a rANS coder. Needs the base values.
+    UlpStepRans = 5,
 }
 
 /// How a dense part is coded.
@@ -103,12 +113,13 @@ pub enum DenseCodec {
 }
 
 impl IndexCodec {
-    pub const ALL: [IndexCodec; 5] = [
+    pub const ALL: [IndexCodec; 6] = [
         Self::Leb128Gaps,
         Self::Leb128GapsZstd,
         Self::RiceGaps,
         Self::BitmapZstd,
         Self::ExpClassGapsRc,
+        Self::ExpClassGapsRans,
     ];
     /// The codecs of the first release (all a version-1 reader of 2026-11 knows).
     pub const V1: [IndexCodec; 4] = [
@@ -135,21 +146,23 @@ impl IndexCodec {
             Self::RiceGaps => "rice-gaps",
             Self::BitmapZstd => "bitmap+zstd",
             Self::ExpClassGapsRc => "exp-class-gaps+rc",
+            Self::ExpClassGapsRans => "exp-class-gaps+rans",
         }
     }
 
     /// Whether decoding needs the base values of the range.
     pub fn needs_base(self) -> bool {
-        matches!(self, Self::ExpClassGapsRc)
+        matches!(self, Self::ExpClassGapsRc | Self::ExpClassGapsRans)
     }
 }
 
 impl ValueCodec {
-    pub const ALL: [ValueCodec; 4] = [
+    pub const ALL: [ValueCodec; 5] = [
         Self::RawZstd,
         Self::UlpResidualZstd,
         Self::Raw,
         Self::UlpStepRc,
+        Self::UlpStepRans,
     ];
     /// The codecs of the first release.
     pub const V1: [ValueCodec; 3] = [Self::RawZstd, Self::UlpResidualZstd, Self::Raw];
@@ -170,12 +183,16 @@ impl ValueCodec {
             Self::UlpResidualZstd => "ulp-residual+zstd",
             Self::Raw => "raw",
             Self::UlpStepRc => "ulp-step+rc",
+            Self::UlpStepRans => "ulp-step+rans",
         }
     }
 
     /// Whether decoding needs the base values of the range.
     pub fn needs_base(self) -> bool {
-        matches!(self, Self::UlpResidualZstd | Self::UlpStepRc)
+        matches!(
+            self,
+            Self::UlpResidualZstd | Self::UlpStepRc | Self::UlpStepRans
+        )
     }
 }
 

@@ -161,6 +161,7 @@ pub fn encode(codec: ValueCodec, new: &[u16], old: &[u16], zstd_level: i32) -> V
             }
             e.finish()
         }
+        ValueCodec::UlpStepRans => super::step_rans::encode(new, old, ulp_step_zigzag),
     }
 }
 
@@ -253,6 +254,15 @@ pub fn decode(
             d.finish(WHAT)?;
             Ok(out)
         }
+        ValueCodec::UlpStepRans => {
+            let Some(old) = old.filter(|o| o.len() == count) else {
+                return Err(DecodeError::malformed(
+                    "ulp step values (rANS)",
+                    format!("decoding needs the {count} base values at the positions"),
+                ));
+            };
+            super::step_rans::decode(bytes, old, apply_ulp_step_zigzag)
+        }
     }
 }
 
@@ -337,6 +347,24 @@ mod tests {
     /// Pinned: any change to these bytes is a format change (see docs/format.md).
     const GOLDEN_ULP_STEP_RC: [u8; 7] = [0xd9, 0x7f, 0xbf, 0xfe, 0xdf, 0xe0, 0x00];
 
+    #[test]
+    fn golden_ulp_step_rans() {
+        let old = [0x3F80, 0x3F80, 0xBC00, 0x3F80];
+        let new = [0x3F81, 0x3F7F, 0xBBFF, 0x4080];
+        let enc = encode(ValueCodec::UlpStepRans, &new, &old, 1);
+        assert_eq!(enc, GOLDEN_ULP_STEP_RANS, "{enc:02x?}");
+        assert_eq!(
+            decode(ValueCodec::UlpStepRans, &enc, 4, Some(&old)),
+            Ok(new.to_vec())
+        );
+    }
+
+    /// Pinned: any change to these bytes is a format change (see docs/format.md).
+    const GOLDEN_ULP_STEP_RANS: [u8; 34] = [
+        0, 0, 0, 0, 0, 2, 64, 0, 255, 255, 170, 128, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        255, 33, 90, 3, 0, 226, 203,
+    ];
+
     proptest! {
         #[test]
         fn every_value_codec_round_trips_any_bits(pairs in proptest::collection::vec((any::<u16>(), any::<u16>()), 0..500)) {
@@ -350,25 +378,27 @@ mod tests {
         }
 
         #[test]
-        fn ulp_step_rc_round_trips_small_steps_and_refuses_truncation(
-            pairs in proptest::collection::vec((any::<u16>(), -3i16..=3), 1..400)
+        fn ulp_step_codecs_round_trip_small_steps_and_refuse_truncation(
+            pairs in proptest::collection::vec((any::<u16>(), -20i16..=20), 1..400)
         ) {
             let old: Vec<u16> = pairs.iter().map(|p| p.0).collect();
             let new: Vec<u16> = pairs
                 .iter()
                 .map(|&(o, d)| from_ordered(ordered(o).wrapping_add(d as u16)))
                 .collect();
-            let enc = encode(ValueCodec::UlpStepRc, &new, &old, 1);
-            let dec = decode(ValueCodec::UlpStepRc, &enc, new.len(), Some(&old)).expect("decodes");
-            prop_assert_eq!(&dec, &new);
-            for cut in 0..enc.len() {
-                // A truncated stream is refused or decodes to other values; never a panic.
-                if let Ok(v) = decode(ValueCodec::UlpStepRc, &enc[..cut], new.len(), Some(&old)) {
-                    prop_assert_eq!(v.len(), new.len());
+            for codec in [ValueCodec::UlpStepRc, ValueCodec::UlpStepRans] {
+                let enc = encode(codec, &new, &old, 1);
+                let dec = decode(codec, &enc, new.len(), Some(&old)).expect("decodes");
+                prop_assert_eq!(&dec, &new);
+                for cut in 0..enc.len() {
+                    // A truncated stream is refused or decodes to other values; never a panic.
+                    if let Ok(v) = decode(codec, &enc[..cut], new.len(), Some(&old)) {
+                        prop_assert_eq!(v.len(), new.len());
+                    }
                 }
+                prop_assert!(decode(codec, &enc, new.len(), Some(&old[1..])).is_err());
+                prop_assert!(decode(codec, &enc, new.len(), None).is_err());
             }
-            prop_assert!(decode(ValueCodec::UlpStepRc, &enc, new.len(), Some(&old[1..])).is_err());
-            prop_assert!(decode(ValueCodec::UlpStepRc, &enc, new.len(), None).is_err());
         }
 
         #[test]
