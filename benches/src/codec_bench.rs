@@ -100,8 +100,9 @@ fn main() -> Result<()> {
         let hdr = header(&old);
         let profile_cfg = match args.profile_codecs.as_str() {
             "v1" => v1_config(),
+            "adaptive" => adaptive_config(),
             "default" => EncoderConfig::default(),
-            other => anyhow::bail!("unknown --profile-codecs {other} (default, v1)"),
+            other => anyhow::bail!("unknown --profile-codecs {other} (default, adaptive, v1)"),
         };
         if let Some(n) = args.profile_encode {
             let c = cpu_seconds();
@@ -238,6 +239,8 @@ struct SizeRow {
     starling: usize,
     /// The same encoder limited to the first release's codecs.
     starling_v1: usize,
+    /// The default without the table-driven codecs.
+    starling_adaptive: usize,
     /// Payload bytes of positions, values and dense parts.
     split: [usize; 3],
     split_v1: [usize; 3],
@@ -286,10 +289,22 @@ fn v1_config() -> EncoderConfig {
     c
 }
 
+/// The default without the table-driven codecs (index 6, value 5): what the default was
+/// before them, with the adaptive range-coded codecs, for the side-by-side columns.
+fn adaptive_config() -> EncoderConfig {
+    let mut c = EncoderConfig::default();
+    c.choice
+        .index
+        .retain(|&i| i != IndexCodec::ExpClassGapsRans);
+    c.choice.value.retain(|&v| v != ValueCodec::UlpStepRans);
+    c
+}
+
 fn sizes(lr: f32, old: &Model, new: &Model, row_lens: &BTreeMap<String, usize>) -> SizeRow {
     let pairs = flat_pairs(old, new);
     let (bytes, _) = encode_in_memory(header(old), EncoderConfig::default(), &pairs, None);
     let (v1_bytes, _) = encode_in_memory(header(old), v1_config(), &pairs, None);
+    let (adaptive_bytes, _) = encode_in_memory(header(old), adaptive_config(), &pairs, None);
     let split = |bytes: &[u8]| -> [usize; 3] {
         let mut b = [0usize; 3];
         if let Ok(d) = read_delta(bytes, &TrustPolicy::AnySigner) {
@@ -407,6 +422,7 @@ fn sizes(lr: f32, old: &Model, new: &Model, row_lens: &BTreeMap<String, usize>) 
         changes,
         starling: bytes.len(),
         starling_v1: v1_bytes.len(),
+        starling_adaptive: adaptive_bytes.len(),
         split: split(&bytes),
         split_v1: split(&v1_bytes),
         mask_bits: mask_bits / 8.0,
@@ -433,9 +449,9 @@ fn h2(p: f64) -> f64 {
 fn print_sizes(rows: &[SizeRow]) {
     println!("### Encoded size (bytes per changed element; whole-model totals in MB)\n");
     println!(
-        "| lr | density | changes | naive i32+bf16 | SparrowRL | PULSE-style | i32 pos + bf16, zstd-1 | slime (XOR, zstd-1) | Starling v1 codecs | **Starling** | bound (mask+step) | bound (mask\\|exp + step) | vs SparrowRL | vs slime | vs best baseline | vs v1 codecs | vs bound (mask+step) | vs bound (mask\\|exp + step) |"
+        "| lr | density | changes | naive i32+bf16 | SparrowRL | PULSE-style | i32 pos + bf16, zstd-1 | slime (XOR, zstd-1) | Starling v1 codecs | Starling adaptive codecs | **Starling** | bound (mask+step) | bound (mask\\|exp + step) | vs SparrowRL | vs slime | vs best baseline | vs v1 codecs | ÷ adaptive codecs | vs bound (mask+step) | vs bound (mask\\|exp + step) |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         let per = |b: f64| b / r.changes.max(1) as f64;
         let best = r
@@ -445,7 +461,7 @@ fn print_sizes(rows: &[SizeRow]) {
             .min(r.pos_vals)
             .min(r.slime) as f64;
         println!(
-            "| {:.1e} | {:.2}% | {} | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | **{:.2} ({:.1})** | {:.2} | {:.2} | {:.2}× smaller | {:.2}× smaller | {:.2}× smaller | {:.2}× smaller | {:.2}× | {:.2}× |",
+            "| {:.1e} | {:.2}% | {} | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | {:.2} ({:.1}) | **{:.2} ({:.1})** | {:.2} | {:.2} | {:.2}× smaller | {:.2}× smaller | {:.2}× smaller | {:.2}× smaller | {:.3}× | {:.2}× | {:.2}× |",
             r.lr,
             100.0 * r.changes as f64 / r.elements as f64,
             r.changes,
@@ -461,6 +477,8 @@ fn print_sizes(rows: &[SizeRow]) {
             r.slime as f64 / 1e6,
             per(r.starling_v1 as f64),
             r.starling_v1 as f64 / 1e6,
+            per(r.starling_adaptive as f64),
+            r.starling_adaptive as f64 / 1e6,
             per(r.starling as f64),
             r.starling as f64 / 1e6,
             per(r.bound),
@@ -469,6 +487,7 @@ fn print_sizes(rows: &[SizeRow]) {
             r.slime as f64 / r.starling as f64,
             best / r.starling as f64,
             r.starling_v1 as f64 / r.starling as f64,
+            r.starling as f64 / r.starling_adaptive as f64,
             r.starling as f64 / r.bound,
             r.starling as f64 / r.bound_ctx,
         );
@@ -510,11 +529,14 @@ struct SpeedRow {
     encode_1: f64,
     /// The encoder limited to the first release's codecs.
     encode_1_v1: f64,
+    /// The default without the table-driven codecs.
+    encode_1_adaptive: f64,
     compare_n: f64,
     encode_n: f64,
     sparrow_1: f64,
     decode_1: f64,
     decode_1_v1: f64,
+    decode_1_adaptive: f64,
     /// Staging with every thread (parts of a segment decode in parallel).
     decode_n: f64,
     commit: f64,
@@ -585,6 +607,11 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
             .0
             .len()
     };
+    let encode_adaptive = || {
+        encode_in_memory(hdr.clone(), adaptive_config(), &ts, None)
+            .0
+            .len()
+    };
     let sparrow = || -> usize {
         ts.par_iter()
             .map(|t| {
@@ -608,6 +635,7 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
     let compare_1 = one.install(|| time(reps, compare));
     let encode_1 = one.install(|| time(reps, encode));
     let encode_1_v1 = one.install(|| time(reps, encode_v1));
+    let encode_1_adaptive = one.install(|| time(reps, encode_adaptive));
     let sparrow_1 = one.install(|| time(reps, sparrow));
     let compare_n = all.install(|| time(reps, compare));
     let encode_n = all.install(|| time(reps, encode));
@@ -617,6 +645,8 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
     let delta = read_delta(&bytes, &TrustPolicy::AnySigner)?;
     let (bytes_v1, _) = encode_in_memory(hdr.clone(), v1_config(), &ts, None);
     let delta_v1 = read_delta(&bytes_v1, &TrustPolicy::AnySigner)?;
+    let (bytes_adaptive, _) = encode_in_memory(hdr.clone(), adaptive_config(), &ts, None);
+    let delta_adaptive = read_delta(&bytes_adaptive, &TrustPolicy::AnySigner)?;
     let pre = hdr.pre_digest.unwrap_or_default();
     let stage_delta = |delta: &starling_proto::delta::container::Delta,
                        w: &VersionedWeights<Model>|
@@ -633,6 +663,8 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
     let w = VersionedWeights::new("bench", old.clone(), 1, pre);
     let decode_1 = one.install(|| time(reps, || stage(&w).map(|_| ())));
     let decode_1_v1 = one.install(|| time(reps, || stage_delta(&delta_v1, &w).map(|_| ())));
+    let decode_1_adaptive =
+        one.install(|| time(reps, || stage_delta(&delta_adaptive, &w).map(|_| ())));
     let decode_n = all.install(|| time(reps, || stage(&w).map(|_| ())));
     // Commit vs bare scatter of the same pairs, each on a fresh copy of the base.
     let mut commits = Vec::new();
@@ -681,11 +713,13 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
         compare_1,
         encode_1,
         encode_1_v1,
+        encode_1_adaptive,
         compare_n,
         encode_n,
         sparrow_1,
         decode_1,
         decode_1_v1,
+        decode_1_adaptive,
         decode_n,
         commit: median(commits),
         scatter: median(scatters),
@@ -697,17 +731,20 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
 fn print_speeds(rows: &[SpeedRow], threads: usize) {
     println!("### Speed (dense GB/s scanned = both checkpoints' bytes / time)\n");
     println!(
-        "| lr | compare loop 1T | **diff+encode 1T** | ratio | diff+encode 1T, v1 codecs | ratio | SparrowRL diff+encode 1T | compare loop {threads}T | **diff+encode {threads}T** | ratio | scaling 1T→{threads}T | memcpy GB/s |"
+        "| lr | compare loop 1T | **diff+encode 1T** | ratio | ÷ SparrowRL | diff+encode 1T, adaptive codecs | ratio | diff+encode 1T, v1 codecs | ratio | SparrowRL diff+encode 1T | compare loop {threads}T | **diff+encode {threads}T** | ratio | scaling 1T→{threads}T | memcpy GB/s |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         let g = |t: f64| r.dense_bytes / t / 1e9;
         println!(
-            "| {:.1e} | {:.2} | **{:.2}** | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | **{:.2}** | {:.2} | {:.2}× | {:.2} |",
+            "| {:.1e} | {:.2} | **{:.2}** | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | **{:.2}** | {:.2} | {:.2}× | {:.2} |",
             r.lr,
             g(r.compare_1),
             g(r.encode_1),
             r.compare_1 / r.encode_1,
+            r.sparrow_1 / r.encode_1,
+            g(r.encode_1_adaptive),
+            r.compare_1 / r.encode_1_adaptive,
             g(r.encode_1_v1),
             r.compare_1 / r.encode_1_v1,
             g(r.sparrow_1),
@@ -720,17 +757,19 @@ fn print_speeds(rows: &[SpeedRow], threads: usize) {
     }
     println!("\n### Decode and apply\n");
     println!(
-        "| lr | changes | staging (decode+verify+undo) 1T, ns/change | same, v1 codecs | staging {threads}T, ns/change | **commit apply**, ms | bare scatter, ms | commit / scatter | digest update, ns/change |"
+        "| lr | changes | **staging (decode+verify+undo) 1T, ns/change** | same, adaptive codecs | same, v1 codecs | staging {threads}T, ns/change | scaling 1T→{threads}T | **commit apply**, ms | bare scatter, ms | commit / scatter | digest update, ns/change |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for r in rows {
         println!(
-            "| {:.1e} | {} | {:.1} | {:.1} | {:.1} | **{:.2}** | {:.2} | {:.2} | {:.1} |",
+            "| {:.1e} | {} | **{:.1}** | {:.1} | {:.1} | {:.1} | {:.2}× | **{:.2}** | {:.2} | {:.2} | {:.1} |",
             r.lr,
             r.changes,
             r.decode_1 * 1e9 / r.changes.max(1) as f64,
+            r.decode_1_adaptive * 1e9 / r.changes.max(1) as f64,
             r.decode_1_v1 * 1e9 / r.changes.max(1) as f64,
             r.decode_n * 1e9 / r.changes.max(1) as f64,
+            r.decode_1 / r.decode_n,
             r.commit * 1e3,
             r.scatter * 1e3,
             r.commit / r.scatter,

@@ -136,10 +136,10 @@ impl EncodedPart {
 
         let mut best_index = Best::default();
         // The base-conditioned mask scans the whole range once; it is the usual winner. Its
-        // table-driven form is tried first; the adaptive one only where the table-driven one
-        // is not allowed, on small parts (where the tables' parameter bytes can outweigh
-        // what they save), or exhaustively.
-        let rans_i = allowed_i(IndexCodec::ExpClassGapsRans);
+        // table-driven form is tried first, from RANS_MIN_CHANGES changes; the adaptive one
+        // where the table-driven one is not tried and on small parts (where the tables'
+        // parameter bytes and set-up can outweigh what they save), or exhaustively.
+        let rans_i = allowed_i(IndexCodec::ExpClassGapsRans) && (all || n >= RANS_MIN_CHANGES);
         for (class_codec, wanted) in [
             (IndexCodec::ExpClassGapsRans, rans_i),
             (
@@ -200,7 +200,7 @@ impl EncodedPart {
         }
 
         let mut best_value = Best::default();
-        let rans_v = allowed_v(ValueCodec::UlpStepRans);
+        let rans_v = allowed_v(ValueCodec::UlpStepRans) && (all || n >= RANS_MIN_CHANGES);
         if rans_v {
             best_value.offer(ValueCodec::UlpStepRans, || {
                 codec::value::encode(ValueCodec::UlpStepRans, &diff.new, &diff.old, level)
@@ -472,6 +472,10 @@ impl EncodedPart {
 /// Below this many changes in a part, every candidate is tried: the adaptive codecs' learning
 /// costs more than the size estimates that skip candidates account for.
 const SMALL_PART_CHANGES: u64 = 4096;
+/// Below this many changes a part's table-driven codecs are not tried: their parameter bytes
+/// (4 per class, 2 per step context, ~50–100 in all) and the decoder's tables (a 4 KB slot map
+/// per class) cost more than adaptive contexts learning a few hundred changes.
+const RANS_MIN_CHANGES: u64 = 256;
 
 /// The order-0 entropy, in bytes (rounded down), of a mask of `n` changes among `len`
 /// elements.

@@ -13,10 +13,11 @@
 //! The decoder still scans the base (`scan::countdown`) to count each class down; only the
 //! per-change work changes. Exact layout: `docs/format.md`.
 
-use super::rans::{M, RansDecoder, RansEncoder, Table};
+use super::rans::{EncSymbol, M, RansDecoder, RansEncoder, Table, ratio255};
 use super::rc::EXP_CLASSES;
 use super::scan;
 use crate::error::DecodeError;
+use crate::wire::{Reader, put_varint};
 
 const WHAT: &str = "exp-class gaps (rANS)";
 /// Quotients `g >> k` below this are coded as symbols; the rest take the escape.
@@ -53,71 +54,97 @@ impl Params {
         let frac = |b: u8| u128::from(b) * ONE / 255;
         let (r0, a, t) = (frac(self.r0), frac(self.a), frac(self.t));
         let mut w = [0u64; SYMBOLS];
-        let mut tail = (ONE - r0) * (ONE - a) >> 32;
+        let mut tail = ((ONE - r0) * (ONE - a)) >> 32;
         for q in 0..Q as usize {
             let pq = if q == 0 { r0 } else { tail };
             if q >= 1 {
-                tail = tail * a >> 32;
+                tail = (tail * a) >> 32;
             }
             let (p0, p1) = if self.k == 0 { (ONE, 0) } else { (ONE - t, t) };
-            w[2 * q] = (pq * p0 >> 32) as u64;
-            w[2 * q + 1] = (pq * p1 >> 32) as u64;
+            w[2 * q] = ((pq * p0) >> 32) as u64;
+            w[2 * q + 1] = ((pq * p1) >> 32) as u64;
         }
         // `tail` is now (1 − r0)(1 − a)a^(Q−1); the escape is (1 − r0)a^(Q−1).
         let mut esc = ONE - r0;
         for _ in 1..Q {
-            esc = esc * a >> 32;
+            esc = (esc * a) >> 32;
         }
         w[ESCAPE] = esc as u64;
         Table::from_weights(&w)
     }
 
-    /// The maximum-likelihood parameters for `gaps` (all of one class), with `k` from their
-    /// mean as in the adaptive codec (`⌊log2(mean · 45/64)⌋`, 45/64 ≈ ln 2).
+    /// The maximum-likelihood parameters for `gaps` (all of one class).
+    #[cfg(test)]
     fn fit(gaps: &[u32]) -> Self {
-        let n = gaps.len() as u64;
-        let sum: u64 = gaps.iter().map(|&g| u64::from(g)).sum();
-        let t = sum * 45 / (64 * n.max(1));
-        let k = if t == 0 {
+        let mut f = ClassFit::default();
+        gaps.iter().for_each(|&g| f.add_to_mean(g));
+        f.choose_k();
+        gaps.iter().for_each(|&g| f.add_to_shape(g));
+        f.params()
+    }
+}
+
+/// What the encoder fits a class's parameters from, in two passes over the class's gaps:
+/// their mean sets `k` as in the adaptive codec (`⌊log2(mean · 45/64)⌋`, 45/64 ≈ ln 2);
+/// then, with that `k`, the maximum-likelihood shape of the quotients and the top bit.
+#[derive(Debug, Default, Clone, Copy)]
+struct ClassFit {
+    n: u64,
+    sum: u64,
+    k: u8,
+    zero: u64,
+    tail_n: u64,
+    tail_sum: u64,
+    top_n: u64,
+    top_ones: u64,
+}
+
+impl ClassFit {
+    #[inline(always)]
+    fn add_to_mean(&mut self, g: u32) {
+        self.n += 1;
+        self.sum += u64::from(g);
+    }
+
+    fn choose_k(&mut self) {
+        let t = self.sum * 45 / (64 * self.n.max(1));
+        self.k = if t == 0 {
             0
         } else {
             (63 - t.leading_zeros()).min(u32::from(MAX_K)) as u8
         };
-        let (mut zero, mut tail_n, mut tail_sum, mut top_n, mut top_ones) =
-            (0u64, 0u64, 0u64, 0u64, 0u64);
-        for &g in gaps {
-            let q = u64::from(g) >> k;
-            if q == 0 {
-                zero += 1;
-            } else {
-                tail_n += 1;
-                tail_sum += q.min(Q) - 1;
-            }
-            if q < Q && k >= 1 {
-                top_n += 1;
-                top_ones += u64::from(g) >> (k - 1) & 1;
-            }
+    }
+
+    #[inline(always)]
+    fn add_to_shape(&mut self, g: u32) {
+        let k = u32::from(self.k);
+        let q = u64::from(g >> k);
+        let zero = u64::from(q == 0);
+        self.zero += zero;
+        self.tail_n += 1 - zero;
+        self.tail_sum += q.min(Q).saturating_sub(1);
+        if q < Q && k >= 1 {
+            self.top_n += 1;
+            self.top_ones += u64::from(g >> (k - 1) & 1);
         }
-        let ratio = |num: u64, den: u64| {
-            if den == 0 {
-                0
-            } else {
-                ((num * 255 + den / 2) / den) as u8
-            }
-        };
-        // Geometric tail with mean m = tail_sum / tail_n: a = m / (1 + m).
-        Self {
-            k,
-            r0: ratio(zero, n),
-            a: ratio(tail_sum, tail_sum + tail_n),
-            t: ratio(top_ones, top_n),
+    }
+
+    fn params(&self) -> Params {
+        let ratio = ratio255;
+        // A geometric tail with mean m = tail_sum / tail_n has a = m / (1 + m).
+        Params {
+            k: self.k,
+            r0: ratio(self.zero, self.n),
+            a: ratio(self.tail_sum, self.tail_sum + self.tail_n),
+            t: ratio(self.top_ones, self.top_n),
         }
     }
 }
 
-/// Codes gap `g` with a class's table, in reverse (raw bits first, the symbol last).
+/// Codes gap `g` with a class's symbols (`table`, [`SYMBOLS`] of them), in reverse (raw
+/// bits first, the symbol last).
 #[inline(always)]
-fn put_gap(e: &mut RansEncoder, table: &Table, k: u8, g: u32) {
+fn put_gap(e: &mut RansEncoder, table: &[EncSymbol], k: u8, g: u32) {
     let (g, k) = (u64::from(g), u32::from(k));
     let q = g >> k;
     if q >= Q {
@@ -125,12 +152,16 @@ fn put_gap(e: &mut RansEncoder, table: &Table, k: u8, g: u32) {
         let len = 64 - v.leading_zeros();
         e.put_bits(v, len - 1);
         e.put_raw(len, ESCAPE_LEN_BITS);
-        e.put_symbol(table, ESCAPE);
+        e.put_enc(table[ESCAPE]);
     } else if k >= 1 {
-        e.put_bits(g, k - 1);
-        e.put_symbol(table, 2 * q as usize + (g >> (k - 1) & 1) as usize);
+        if k <= 17 {
+            e.put_raw(g as u32, k - 1);
+        } else {
+            e.put_bits(g, k - 1);
+        }
+        e.put_enc(table[2 * q as usize + (g >> (k - 1) & 1) as usize]);
     } else {
-        e.put_symbol(table, 2 * q as usize);
+        e.put_enc(table[2 * q as usize]);
     }
 }
 
@@ -182,36 +213,63 @@ impl ClassTable {
 /// Encodes a part's class gaps: `classes[i]` and `after[i]` are the class of the `i`-th change
 /// and the gap to its class's next change (or to the class's end); `firsts[c]` is class `c`'s
 /// gap before its first change (ignored for a class without changes).
+///
+/// The gaps go class by class (each class's first gap, then its later gaps in position order),
+/// with each class's change count in the header, so a decoder reads them all in one tight loop
+/// before its scan, instead of waiting on the scan for which table comes next.
 pub(super) fn encode(classes: &[u8], after: &[u32], firsts: &[u32; EXP_CLASSES]) -> Vec<u8> {
     debug_assert_eq!(classes.len(), after.len());
-    let mut per_class: Vec<Vec<u32>> = vec![Vec::new(); EXP_CLASSES];
+    let class = |c: u8| usize::from(c) & (EXP_CLASSES - 1);
+    let mut fits = [ClassFit::default(); EXP_CLASSES];
     for (&c, &g) in classes.iter().zip(after) {
-        per_class[usize::from(c) & (EXP_CLASSES - 1)].push(g);
+        fits[class(c)].add_to_mean(g);
     }
-    let mut mask = 0u32;
+    // Class-major order: class `c`'s gaps are `grouped[start[c]..start[c + 1]]`, its first
+    // gap leading.
+    let mut start = [0usize; EXP_CLASSES + 1];
+    for c in 0..EXP_CLASSES {
+        let n = fits[c].n as usize;
+        start[c + 1] = start[c] + if n > 0 { n + 1 } else { 0 };
+    }
+    let mut grouped = vec![0u32; start[EXP_CLASSES]];
+    let mut at = start;
+    for (f, (&first, at)) in fits.iter_mut().zip(firsts.iter().zip(&mut at)) {
+        if f.n > 0 {
+            f.add_to_mean(first);
+            f.choose_k();
+            grouped[*at] = first;
+            *at += 1;
+        }
+    }
+    for (&c, &g) in classes.iter().zip(after) {
+        let c = class(c);
+        grouped[at[c]] = g;
+        at[c] += 1;
+    }
     let mut out = Vec::with_capacity(after.len() + 64);
     out.extend_from_slice(&[0; 4]);
-    let mut params: Vec<Option<(u8, Table)>> = vec![None; EXP_CLASSES];
-    for (c, gaps) in per_class.iter_mut().enumerate() {
-        if gaps.is_empty() {
+    let mut mask = 0u32;
+    let mut e = RansEncoder::with_capacity(after.len() / 2 + 16);
+    let mut tables = Vec::new();
+    for (c, f) in fits.iter_mut().enumerate() {
+        if f.n == 0 {
             continue;
         }
+        grouped[start[c]..start[c + 1]]
+            .iter()
+            .for_each(|&g| f.add_to_shape(g));
         mask |= 1 << c;
-        gaps.push(firsts[c]);
-        let p = Params::fit(gaps);
+        let p = f.params();
         out.extend_from_slice(&[p.k, p.r0, p.a, p.t]);
-        params[c] = Some((p.k, p.table()));
+        // The first gap is counted in `n` for the fit; the header states the changes.
+        put_varint(&mut out, f.n - 1);
+        tables.push((c, p.k, p.table()));
     }
     out[..4].copy_from_slice(&mask.to_le_bytes());
-    let mut e = RansEncoder::with_capacity(after.len() / 2 + 16);
-    for (&c, &g) in classes.iter().zip(after).rev() {
-        if let Some((k, t)) = &params[usize::from(c) & (EXP_CLASSES - 1)] {
-            put_gap(&mut e, t, *k, g);
-        }
-    }
-    for c in (0..EXP_CLASSES).rev() {
-        if let Some((k, t)) = &params[c] {
-            put_gap(&mut e, t, *k, firsts[c]);
+    for (c, k, table) in tables.iter().rev() {
+        let symbols: Vec<EncSymbol> = (0..SYMBOLS).map(|s| table.enc_symbol(s)).collect();
+        for &g in grouped[start[*c]..start[c + 1]].iter().rev() {
+            put_gap(&mut e, &symbols, *k, g);
         }
     }
     out.extend_from_slice(&e.finish());
@@ -222,79 +280,100 @@ pub(super) fn encode(classes: &[u8], after: &[u32], firsts: &[u32; EXP_CLASSES])
 /// checked `base.len() < 2³²` and `count ≤ base.len()`).
 pub(super) fn decode(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u64>, DecodeError> {
     let range_len = base.len() as u64;
-    let Some((mask, mut rest)) = bytes.split_first_chunk::<4>() else {
-        return Err(DecodeError::Truncated { what: WHAT });
-    };
-    let mask = u32::from_le_bytes(*mask);
-    if u64::from(mask.count_ones()) > count {
+    let mut r = Reader::new(bytes);
+    let mask = r.u32_le(WHAT)?;
+    let present = mask.count_ones() as usize;
+    if present as u64 > count {
         return Err(DecodeError::malformed(WHAT, "more classes than changes"));
     }
-    // `which[c]`: class `c`'s table, for the classes present.
-    let mut which = [0u8; EXP_CLASSES];
-    let mut tables = Vec::with_capacity(mask.count_ones() as usize);
-    for (c, w) in which.iter_mut().enumerate() {
+    // Per present class, in class order: its parameters and change count.
+    let mut classes = Vec::with_capacity(present);
+    let mut total = 0u64;
+    for c in 0..EXP_CLASSES {
         if mask >> c & 1 == 0 {
             continue;
         }
-        let Some((p, r)) = rest.split_first_chunk::<4>() else {
-            return Err(DecodeError::Truncated { what: WHAT });
-        };
-        rest = r;
-        let p = Params {
-            k: p[0],
-            r0: p[1],
-            a: p[2],
-            t: p[3],
-        };
-        if p.k > MAX_K {
+        let [k, r0, a, t] = r.array::<4>(WHAT)?;
+        if k > MAX_K {
             return Err(DecodeError::malformed(WHAT, "Rice parameter above 30"));
         }
-        *w = tables.len() as u8;
-        tables.push(ClassTable::new(p));
+        let n = r.varint_at_most(WHAT, count)? + 1;
+        total += n;
+        if total > count + present as u64 {
+            return Err(DecodeError::malformed(
+                WHAT,
+                "class counts above the part's changes",
+            ));
+        }
+        classes.push((c, n, Params { k, r0, a, t }));
     }
-    let mut d = RansDecoder::new(rest, WHAT)?;
+    if total != count + present as u64 {
+        return Err(DecodeError::malformed(
+            WHAT,
+            format!(
+                "class counts sum to {}, {count} declared",
+                total - present as u64
+            ),
+        ));
+    }
+    let mut d = RansDecoder::new(r.take(r.remaining(), WHAT)?, WHAT)?;
     let beyond = || DecodeError::malformed(WHAT, "a gap beyond the range or not codable");
+    // Every gap, class by class. The total is bounded by the part's element count, which the
+    // receiver holds; the up-front capacity is also bounded by the input (a symbol costs at
+    // least 1/300 of a bit with 12-bit tables), so a few forged bytes claiming 2²⁶ changes do
+    // not reserve the whole range before decoding proves them. The vectors grow if needed.
+    let cap = (total as usize).min(bytes.len().saturating_mul(2400).saturating_add(1024));
+    let mut gaps = Vec::with_capacity(cap);
+    // `next[c]..end[c]`: class `c`'s gaps still to use.
+    let mut next = [0usize; EXP_CLASSES];
+    let mut end = [0usize; EXP_CLASSES];
+    for &(c, n, p) in &classes {
+        let table = ClassTable::new(p);
+        next[c] = gaps.len();
+        for _ in 0..n {
+            let g = table
+                .get_gap(&mut d)
+                .filter(|&g| g <= range_len)
+                .ok_or_else(beyond)?;
+            gaps.push(g as u32);
+        }
+        if d.overran() {
+            return Err(DecodeError::Truncated { what: WHAT });
+        }
+        end[c] = gaps.len();
+    }
+    d.finish(WHAT)?;
     // `rem[c]`: elements of class `c` still to skip before its next change. An absent
     // class starts at 2³² − 1, which a range of fewer than 2³² elements never counts down.
     let mut rem = [u32::MAX; EXP_CLASSES];
-    for (c, r) in rem.iter_mut().enumerate() {
-        if mask >> c & 1 == 1 {
-            let g = tables[usize::from(which[c])]
-                .get_gap(&mut d)
-                .filter(|&g| g <= range_len && !d.overran())
-                .ok_or_else(beyond)?;
-            *r = g as u32;
-        }
+    for &(c, _, _) in &classes {
+        rem[c] = gaps[next[c]];
+        next[c] += 1;
     }
-    // As in the adaptive codec: the capacity is bounded by the input too, so a few forged
-    // bytes cannot reserve the whole range before decoding proves them.
-    let cap = (count as usize).min(bytes.len().saturating_mul(512).saturating_add(1024));
-    let mut out = Vec::with_capacity(cap);
+    let mut out = Vec::with_capacity(gaps.len());
     scan::countdown(base, &mut rem, &mut |p, c| {
-        if out.len() as u64 == count {
-            return Err(DecodeError::malformed(WHAT, "more changes than declared"));
-        }
+        // Only a present class reaches zero (see `rem`); its last gap counts its remaining
+        // elements, so a class reaching zero once more than it has gaps is a malformed part.
+        let Some(&g) = gaps.get(next[c]).filter(|_| next[c] < end[c]) else {
+            return Err(DecodeError::malformed(
+                WHAT,
+                "more changes in a class than declared",
+            ));
+        };
+        next[c] += 1;
         out.push(p);
-        // Only a present class can reach zero (see `rem`), so its table exists.
-        let g = tables[usize::from(which[c])]
-            .get_gap(&mut d)
-            .filter(|&g| g <= range_len && !d.overran())
-            .ok_or_else(beyond)?;
-        Ok(g as u32)
+        Ok(g)
     })?;
-    if out.len() as u64 != count {
+    if classes
+        .iter()
+        .any(|&(c, _, _)| rem[c] != 0 || next[c] != end[c])
+    {
         return Err(DecodeError::malformed(
             WHAT,
-            format!("{} changes decoded, {count} declared", out.len()),
+            "a class's gaps do not match the range",
         ));
     }
-    if (0..EXP_CLASSES).any(|c| mask >> c & 1 == 1 && rem[c] != 0) {
-        return Err(DecodeError::malformed(
-            WHAT,
-            "a class's last gap overruns the range",
-        ));
-    }
-    d.finish(WHAT)?;
+    debug_assert_eq!(out.len() as u64, count);
     Ok(out)
 }
 
@@ -338,7 +417,7 @@ mod tests {
                     x ^= x << 13;
                     x ^= x >> 7;
                     x ^= x << 17;
-                    if x % 100 == 0 {
+                    if x.is_multiple_of(100) {
                         break g;
                     }
                     g += 1;

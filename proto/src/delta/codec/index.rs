@@ -679,7 +679,7 @@ mod tests {
     }
 
     /// Pinned: any change to these bytes is a format change (see docs/format.md).
-    const GOLDEN_EXP_CLASS_GAPS_RANS: [u8; 12] = [0, 0, 0, 8, 0, 85, 0, 0, 177, 237, 6, 0];
+    const GOLDEN_EXP_CLASS_GAPS_RANS: [u8; 13] = [0, 0, 0, 8, 0, 85, 0, 0, 2, 177, 237, 6, 0];
 
     const CLASS_CODECS: [IndexCodec; 2] =
         [IndexCodec::ExpClassGapsRc, IndexCodec::ExpClassGapsRans];

@@ -47,11 +47,7 @@ pub fn normalize(weights: &[u64], freq: &mut [u32]) {
     let budget = u128::from(M) - n;
     let mut sum = 0u32;
     for (f, &w) in freq.iter_mut().zip(weights) {
-        let share = if total == 0 {
-            0
-        } else {
-            u128::from(w) * budget / total
-        };
+        let share = (u128::from(w) * budget).checked_div(total).unwrap_or(0);
         *f = 1 + share as u32;
         sum += *f;
     }
@@ -64,12 +60,35 @@ pub fn normalize(weights: &[u64], freq: &mut [u32]) {
     freq[top] += M - sum;
 }
 
+/// `num / den` in 255ths, rounded (0 when `den` is 0): how the encoders quantize the
+/// probabilities they fit into parameter bytes.
+pub fn ratio255(num: u64, den: u64) -> u8 {
+    (num * 255 + den / 2).checked_div(den).unwrap_or(0).min(255) as u8
+}
+
 /// One static table: each symbol's frequency and cumulative start, and for decoding the
 /// symbol of every slot in `[0, M)`.
 #[derive(Debug, Clone)]
 pub struct Table {
     freq: Vec<u32>,
     start: Vec<u32>,
+    enc: Vec<EncSymbol>,
+}
+
+/// What the encoder needs of a symbol, with the division by its frequency done as a
+/// multiplication: for `f ≥ 2`, `⌊x / f⌋ = ⌊x · ⌈2⁶⁴ / f⌉ / 2⁶⁴⌋` exactly for every `x < 2³²`
+/// (the error of the reciprocal is below `x / 2⁶⁴ < 2⁻³²`, smaller than the distance `1/f`
+/// from `x / f` to the next integer); for `f = 1` the quotient is `x`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct EncSymbol {
+    /// `⌈2⁶⁴ / f⌉`, or 0 for `f = 1`.
+    rcp: u64,
+    /// The state at or above which a word is emitted first: `f · 2²⁰`.
+    bound: u64,
+    /// `M − f`.
+    cmpl: u32,
+    start: u32,
+    one: u32,
 }
 
 impl Table {
@@ -77,14 +96,27 @@ impl Table {
     pub fn new(freq: &[u32]) -> Self {
         debug_assert_eq!(freq.iter().sum::<u32>(), M);
         let mut start = Vec::with_capacity(freq.len());
+        let mut enc = Vec::with_capacity(freq.len());
         let mut s = 0;
         for &f in freq {
             start.push(s);
+            enc.push(EncSymbol {
+                rcp: if f >= 2 {
+                    ((1u128 << 64).div_ceil(u128::from(f))) as u64
+                } else {
+                    0
+                },
+                bound: u64::from(f) << (32 - TABLE_LOG),
+                cmpl: M - f,
+                start: s,
+                one: u32::from(f == 1),
+            });
             s += f;
         }
         Self {
             freq: freq.to_vec(),
             start,
+            enc,
         }
     }
 
@@ -118,6 +150,13 @@ impl Table {
         }
     }
 
+    /// The encoder's view of symbol `s` (to keep in flat arrays; see
+    /// [`RansEncoder::put_enc`]).
+    #[inline(always)]
+    pub fn enc_symbol(&self, s: usize) -> EncSymbol {
+        self.enc[s]
+    }
+
     /// Cost in bits of coding symbol `s` (for the encoder's choices; not part of the format).
     pub fn cost_bits(&self, s: usize) -> f64 {
         f64::from(TABLE_LOG) - f64::from(self.freq[s]).log2()
@@ -129,46 +168,66 @@ impl Table {
 #[derive(Debug)]
 pub struct RansEncoder {
     x: u32,
+    /// The emitted words are `words[..n]`; the rest is room to write into without a branch.
     words: Vec<u16>,
+    n: usize,
 }
 
 impl RansEncoder {
     pub fn with_capacity(words: usize) -> Self {
         Self {
             x: L,
-            words: Vec::with_capacity(words),
+            words: vec![0; words.max(16)],
+            n: 0,
         }
+    }
+
+    /// Emits the low word of the state if `emit`, without a branch on it (whether a symbol
+    /// emits is close to a coin toss for the CPU).
+    #[inline(always)]
+    fn emit_if(&mut self, emit: bool) {
+        if self.n + 1 >= self.words.len() {
+            let len = self.words.len();
+            self.words.resize(2 * len, 0);
+        }
+        self.words[self.n] = self.x as u16;
+        let e = u32::from(emit);
+        self.n += e as usize;
+        self.x >>= 16 * e;
     }
 
     /// Codes a symbol of frequency `freq ≥ 1` starting at `start`.
     #[inline(always)]
     pub fn put(&mut self, freq: u32, start: u32) {
         debug_assert!(freq >= 1 && start + freq <= M);
-        if u64::from(self.x) >= u64::from(freq) << (32 - TABLE_LOG) {
-            self.words.push(self.x as u16);
-            self.x >>= 16;
-        }
+        self.emit_if(u64::from(self.x) >= u64::from(freq) << (32 - TABLE_LOG));
         self.x = ((self.x / freq) << TABLE_LOG) + self.x % freq + start;
     }
 
-    /// Codes symbol `s` of `table`.
+    /// Codes symbol `s` of `table`: the same state as [`put`](Self::put), without a
+    /// division.
     #[inline(always)]
     pub fn put_symbol(&mut self, table: &Table, s: usize) {
-        let (f, st) = table.symbol(s);
-        self.put(f, st);
+        self.put_enc(table.enc[s]);
+    }
+
+    /// Codes the symbol `e` describes (from [`Table::enc_symbol`]).
+    #[inline(always)]
+    pub fn put_enc(&mut self, e: EncSymbol) {
+        self.emit_if(u64::from(self.x) >= e.bound);
+        let x = u64::from(self.x);
+        // ⌊x / f⌋; for f = 1 the reciprocal is 0 and the quotient is x itself.
+        let q = ((u128::from(x) * u128::from(e.rcp)) >> 64) as u64 + x * u64::from(e.one);
+        // x + start + q · (M − f) = q · M + (x − q · f) + start.
+        self.x = (x + u64::from(e.start) + q * u64::from(e.cmpl)) as u32;
     }
 
     /// Codes the low `n ≤ 16` bits of `v` as raw bits.
     #[inline(always)]
     pub fn put_raw(&mut self, v: u32, n: u32) {
         debug_assert!(n <= 16);
-        if n == 0 {
-            return;
-        }
-        if u64::from(self.x) >= 1u64 << (32 - n) {
-            self.words.push(self.x as u16);
-            self.x >>= 16;
-        }
+        // n = 0 never emits and leaves the state as it is.
+        self.emit_if(u64::from(self.x) >= 1u64 << (32 - n));
         self.x = (self.x << n) | (v & ((1 << n) - 1));
     }
 
@@ -191,9 +250,9 @@ impl RansEncoder {
 
     /// The payload: the final state, then the words in decoding order.
     pub fn finish(self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(4 + 2 * self.words.len());
+        let mut out = Vec::with_capacity(4 + 2 * self.n);
         out.extend_from_slice(&self.x.to_le_bytes());
-        for w in self.words.iter().rev() {
+        for w in self.words[..self.n].iter().rev() {
             out.extend_from_slice(&w.to_le_bytes());
         }
         out
@@ -376,6 +435,44 @@ mod tests {
         assert_eq!(f.iter().sum::<u32>(), M);
         normalize(&[u64::MAX; 5], &mut f);
         assert_eq!(f.iter().sum::<u32>(), M);
+    }
+
+    #[test]
+    fn the_reciprocal_divides_exactly() {
+        // Every frequency, states at the edges and in between: put_symbol == put.
+        let mut freq = vec![1u32; 64];
+        freq[0] = M - 63;
+        for f in [1u32, 2, 3, 7, 255, 1000, 2047, 4095] {
+            let mut fr = vec![f, M - f];
+            if f == M - f {
+                fr = vec![f, f];
+            }
+            let t = Table::new(&fr);
+            for x in [
+                L,
+                L + 1,
+                1 << 20,
+                (f << 20).wrapping_sub(1),
+                u32::MAX,
+                0x9E37_79B9,
+            ] {
+                let mut a = RansEncoder::with_capacity(0);
+                let mut b = RansEncoder::with_capacity(0);
+                (a.x, b.x) = (x, x);
+                a.put_symbol(&t, 0);
+                b.put(f, 0);
+                assert_eq!((a.x, a.finish()), (b.x, b.finish()), "f {f} x {x}");
+            }
+        }
+        let t = Table::new(&freq);
+        for x in (0..1000u32).map(|i| L + i.wrapping_mul(4_294_967)) {
+            let mut a = RansEncoder::with_capacity(0);
+            let mut b = RansEncoder::with_capacity(0);
+            (a.x, b.x) = (x, x);
+            a.put_symbol(&t, 5);
+            b.put(1, t.symbol(5).1);
+            assert_eq!(a.x, b.x);
+        }
     }
 
     #[test]

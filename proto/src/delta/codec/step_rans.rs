@@ -7,7 +7,7 @@
 //! comparisons pick the symbol). A context's table costs two parameter bytes, fitted by the
 //! encoder to the part. Exact layout: `docs/format.md`.
 
-use super::rans::{RansDecoder, RansEncoder, Table};
+use super::rans::{EncSymbol, RansDecoder, RansEncoder, Table, ratio255};
 use super::rc::{EXP_CLASSES, exp_class};
 use crate::error::DecodeError;
 
@@ -31,20 +31,17 @@ fn table(u: u8, v: u8) -> Table {
     let frac = |b: u8| u128::from(b) * ONE / 255;
     let (u, v) = (frac(u), frac(v));
     Table::from_weights(&[
-        (u * (ONE - v) >> 32) as u64,
-        (u * v >> 32) as u64,
+        ((u * (ONE - v)) >> 32) as u64,
+        ((u * v) >> 32) as u64,
         (ONE - u) as u64,
     ])
 }
 
-/// The symbol of zigzag step `z`: 0 for −1 ULP (`z = 1`), 1 for +1 (`z = 2`), 2 otherwise.
+/// The symbol of zigzag step `z`: 0 for −1 ULP (`z = 1`), 1 for +1 (`z = 2`), 2 otherwise
+/// (arithmetic, not a branch: the CPU cannot predict the step).
 #[inline(always)]
 fn symbol(z: u16) -> usize {
-    match z {
-        1 => 0,
-        2 => 1,
-        _ => 2,
-    }
+    2 - usize::from(z == 2) - 2 * usize::from(z == 1)
 }
 
 /// The symbol of a step other than ±1 in the shared table.
@@ -74,8 +71,8 @@ fn other_params(counts: &[u64; OTHER_SYMBOLS]) -> [u8; OTHER_SYMBOLS] {
 pub(super) fn encode(new: &[u16], old: &[u16], zigzag: impl Fn(u16, u16) -> u16) -> Vec<u8> {
     let mut counts = [[0u64; 3]; CONTEXTS];
     let mut other_counts = [0u64; OTHER_SYMBOLS];
-    let steps: Vec<u16> = new.iter().zip(old).map(|(&n, &o)| zigzag(o, n)).collect();
-    for (&z, &o) in steps.iter().zip(old) {
+    for (&n, &o) in new.iter().zip(old) {
+        let z = zigzag(o, n);
         let s = symbol(z);
         counts[context(o)][s] += 1;
         if s == 2 {
@@ -84,17 +81,12 @@ pub(super) fn encode(new: &[u16], old: &[u16], zigzag: impl Fn(u16, u16) -> u16)
     }
     let other_bytes = other_params(&other_counts);
     let others = other_table(&other_bytes);
-    let ratio = |num: u64, den: u64| {
-        if den == 0 {
-            0
-        } else {
-            ((num * 255 + den / 2) / den) as u8
-        }
-    };
+    let ratio = ratio255;
     let mut mask = 0u64;
     let mut out = Vec::with_capacity(new.len() / 4 + 32);
     out.extend_from_slice(&[0; 8]);
-    let mut tables: Vec<Option<Table>> = vec![None; CONTEXTS];
+    // Context `c`'s symbols are `symbols[3c..3c + 3]`.
+    let mut symbols = [EncSymbol::default(); 3 * CONTEXTS];
     for (ctx, [down, up, other]) in counts.iter().enumerate() {
         let n = down + up + other;
         if n == 0 {
@@ -103,15 +95,18 @@ pub(super) fn encode(new: &[u16], old: &[u16], zigzag: impl Fn(u16, u16) -> u16)
         mask |= 1 << ctx;
         let (u, v) = (ratio(down + up, n), ratio(*up, down + up));
         out.extend_from_slice(&[u, v]);
-        tables[ctx] = Some(table(u, v));
+        let t = table(u, v);
+        for s in 0..3 {
+            symbols[3 * ctx + s] = t.enc_symbol(s);
+        }
     }
     out[..8].copy_from_slice(&mask.to_le_bytes());
     out.extend_from_slice(&other_bytes);
     let mut e = RansEncoder::with_capacity(new.len() / 8 + 16);
-    for (&z, &o) in steps.iter().zip(old).rev() {
-        let Some(t) = &tables[context(o)] else {
-            continue;
-        };
+    for (&n, &o) in new.iter().zip(old).rev() {
+        // Every context with a change is in the mask.
+        let ctx = context(o);
+        let z = zigzag(o, n);
         let s = symbol(z);
         if s == 2 {
             let o = other_symbol(z);
@@ -123,7 +118,7 @@ pub(super) fn encode(new: &[u16], old: &[u16], zigzag: impl Fn(u16, u16) -> u16)
             }
             e.put_symbol(&others, o);
         }
-        e.put_symbol(t, s);
+        e.put_enc(symbols[3 * ctx + s]);
     }
     out.extend_from_slice(&e.finish());
     out
