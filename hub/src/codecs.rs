@@ -219,10 +219,11 @@ pub struct Decision {
 }
 
 /// Costs assumed before anything was measured (codec-bench on the 2-vCPU development
-/// machine, 1–5% density): per element scanned and per change, one core.
+/// machine, 1–5% density, the small set with its table-driven codecs): per element scanned
+/// and per change, one core.
 const PRIOR_ENCODE_NS_PER_ELEM: [f64; 2] = [1.0, 0.6];
 const PRIOR_BYTES_PER_CHANGE: [f64; 2] = [0.8, 1.25];
-const PRIOR_DECODE_NS_PER_CHANGE: [f64; 2] = [70.0, 25.0];
+const PRIOR_DECODE_NS_PER_CHANGE: [f64; 2] = [55.0, 25.0];
 
 /// The per-version chooser. Owned by the hub; every method is cheap but `sample`.
 #[derive(Debug)]
