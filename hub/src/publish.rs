@@ -102,10 +102,19 @@ async fn publish_checked(
         );
         let allow_nonfinite = req.allows(Allow::Nonfinite);
         tokio::task::spawn_blocking(move || {
+            let t = std::time::Instant::now();
             let opened = crate::ingest::open_source(&dirs, &layout, &source)?;
             let copy = crate::snapshot::copy_in(&store, &opened).map_err(internal)?;
             drop(opened);
+            let copy_ms = t.elapsed().as_millis() as u64;
+            let t = std::time::Instant::now();
             crate::ingest::check_copy(copy.path(), &source, &layout, allow_nonfinite)?;
+            // Where a publish's time goes before its first segment (a user waits for it).
+            tracing::info!(
+                copy_ms,
+                nonfinite_check_ms = t.elapsed().as_millis() as u64,
+                "checkpoint copied into the store"
+            );
             Ok::<_, PublishError>(copy)
         })
         .await
@@ -124,7 +133,13 @@ async fn publish_checked(
             state.version,
         );
         tokio::task::spawn_blocking(move || {
-            crate::ingest::check_changed(&base, &new, &source, version)
+            let t = std::time::Instant::now();
+            let r = crate::ingest::check_changed(&base, &new, &source, version);
+            tracing::info!(
+                changed_check_ms = t.elapsed().as_millis() as u64,
+                "compared with the latest version"
+            );
+            r
         })
         .await
         .map_err(|e| internal(anyhow::anyhow!("compare task: {e}")))??;
@@ -176,9 +191,14 @@ async fn publish_locked(
             Checkpoint::open(&old).with_context(|| format!("open snapshot {}", old.display()))?;
         let n = Checkpoint::open(&new).with_context(|| format!("open {}", new.display()))?;
         // The codec set for this version, from a sample of its own pair and the links.
+        let t = std::time::Instant::now();
         let sample = (!full_broadcast)
             .then(|| crate::codecs::sample(&o, &n))
             .flatten();
+        tracing::info!(
+            sample_ms = t.elapsed().as_millis() as u64,
+            "sampled the codec sets"
+        );
         let elements = o.numel();
         let decision = codecs
             .lock()

@@ -318,60 +318,60 @@ pub(super) fn decode(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u64>,
     }
     let mut d = RansDecoder::new(r.take(r.remaining(), WHAT)?, WHAT)?;
     let beyond = || DecodeError::malformed(WHAT, "a gap beyond the range or not codable");
-    // Every gap, class by class. The total is bounded by the part's element count, which the
-    // receiver holds; the up-front capacity is also bounded by the input (a symbol costs at
-    // least 1/300 of a bit with 12-bit tables), so a few forged bytes claiming 2²⁶ changes do
-    // not reserve the whole range before decoding proves them. The vectors grow if needed.
-    let cap = (total as usize).min(bytes.len().saturating_mul(2400).saturating_add(1024));
-    let mut gaps = Vec::with_capacity(cap);
-    // `next[c]..end[c]`: class `c`'s gaps still to use.
-    let mut next = [0usize; EXP_CLASSES];
-    let mut end = [0usize; EXP_CLASSES];
-    for &(c, n, p) in &classes {
+    // Each class's changes as ranks in the class (its first gap, then one more than the
+    // previous rank plus each gap), and the class's element count its last gap implies.
+    // Bounded by the part's element count, which the receiver holds; the up-front capacity
+    // is also bounded by the input (a symbol costs at least 1/300 of a bit with 12-bit
+    // tables), so a few forged bytes claiming 2²⁶ changes do not reserve the whole range
+    // before decoding proves them. The vector grows if needed.
+    let cap = (count as usize).min(bytes.len().saturating_mul(2400).saturating_add(1024));
+    let mut ranks = Vec::with_capacity(cap);
+    let mut start = [0usize; EXP_CLASSES + 1];
+    let mut totals = [0u64; EXP_CLASSES];
+    let mut listed = classes.iter().peekable();
+    for c in 0..EXP_CLASSES {
+        start[c] = ranks.len();
+        let Some(&(_, n, p)) = listed.next_if(|l| l.0 == c) else {
+            continue;
+        };
         let table = ClassTable::new(p);
-        next[c] = gaps.len();
-        for _ in 0..n {
+        // `at`: the rank the next gap counts from.
+        let mut at = 0u64;
+        for k in 0..n {
             let g = table
                 .get_gap(&mut d)
                 .filter(|&g| g <= range_len)
                 .ok_or_else(beyond)?;
-            gaps.push(g as u32);
+            at += g;
+            if at > range_len {
+                return Err(beyond());
+            }
+            if k + 1 < n {
+                ranks.push(at as u32);
+                at += 1;
+            }
         }
         if d.overran() {
             return Err(DecodeError::Truncated { what: WHAT });
         }
-        end[c] = gaps.len();
+        totals[c] = at;
     }
+    start[EXP_CLASSES] = ranks.len();
     d.finish(WHAT)?;
-    // `rem[c]`: elements of class `c` still to skip before its next change. An absent
-    // class starts at 2³² − 1, which a range of fewer than 2³² elements never counts down.
-    let mut rem = [u32::MAX; EXP_CLASSES];
-    for &(c, _, _) in &classes {
-        rem[c] = gaps[next[c]];
-        next[c] += 1;
-    }
-    let mut out = Vec::with_capacity(gaps.len());
-    scan::countdown(base, &mut rem, &mut |p, c| {
-        // Only a present class reaches zero (see `rem`); its last gap counts its remaining
-        // elements, so a class reaching zero once more than it has gaps is a malformed part.
-        let Some(&g) = gaps.get(next[c]).filter(|_| next[c] < end[c]) else {
+    let lists = scan::ClassRanks {
+        ranks: &ranks,
+        start,
+    };
+    let mut out = Vec::with_capacity(ranks.len());
+    let sel = scan::select_ranks(base, &lists, &mut out);
+    // Every rank met, and each class exactly as long as its last gap says.
+    for &(c, n, _) in &classes {
+        if sel.found[c] as u64 + 1 != n || u64::from(sel.totals[c]) != totals[c] {
             return Err(DecodeError::malformed(
                 WHAT,
-                "more changes in a class than declared",
+                "a class's gaps do not match the range",
             ));
-        };
-        next[c] += 1;
-        out.push(p);
-        Ok(g)
-    })?;
-    if classes
-        .iter()
-        .any(|&(c, _, _)| rem[c] != 0 || next[c] != end[c])
-    {
-        return Err(DecodeError::malformed(
-            WHAT,
-            "a class's gaps do not match the range",
-        ));
+        }
     }
     debug_assert_eq!(out.len() as u64, count);
     Ok(out)

@@ -231,6 +231,83 @@ fn countdown_scalar<E>(
     Ok(())
 }
 
+/// Each class's change ranks, class by class: class `c`'s are `ranks[start[c]..start[c + 1]]`,
+/// strictly increasing.
+#[derive(Debug)]
+pub(crate) struct ClassRanks<'a> {
+    pub ranks: &'a [u32],
+    pub start: [usize; EXP_CLASSES + 1],
+}
+
+/// What [`select_ranks`] found besides the positions: each class's element count in the
+/// range, and how many of its ranks it met (all of them, unless one is beyond the class).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Selected {
+    pub totals: [u32; EXP_CLASSES],
+    pub found: [usize; EXP_CLASSES],
+}
+
+/// Appends to `out`, in position order, the position of every element of `base` whose rank
+/// in its class is one of `lists`' ranks for that class: the countdown's job, with every gap
+/// known before the scan starts, so no decoding waits inside it.
+pub(crate) fn select_ranks(base: &[u16], lists: &ClassRanks<'_>, out: &mut Vec<u64>) -> Selected {
+    let mut cur: [usize; EXP_CLASSES] = core::array::from_fn(|c| lists.start[c]);
+    let mut cnt = [0u32; EXP_CLASSES];
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = pulp::x86::V3::try_new() {
+        simd.vectorize(
+            #[inline(always)]
+            || v3::select_ranks(simd, base, lists, &mut cur, &mut cnt, out),
+        );
+        return selected(lists, cur, cnt);
+    }
+    select_ranks_scalar(base, 0, lists, &mut cur, &mut cnt, out);
+    selected(lists, cur, cnt)
+}
+
+fn selected(
+    lists: &ClassRanks<'_>,
+    cur: [usize; EXP_CLASSES],
+    totals: [u32; EXP_CLASSES],
+) -> Selected {
+    Selected {
+        totals,
+        found: core::array::from_fn(|c| cur[c] - lists.start[c]),
+    }
+}
+
+/// The next rank class `c` waits for, or `u32::MAX` when its list is done (a rank no range
+/// of fewer than 2³² elements reaches before its end).
+#[inline(always)]
+fn next_rank(lists: &ClassRanks<'_>, cur: &[usize; EXP_CLASSES], c: usize) -> u32 {
+    if cur[c] < lists.start[c + 1] {
+        lists.ranks[cur[c]]
+    } else {
+        u32::MAX
+    }
+}
+
+/// The reference [`select_ranks`], one element at a time; `start` is the position of
+/// `base[0]`.
+#[inline(always)]
+fn select_ranks_scalar(
+    base: &[u16],
+    start: u64,
+    lists: &ClassRanks<'_>,
+    cur: &mut [usize; EXP_CLASSES],
+    cnt: &mut [u32; EXP_CLASSES],
+    out: &mut Vec<u64>,
+) {
+    for (i, &b) in base.iter().enumerate() {
+        let c = usize::from(class_of(b));
+        if cnt[c] == next_rank(lists, cur, c) {
+            out.push(start + i as u64);
+            cur[c] += 1;
+        }
+        cnt[c] += 1;
+    }
+}
+
 /// Position of the `r`-th (from 0) set bit of `m`, which has more than `r` set bits.
 #[inline(always)]
 fn select64(mut m: u64, r: u32) -> u32 {
@@ -257,8 +334,9 @@ mod v3 {
     use pulp::x86::V3;
 
     use super::{
-        BLOCK, Changes, EXP_CLASSES, LANES, RECENTER_BLOCKS, RECENTER_STEPS, RankOut, TRACKED,
-        above64, countdown_scalar, initial_window, rank_scalar, select64, stretch_window,
+        BLOCK, Changes, ClassRanks, EXP_CLASSES, LANES, RECENTER_BLOCKS, RECENTER_STEPS, RankOut,
+        TRACKED, above64, countdown_scalar, initial_window, next_rank, rank_scalar,
+        select_ranks_scalar, select64, stretch_window,
     };
 
     #[inline(always)]
@@ -592,6 +670,97 @@ mod v3 {
         let tail = blocks.len() * BLOCK;
         countdown_scalar(&base[tail..], tail as u64, rem, change)
     }
+
+    /// [`super::select_ranks`] over blocks of 64 elements: per window class, one population
+    /// count and one comparison with its next rank decide that most blocks hold none of its
+    /// changes; a block that does gets a bit per change in an event mask, read out in
+    /// position order.
+    #[inline(always)]
+    pub(super) fn select_ranks(
+        simd: V3,
+        base: &[u16],
+        lists: &ClassRanks<'_>,
+        cur: &mut [usize; EXP_CLASSES],
+        cnt: &mut [u32; EXP_CLASSES],
+        out: &mut Vec<u64>,
+    ) {
+        let (blocks, _) = pulp::as_arrays::<BLOCK, u16>(base);
+        let mut lo = initial_window(base);
+        let mut cls: [__m256i; TRACKED] = core::array::from_fn(|t| splat8(simd, lo + t));
+        let (mut lo_v, k_v) = (splat8(simd, lo), splat8(simd, TRACKED));
+        // The window classes' counts and next ranks, in local arrays the loop can keep in
+        // registers.
+        let mut wcnt: [u32; TRACKED] = core::array::from_fn(|t| cnt[lo + t]);
+        let mut wnext: [u32; TRACKED] = core::array::from_fn(|t| next_rank(lists, cur, lo + t));
+        let mut outside_n = 0usize;
+        for (s, block) in blocks.iter().enumerate() {
+            let i = s * BLOCK;
+            let (h0, h1) = block.split_at(LANES);
+            let (a, b) = halves(h0);
+            let v0 = classes(simd, load(a), load(b));
+            let (a, b) = halves(h1);
+            let v1 = classes(simd, load(a), load(b));
+            let off = u64::from(outside(simd, v0, lo_v, k_v))
+                | u64::from(outside(simd, v1, lo_v, k_v)) << 32;
+            let mut events = 0u64;
+            for t in 0..TRACKED {
+                let m = u64::from(lanes_eq(simd, v0, cls[t]))
+                    | u64::from(lanes_eq(simd, v1, cls[t])) << 32;
+                let n = m.count_ones();
+                let c0 = wcnt[t];
+                // Almost never taken at RL densities: a branch, not a select.
+                if wnext[t] < c0 + n {
+                    let c = lo + t;
+                    let mut m = m;
+                    let mut at = c0;
+                    while wnext[t] < c0 + n {
+                        // Skip to the next change's lane, then past it.
+                        let p = select64(m, wnext[t] - at);
+                        events |= 1 << p;
+                        m &= above64(p);
+                        at = wnext[t] + 1;
+                        cur[c] += 1;
+                        wnext[t] = next_rank(lists, cur, c);
+                    }
+                }
+                wcnt[t] = c0 + n;
+            }
+            if off != 0 {
+                outside_n += off.count_ones() as usize;
+                let bytes: [u8; BLOCK] = pulp::cast([v0, v1]);
+                let mut o = off;
+                while o != 0 {
+                    let p = o.trailing_zeros();
+                    o &= o - 1;
+                    let c = usize::from(bytes[p as usize]);
+                    if cnt[c] == next_rank(lists, cur, c) {
+                        events |= 1 << p;
+                        cur[c] += 1;
+                    }
+                    cnt[c] += 1;
+                }
+            }
+            while events != 0 {
+                out.push(i as u64 + u64::from(events.trailing_zeros()));
+                events &= events - 1;
+            }
+            if (s + 1) % RECENTER_BLOCKS == 0 {
+                if outside_n * 32 > RECENTER_BLOCKS * BLOCK {
+                    let stretch = &base[(s + 1 - RECENTER_BLOCKS) * BLOCK..i + BLOCK];
+                    cnt[lo..lo + TRACKED].copy_from_slice(&wcnt);
+                    lo = stretch_window(stretch);
+                    wcnt = core::array::from_fn(|t| cnt[lo + t]);
+                    wnext = core::array::from_fn(|t| next_rank(lists, cur, lo + t));
+                    cls = core::array::from_fn(|t| splat8(simd, lo + t));
+                    lo_v = splat8(simd, lo);
+                }
+                outside_n = 0;
+            }
+        }
+        cnt[lo..lo + TRACKED].copy_from_slice(&wcnt);
+        let tail = blocks.len() * BLOCK;
+        select_ranks_scalar(&base[tail..], tail as u64, lists, cur, cnt, out);
+    }
 }
 
 #[cfg(test)]
@@ -690,6 +859,53 @@ mod tests {
         .expect("consistent gaps");
         assert_eq!(found, positions);
         assert!(rem.iter().all(|&r| r == 0));
+        // So does the rank selection, vector and scalar, from the ranks themselves.
+        let mut by_class: Vec<Vec<u32>> = vec![Vec::new(); EXP_CLASSES];
+        for (&p, &r) in positions.iter().zip(&want) {
+            by_class[usize::from(class_of(base[p as usize]))].push(r);
+        }
+        let flat: Vec<u32> = by_class.concat();
+        let mut start = [0usize; EXP_CLASSES + 1];
+        for c in 0..EXP_CLASSES {
+            start[c + 1] = start[c] + by_class[c].len();
+        }
+        let lists = ClassRanks {
+            ranks: &flat,
+            start,
+        };
+        let mut found = Vec::new();
+        let sel = select_ranks(base, &lists, &mut found);
+        assert_eq!(found, positions);
+        assert_eq!(sel.totals, want_totals);
+        assert!((0..EXP_CLASSES).all(|c| sel.found[c] == by_class[c].len()));
+        let (mut cur, mut cnt, mut found) = (
+            start[..EXP_CLASSES].try_into().expect("32"),
+            [0; EXP_CLASSES],
+            Vec::new(),
+        );
+        select_ranks_scalar(base, 0, &lists, &mut cur, &mut cnt, &mut found);
+        assert_eq!((found, cnt), (positions.to_vec(), want_totals));
+        // A rank beyond its class is never found, and the others still are.
+        if let Some(c) = (0..EXP_CLASSES).find(|&c| !by_class[c].is_empty()) {
+            let mut more = by_class.clone();
+            more[c].push(want_totals[c]);
+            let flat: Vec<u32> = more.concat();
+            let mut start = [0usize; EXP_CLASSES + 1];
+            for c in 0..EXP_CLASSES {
+                start[c + 1] = start[c] + more[c].len();
+            }
+            let mut found = Vec::new();
+            let sel = select_ranks(
+                base,
+                &ClassRanks {
+                    ranks: &flat,
+                    start,
+                },
+                &mut found,
+            );
+            assert_eq!(found, positions);
+            assert_eq!(sel.found[c], by_class[c].len());
+        }
         // The scalar paths (what runs without AVX2) on their own.
         let (mut rem, mut next_gaps) = (rem_then, gaps_then);
         let mut found = Vec::new();
