@@ -184,6 +184,9 @@ proptest! {
             CodecChoice::only(IndexCodec::ExpClassGapsRc, ValueCodec::UlpStepRc),
             CodecChoice::only(IndexCodec::ExpClassGapsRc, ValueCodec::Raw),
             CodecChoice::only(IndexCodec::RiceGaps, ValueCodec::UlpStepRc),
+            CodecChoice::only(IndexCodec::ExpClassGapsRans, ValueCodec::UlpStepRans),
+            CodecChoice::only(IndexCodec::ExpClassGapsRans, ValueCodec::Raw),
+            CodecChoice::only(IndexCodec::RiceGaps, ValueCodec::UlpStepRans),
             CodecChoice::default(),
         ] {
             let cfg = EncoderConfig { part_elems, segment_target_bytes: 500, choice };

@@ -58,10 +58,12 @@ pub struct CodecChoice {
 }
 
 impl Default for CodecChoice {
-    /// All codecs allowed. The base-conditioned ones (`exp-class-gaps+rc`, `ulp-step+rc`)
-    /// are always tried and win on nearly every part of a real step; restrict `index` and
-    /// `value` to [`IndexCodec::V1`] / [`ValueCodec::V1`] for readers from before them or
-    /// for a ~3× faster encode at ~1.5× the size. Candidates that cannot win are skipped by
+    /// All codecs allowed. The base-conditioned ones are always tried and win on nearly
+    /// every part of a real step: the table-driven `exp-class-gaps+rans` / `ulp-step+rans`
+    /// from 256 changes in a part, the adaptive `exp-class-gaps+rc` / `ulp-step+rc` below
+    /// 4096 (see [`EncodedPart::encode`]). Restrict `index` and `value` to
+    /// [`IndexCodec::V1`] / [`ValueCodec::V1`] for readers from before them or for a ~2×
+    /// faster encode at ~1.5× the size. Candidates that cannot win are skipped by
     /// cheap statistics:
     /// the bitmap only from density 1/8 (below it Rice gaps are within a few percent of the
     /// mask entropy and a bitmap pass costs more than the whole sparse encode), raw+zstd
