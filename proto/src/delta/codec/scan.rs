@@ -231,6 +231,10 @@ fn countdown_scalar<E>(
     Ok(())
 }
 
+/// Parts with more than one change per this many elements take the branch-free form of the
+/// rank selection.
+const DENSE_SELECT_ELEMS: usize = 64;
+
 /// Each class's change ranks, class by class: class `c`'s are `ranks[start[c]..start[c + 1]]`,
 /// strictly increasing.
 #[derive(Debug)]
@@ -251,14 +255,34 @@ pub(crate) struct Selected {
 /// in its class is one of `lists`' ranks for that class: the countdown's job, with every gap
 /// known before the scan starts, so no decoding waits inside it.
 pub(crate) fn select_ranks(base: &[u16], lists: &ClassRanks<'_>, out: &mut Vec<u64>) -> Selected {
+    // Above ~1 change per 64 elements the per-class test of the sparse form is a coin toss
+    // for the branch predictor: test every class without branching instead.
+    let dense = lists.ranks.len().saturating_mul(DENSE_SELECT_ELEMS) > base.len();
+    select_ranks_as(base, lists, out, dense)
+}
+
+/// [`select_ranks`] in the form `dense` names (the same result either way).
+fn select_ranks_as(
+    base: &[u16],
+    lists: &ClassRanks<'_>,
+    out: &mut Vec<u64>,
+    dense: bool,
+) -> Selected {
     let mut cur: [usize; EXP_CLASSES] = core::array::from_fn(|c| lists.start[c]);
     let mut cnt = [0u32; EXP_CLASSES];
     #[cfg(target_arch = "x86_64")]
     if let Some(simd) = pulp::x86::V3::try_new() {
-        simd.vectorize(
-            #[inline(always)]
-            || v3::select_ranks(simd, base, lists, &mut cur, &mut cnt, out),
-        );
+        if dense {
+            simd.vectorize(
+                #[inline(always)]
+                || v3::select_ranks::<true>(simd, base, lists, &mut cur, &mut cnt, out),
+            );
+        } else {
+            simd.vectorize(
+                #[inline(always)]
+                || v3::select_ranks::<false>(simd, base, lists, &mut cur, &mut cnt, out),
+            );
+        }
         return selected(lists, cur, cnt);
     }
     select_ranks_scalar(base, 0, lists, &mut cur, &mut cnt, out);
@@ -676,7 +700,7 @@ mod v3 {
     /// changes; a block that does gets a bit per change in an event mask, read out in
     /// position order.
     #[inline(always)]
-    pub(super) fn select_ranks(
+    pub(super) fn select_ranks<const DENSE: bool>(
         simd: V3,
         base: &[u16],
         lists: &ClassRanks<'_>,
@@ -703,27 +727,50 @@ mod v3 {
             let off = u64::from(outside(simd, v0, lo_v, k_v))
                 | u64::from(outside(simd, v1, lo_v, k_v)) << 32;
             let mut events = 0u64;
-            for t in 0..TRACKED {
-                let m = u64::from(lanes_eq(simd, v0, cls[t]))
-                    | u64::from(lanes_eq(simd, v1, cls[t])) << 32;
-                let n = m.count_ones();
-                let c0 = wcnt[t];
-                // Almost never taken at RL densities: a branch, not a select.
-                if wnext[t] < c0 + n {
-                    let c = lo + t;
-                    let mut m = m;
-                    let mut at = c0;
-                    while wnext[t] < c0 + n {
-                        // Skip to the next change's lane, then past it.
-                        let p = select64(m, wnext[t] - at);
-                        events |= 1 << p;
-                        m &= above64(p);
-                        at = wnext[t] + 1;
-                        cur[c] += 1;
-                        wnext[t] = next_rank(lists, cur, c);
-                    }
+            // The changes of window class `t` in this block: skip to the next change's
+            // lane, then past it, until the class's next rank lies beyond the block.
+            let mut take = |t: usize, m: u64, c0: u32, n: u32, wnext: &mut [u32; TRACKED]| {
+                let c = lo + t;
+                let mut m = m;
+                let mut at = c0;
+                while wnext[t] < c0 + n {
+                    let p = select64(m, wnext[t] - at);
+                    events |= 1 << p;
+                    m &= above64(p);
+                    at = wnext[t] + 1;
+                    cur[c] += 1;
+                    wnext[t] = next_rank(lists, cur, c);
                 }
-                wcnt[t] = c0 + n;
+            };
+            if DENSE {
+                let mut masks = [0u64; TRACKED];
+                let mut crossing = 0u32;
+                for t in 0..TRACKED {
+                    let m = u64::from(lanes_eq(simd, v0, cls[t]))
+                        | u64::from(lanes_eq(simd, v1, cls[t])) << 32;
+                    masks[t] = m;
+                    crossing |= u32::from(wnext[t] < wcnt[t] + m.count_ones()) << t;
+                }
+                while crossing != 0 {
+                    let t = crossing.trailing_zeros() as usize;
+                    crossing &= crossing - 1;
+                    take(t, masks[t], wcnt[t], masks[t].count_ones(), &mut wnext);
+                }
+                for t in 0..TRACKED {
+                    wcnt[t] += masks[t].count_ones();
+                }
+            } else {
+                for t in 0..TRACKED {
+                    let m = u64::from(lanes_eq(simd, v0, cls[t]))
+                        | u64::from(lanes_eq(simd, v1, cls[t])) << 32;
+                    let n = m.count_ones();
+                    let c0 = wcnt[t];
+                    // Almost never taken at RL densities: a branch, not a select.
+                    if wnext[t] < c0 + n {
+                        take(t, m, c0, n, &mut wnext);
+                    }
+                    wcnt[t] = c0 + n;
+                }
             }
             if off != 0 {
                 outside_n += off.count_ones() as usize;
@@ -873,11 +920,13 @@ mod tests {
             ranks: &flat,
             start,
         };
-        let mut found = Vec::new();
-        let sel = select_ranks(base, &lists, &mut found);
-        assert_eq!(found, positions);
-        assert_eq!(sel.totals, want_totals);
-        assert!((0..EXP_CLASSES).all(|c| sel.found[c] == by_class[c].len()));
+        for dense in [false, true] {
+            let mut found = Vec::new();
+            let sel = select_ranks_as(base, &lists, &mut found, dense);
+            assert_eq!(found, positions);
+            assert_eq!(sel.totals, want_totals);
+            assert!((0..EXP_CLASSES).all(|c| sel.found[c] == by_class[c].len()));
+        }
         let (mut cur, mut cnt, mut found) = (
             start[..EXP_CLASSES].try_into().expect("32"),
             [0; EXP_CLASSES],
@@ -894,17 +943,16 @@ mod tests {
             for c in 0..EXP_CLASSES {
                 start[c + 1] = start[c] + more[c].len();
             }
-            let mut found = Vec::new();
-            let sel = select_ranks(
-                base,
-                &ClassRanks {
+            for dense in [false, true] {
+                let mut found = Vec::new();
+                let lists = ClassRanks {
                     ranks: &flat,
                     start,
-                },
-                &mut found,
-            );
-            assert_eq!(found, positions);
-            assert_eq!(sel.found[c], by_class[c].len());
+                };
+                let sel = select_ranks_as(base, &lists, &mut found, dense);
+                assert_eq!(found, positions);
+                assert_eq!(sel.found[c], by_class[c].len());
+            }
         }
         // The scalar paths (what runs without AVX2) on their own.
         let (mut rem, mut next_gaps) = (rem_then, gaps_then);
