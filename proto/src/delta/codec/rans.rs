@@ -156,11 +156,6 @@ impl Table {
     pub fn enc_symbol(&self, s: usize) -> EncSymbol {
         self.enc[s]
     }
-
-    /// Cost in bits of coding symbol `s` (for the encoder's choices; not part of the format).
-    pub fn cost_bits(&self, s: usize) -> f64 {
-        f64::from(TABLE_LOG) - f64::from(self.freq[s]).log2()
-    }
 }
 
 /// Codes symbols into 16-bit words, in reverse: call the `put` methods for the last symbol
@@ -196,9 +191,10 @@ impl RansEncoder {
         self.x >>= 16 * e;
     }
 
-    /// Codes a symbol of frequency `freq ≥ 1` starting at `start`.
-    #[inline(always)]
-    pub fn put(&mut self, freq: u32, start: u32) {
+    /// Codes a symbol of frequency `freq ≥ 1` starting at `start`, by the format's
+    /// arithmetic with a division: the reference [`put_enc`](Self::put_enc) is tested against.
+    #[cfg(test)]
+    fn put(&mut self, freq: u32, start: u32) {
         debug_assert!(freq >= 1 && start + freq <= M);
         self.emit_if(u64::from(self.x) >= u64::from(freq) << (32 - TABLE_LOG));
         self.x = ((self.x / freq) << TABLE_LOG) + self.x % freq + start;
@@ -334,21 +330,16 @@ impl<'a> RansDecoder<'a> {
 
     /// Decodes `n ≤ 64` raw bits coded by [`RansEncoder::put_bits`].
     pub fn get_bits(&mut self, n: u32) -> u64 {
-        // Decoding order is the reverse of the encoder's: the most significant chunk first.
-        let mut chunks = [0u32; 4];
-        let mut sizes = [0u32; 4];
-        let mut k = 0;
-        let mut left = n.min(64);
-        while left > 0 {
-            let take = 16.min(left);
-            sizes[k] = take;
-            left -= take;
-            k += 1;
-        }
+        // The encoder put 16-bit chunks from the least significant up, the top chunk holding
+        // the rest; decoding reads them in reverse: the top chunk (`n mod 16` bits, or 16)
+        // first.
+        let n = n.min(64);
+        let mut left = n;
         let mut v = 0u64;
-        for i in (0..k).rev() {
-            chunks[i] = self.get_raw(sizes[i]);
-            v = (v << sizes[i]) | u64::from(chunks[i]);
+        while left > 0 {
+            let take = if left.is_multiple_of(16) { 16 } else { left % 16 };
+            v = (v << take) | u64::from(self.get_raw(take));
+            left -= take;
         }
         v
     }
