@@ -337,7 +337,11 @@ impl<'a> RansDecoder<'a> {
         let mut left = n;
         let mut v = 0u64;
         while left > 0 {
-            let take = if left.is_multiple_of(16) { 16 } else { left % 16 };
+            let take = if left.is_multiple_of(16) {
+                16
+            } else {
+                left % 16
+            };
             v = (v << take) | u64::from(self.get_raw(take));
             left -= take;
         }
