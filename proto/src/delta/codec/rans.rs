@@ -200,8 +200,8 @@ impl RansEncoder {
         self.x = ((self.x / freq) << TABLE_LOG) + self.x % freq + start;
     }
 
-    /// Codes symbol `s` of `table`: the same state as [`put`](Self::put), without a
-    /// division.
+    /// Codes symbol `s` of `table`: the state the format defines by a division by the
+    /// frequency, computed without one.
     #[inline(always)]
     pub fn put_symbol(&mut self, table: &Table, s: usize) {
         self.put_enc(table.enc[s]);
