@@ -203,10 +203,12 @@ impl EncodedPart {
 
         let mut best_value = Best::default();
         let rans_v = allowed_v(ValueCodec::UlpStepRans) && (all || n >= RANS_MIN_CHANGES);
+        // A lower bound of the zstd candidate's size, when the table-driven coder counted it.
+        let mut zstd_at_least = None;
         if rans_v {
-            best_value.offer(ValueCodec::UlpStepRans, || {
-                codec::value::encode(ValueCodec::UlpStepRans, &diff.new, &diff.old, level)
-            });
+            let (bytes, order0) = codec::value::encode_ulp_step_rans(&diff.new, &diff.old);
+            zstd_at_least = Some(order0);
+            best_value.offer(ValueCodec::UlpStepRans, || bytes);
         }
         if allowed_v(ValueCodec::UlpStepRc) && (all || !rans_v || n < SMALL_PART_CHANGES) {
             best_value.offer(ValueCodec::UlpStepRc, || {
@@ -220,7 +222,10 @@ impl EncodedPart {
             && (all
                 || n < SMALL_PART_CHANGES
                 || best_value.is_empty()
-                || best_value.beaten_by(codec::value::step_order0_bytes(&diff.old, &diff.new)))
+                || best_value.beaten_by(
+                    zstd_at_least
+                        .unwrap_or_else(|| codec::value::step_order0_bytes(&diff.old, &diff.new)),
+                ))
         {
             best_value.offer(ValueCodec::UlpResidualZstd, || {
                 codec::value::encode(ValueCodec::UlpResidualZstd, &diff.new, &diff.old, level)

@@ -310,9 +310,13 @@ impl<'a> RansDecoder<'a> {
     #[inline(always)]
     pub fn get3(&mut self, f0: u32, f1: u32) -> u32 {
         let slot = self.x & (M - 1);
-        let s = u32::from(slot >= f0) + u32::from(slot >= f0 + f1);
-        let start = [0, f0, f0 + f1][s as usize];
-        let f = [f0, f1, M - f0 - f1][s as usize];
+        let (ge0, ge1) = (u32::from(slot >= f0), u32::from(slot >= f0 + f1));
+        // Start (0, f0, f0 + f1) and frequency (f0, f1, the rest) by masks: an indexed
+        // array would put a store-to-load round trip on the state's dependency chain.
+        let (m0, m1) = (0u32.wrapping_sub(ge0), 0u32.wrapping_sub(ge1));
+        let start = (f0 & m0) + (f1 & m1);
+        let f = (f0 & !m0) | (f1 & m0 & !m1) | ((M - f0 - f1) & m1);
+        let s = ge0 + ge1;
         self.x = f * (self.x >> TABLE_LOG) + slot - start;
         self.normalize();
         s

@@ -67,18 +67,39 @@ fn other_params(counts: &[u64; OTHER_SYMBOLS]) -> [u8; OTHER_SYMBOLS] {
     counts.map(|c| (255.0 * (c as f64 / max).sqrt()).ceil().min(255.0) as u8)
 }
 
-/// Encodes the steps from `old` to `new` at a part's changes.
-pub(super) fn encode(new: &[u16], old: &[u16], zigzag: impl Fn(u16, u16) -> u16) -> Vec<u8> {
-    let mut counts = [[0u64; 3]; CONTEXTS];
-    let mut other_counts = [0u64; OTHER_SYMBOLS];
-    for (&n, &o) in new.iter().zip(old) {
+/// Encodes the steps from `old` to `new` at a part's changes. Also returns, from the same
+/// counts, a lower bound in bytes of any order-0 code of the byte tokens of
+/// [`UlpResidualZstd`](super::ValueCodec::UlpResidualZstd): the entropy of the steps with
+/// −1, +1, each shared-table step and the escaped rest as symbols, which merges tokens (and
+/// merging symbols only lowers an entropy). The caller sizes the zstd candidate with it
+/// without a second pass over the changes.
+pub(super) fn encode(
+    new: &[u16],
+    old: &[u16],
+    zigzag: impl Fn(u16, u16) -> u16,
+) -> (Vec<u8>, usize) {
+    // Two sets of counters, alternate changes in each, summed after: consecutive changes
+    // mostly hit the same few counters, and one set would chain every increment on the
+    // previous one's store. The other steps are counted without a branch (±1 lands in a
+    // spare slot).
+    let mut split = [[[0u64; 3]; CONTEXTS]; 2];
+    let mut split_others = [[0u64; OTHER_SYMBOLS + 1]; 2];
+    for (i, (&n, &o)) in new.iter().zip(old).enumerate() {
         let z = zigzag(o, n);
         let s = symbol(z);
-        counts[context(o)][s] += 1;
-        if s == 2 {
-            other_counts[other_symbol(z)] += 1;
-        }
+        split[i & 1][context(o)][s] += 1;
+        let slot = if s == 2 {
+            other_symbol(z)
+        } else {
+            OTHER_SYMBOLS
+        };
+        split_others[i & 1][slot] += 1;
     }
+    let counts: [[u64; 3]; CONTEXTS] =
+        core::array::from_fn(|c| core::array::from_fn(|s| split[0][c][s] + split[1][c][s]));
+    let other_counts: [u64; OTHER_SYMBOLS] =
+        core::array::from_fn(|s| split_others[0][s] + split_others[1][s]);
+    let order0 = order0_bytes(&counts, &other_counts, new.len());
     let other_bytes = other_params(&other_counts);
     let others = other_table(&other_bytes);
     let ratio = ratio255;
@@ -121,7 +142,22 @@ pub(super) fn encode(new: &[u16], old: &[u16], zigzag: impl Fn(u16, u16) -> u16)
         e.put_enc(symbols[3 * ctx + s]);
     }
     out.extend_from_slice(&e.finish());
-    out
+    (out, order0)
+}
+
+/// The entropy in bytes of `n` steps counted as −1, +1 (per context) and the shared table's
+/// symbols.
+fn order0_bytes(counts: &[[u64; 3]; CONTEXTS], others: &[u64; OTHER_SYMBOLS], n: usize) -> usize {
+    let down: u64 = counts.iter().map(|c| c[0]).sum();
+    let up: u64 = counts.iter().map(|c| c[1]).sum();
+    let total = n as f64;
+    let bits: f64 = [down, up]
+        .iter()
+        .chain(others)
+        .filter(|&&h| h > 0)
+        .map(|&h| -(h as f64) * (h as f64 / total).log2())
+        .sum();
+    (bits / 8.0) as usize
 }
 
 /// Decodes `old.len()` steps and applies each to its base value.
@@ -163,16 +199,17 @@ pub(super) fn decode(
                 "a change in a context the header does not list",
             ));
         };
-        let z = match d.get3(f0, f1) {
-            0 => 1,
-            1 => 2,
-            _ => {
-                let o = d.get(&other_slots, &others);
-                if o < OTHER_DIRECT {
-                    o as u16 + 3
-                } else {
-                    escaped(&mut d)?
-                }
+        let s = d.get3(f0, f1);
+        // −1 and +1 ULP are a coin toss: arithmetic for them, a branch only for the rarer
+        // other steps.
+        let z = if s < 2 {
+            s as u16 + 1
+        } else {
+            let o = d.get(&other_slots, &others);
+            if o < OTHER_DIRECT {
+                o as u16 + 3
+            } else {
+                escaped(&mut d)?
             }
         };
         if d.overran() {

@@ -161,8 +161,15 @@ pub fn encode(codec: ValueCodec, new: &[u16], old: &[u16], zstd_level: i32) -> V
             }
             e.finish()
         }
-        ValueCodec::UlpStepRans => super::step_rans::encode(new, old, ulp_step_zigzag),
+        ValueCodec::UlpStepRans => encode_ulp_step_rans(new, old).0,
     }
+}
+
+/// [`ValueCodec::UlpStepRans`]'s bytes and, from the same pass, a lower bound of what
+/// [`ValueCodec::UlpResidualZstd`]'s tokens cost under any order-0 coder, like
+/// [`step_order0_bytes`] but from a grouping of the tokens that tells ±2 … ±8 ULP apart.
+pub fn encode_ulp_step_rans(new: &[u16], old: &[u16]) -> (Vec<u8>, usize) {
+    super::step_rans::encode(new, old, ulp_step_zigzag)
 }
 
 /// Decodes `count` new values. `old` must be the base values at the decoded positions
