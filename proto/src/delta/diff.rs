@@ -56,6 +56,24 @@ pub fn diff_range_into(old: &[u16], new: &[u16], out: &mut RangeDiff) {
     out.old.clear();
     out.ranks.clear();
     out.class_totals = None;
+    let avx2 = crate::delta::codec::scan::diff_plain(
+        old,
+        new,
+        &mut crate::delta::codec::scan::RankOut {
+            positions: &mut out.positions,
+            old: &mut out.old,
+            new: &mut out.new,
+            ranks: &mut out.ranks,
+        },
+    );
+    if !avx2 {
+        diff_portable(old, new, out);
+    }
+}
+
+/// [`diff_range_into`] without AVX2 (and the reference the vector form is tested against):
+/// appends to `out`'s positions, new and old bits.
+fn diff_portable(old: &[u16], new: &[u16], out: &mut RangeDiff) {
     let blocks = old.len() / BLOCK;
     for (b, (o, n)) in old
         .chunks_exact(BLOCK)
@@ -143,6 +161,26 @@ mod tests {
                 prop_assert_eq!(d.new[k], new[p as usize]);
                 prop_assert_eq!(d.old[k], old[p as usize]);
             }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn vector_and_portable_diffs_agree(
+            seed in any::<u64>(),
+            len in 0usize..5000,
+            every in 1u64..200,
+        ) {
+            let mut x = seed | 1;
+            let mut next = || { x ^= x << 13; x ^= x >> 7; x ^= x << 17; x };
+            let old: Vec<u16> = (0..len).map(|_| next() as u16).collect();
+            let new: Vec<u16> = old
+                .iter()
+                .map(|&o| if next() % every == 0 { o ^ (1 + next() as u16 % 3) } else { o })
+                .collect();
+            let mut portable = RangeDiff::default();
+            diff_portable(&old, &new, &mut portable);
+            prop_assert_eq!(diff_range(&old, &new), portable);
         }
     }
 

@@ -28,13 +28,17 @@ impl BitWriter {
         } else {
             value & (u64::MAX >> (64 - count))
         };
+        // At most 7 bits are pending, so the 64-bit accumulator holds them and `count`.
         self.acc |= value << self.n;
         self.n += count;
-        while self.n >= 8 {
-            self.out.push(self.acc as u8);
-            self.acc >>= 8;
-            self.n -= 8;
-        }
+        // Every whole byte out at once, without a loop whose length the CPU cannot predict:
+        // all eight bytes are appended and the unfinished ones cut off again.
+        let whole = self.n / 8;
+        let len = self.out.len();
+        self.out.extend_from_slice(&self.acc.to_le_bytes());
+        self.out.truncate(len + whole as usize);
+        self.acc = self.acc.checked_shr(8 * whole).unwrap_or(0);
+        self.n -= 8 * whole;
     }
 
     /// Writes up to 64 bits in two steps.

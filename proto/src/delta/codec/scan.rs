@@ -84,6 +84,26 @@ pub(crate) struct RankOut<'a> {
     pub ranks: &'a mut Vec<u32>,
 }
 
+/// The plain diff of `old` → `new` (positions relative to the range start, old and new bits,
+/// appended to `out`; `out.ranks` untouched) with AVX2, 32 elements per compare; `false`
+/// (nothing appended) where AVX2 is missing, for the caller's portable loop.
+///
+/// # Panics
+/// If the ranges differ in length (a caller's bug).
+pub(crate) fn diff_plain(old: &[u16], new: &[u16], out: &mut RankOut<'_>) -> bool {
+    assert_eq!(old.len(), new.len(), "diff needs equal lengths");
+    #[cfg(target_arch = "x86_64")]
+    if let Some(simd) = pulp::x86::V3::try_new() {
+        simd.vectorize(
+            #[inline(always)]
+            || v3::diff_plain(simd, old, new, out),
+        );
+        return true;
+    }
+    let _ = out;
+    false
+}
+
 /// The changes of `old` → `new` (appended to `out`, with their ranks) and the number of
 /// elements of each class in `old`.
 ///
@@ -531,6 +551,53 @@ mod v3 {
             match c.checked_sub(self.lo) {
                 Some(t) if t < TRACKED => hsum64(self.sums[t]) as u32,
                 _ => 0,
+            }
+        }
+    }
+
+    /// [`super::diff_plain`]: a 64-lane mask of differing elements per block, then the
+    /// block's changes gathered into small arrays and appended with one copy per vector
+    /// (three checked pushes per change cost more than the compare at RL densities).
+    #[inline(always)]
+    pub(super) fn diff_plain(simd: V3, old: &[u16], new: &[u16], out: &mut RankOut<'_>) {
+        let (steps, _) = pulp::as_arrays::<BLOCK, u16>(old);
+        let (new_steps, _) = pulp::as_arrays::<BLOCK, u16>(new);
+        let mut pos = [0u64; BLOCK];
+        let mut o_at = [0u16; BLOCK];
+        let mut n_at = [0u16; BLOCK];
+        for (s, (o, n)) in steps.iter().zip(new_steps).enumerate() {
+            let (o0, o1) = o.split_at(LANES);
+            let (n0, n1) = n.split_at(LANES);
+            let (oa, ob) = halves(o0);
+            let (na, nb) = halves(n0);
+            let lo = differ(simd, load(oa), load(ob), load(na), load(nb));
+            let (oa, ob) = halves(o1);
+            let (na, nb) = halves(n1);
+            let hi = differ(simd, load(oa), load(ob), load(na), load(nb));
+            let mut m = u64::from(lo) | u64::from(hi) << 32;
+            if m == 0 {
+                continue;
+            }
+            let i = (s * BLOCK) as u64;
+            let mut k = 0;
+            while m != 0 {
+                let j = m.trailing_zeros() as usize;
+                m &= m - 1;
+                pos[k & (BLOCK - 1)] = i + j as u64;
+                o_at[k & (BLOCK - 1)] = o[j];
+                n_at[k & (BLOCK - 1)] = n[j];
+                k += 1;
+            }
+            out.positions.extend_from_slice(&pos[..k]);
+            out.old.extend_from_slice(&o_at[..k]);
+            out.new.extend_from_slice(&n_at[..k]);
+        }
+        let tail = steps.len() * BLOCK;
+        for (i, (&o, &n)) in old[tail..].iter().zip(&new[tail..]).enumerate() {
+            if o != n {
+                out.positions.push((tail + i) as u64);
+                out.old.push(o);
+                out.new.push(n);
             }
         }
     }
