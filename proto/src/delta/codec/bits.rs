@@ -72,7 +72,7 @@ impl BitWriter {
 }
 
 /// Reads bits LSB-first; reading past the end is an error, not zeros.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct BitReader<'a> {
     buf: &'a [u8],
     pos: usize,
@@ -139,6 +139,28 @@ impl<'a> BitReader<'a> {
         }
     }
 
+    /// A Rice code read in one step where it is buffered: fewer than `limit` one-bits, a
+    /// zero-bit, then `k ≤ 58` low bits; returns the count of ones and the low bits. `None`,
+    /// with nothing consumed, where the code is not all buffered (after one refill) or has
+    /// `limit` ones or more: the caller then reads it with [`read_unary`](Self::read_unary)
+    /// and [`read_wide`](Self::read_wide), which consume exactly the same bits.
+    #[inline(always)]
+    pub fn read_rice_buffered(&mut self, k: u32, limit: u32) -> Option<(u64, u64)> {
+        if self.n < 57 {
+            self.refill();
+        }
+        // Bits above `n` are zero, so this stops at `n` when all buffered bits are ones.
+        let ones = (!self.acc).trailing_zeros();
+        let used = ones + 1 + k;
+        if ones >= limit || used > self.n {
+            return None;
+        }
+        let low = self.acc.checked_shr(ones + 1).unwrap_or(0) & (u64::MAX >> (63 - k.min(63)) >> 1);
+        self.acc = self.acc.checked_shr(used).unwrap_or(0);
+        self.n -= used;
+        Some((u64::from(ones), low))
+    }
+
     /// Counts one-bits up to the next zero-bit (consumed), giving up after `limit` ones
     /// (then returns `limit` with no zero consumed).
     #[inline]
@@ -198,6 +220,50 @@ mod tests {
                 prop_assert_eq!(r.read_unary(1000).expect("unary"), u);
             }
             prop_assert_eq!(r.trailing_bytes(), 0);
+        }
+    }
+
+    /// The bits a reader has left, one by one.
+    fn rest(mut r: BitReader<'_>) -> Vec<u64> {
+        std::iter::from_fn(|| r.read(1).ok()).collect()
+    }
+
+    proptest! {
+        #[test]
+        fn buffered_rice_reads_what_the_general_reads_read(
+            bytes in proptest::collection::vec(any::<u8>(), 0..64),
+            k in 0u32..=58,
+            limit in 1u32..=64,
+            skip in 0u32..16,
+        ) {
+            // From every offset, until the stream ends: where the one-step read answers, it
+            // returns and consumes exactly what read_unary + read_wide do.
+            let mut r = BitReader::new(&bytes);
+            if r.read(skip).is_err() {
+                return Ok(());
+            }
+            loop {
+                let mut general = r.clone();
+                let expected = general
+                    .read_unary(u64::from(limit))
+                    .and_then(|q| Ok((q, general.read_wide(k)?)));
+                match r.read_rice_buffered(k, limit) {
+                    Some(got) => {
+                        prop_assert_eq!(Ok(got), expected);
+                        // The same bits are left (buffered or not).
+                        prop_assert_eq!(rest(r.clone()), rest(general));
+                    }
+                    None => {
+                        // Nothing consumed (a refill only moves bytes into the buffer).
+                        let mut again = r.clone();
+                        let retry = again
+                            .read_unary(u64::from(limit))
+                            .and_then(|q| Ok((q, again.read_wide(k)?)));
+                        prop_assert_eq!(retry, expected);
+                        break;
+                    }
+                }
+            }
         }
     }
 

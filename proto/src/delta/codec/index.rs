@@ -225,6 +225,16 @@ fn rice_gaps(positions: &[u64]) -> Vec<u8> {
     w.finish()
 }
 
+/// The gap of quotient `q` and low bits `low` under Rice parameter `k`, refused where it
+/// does not fit in 64 bits.
+#[inline(always)]
+fn rice_gap(q: u64, k: u32, low: u64) -> Result<u64, DecodeError> {
+    (q << k)
+        .checked_add(low)
+        .filter(|_| q.leading_zeros() >= k)
+        .ok_or_else(|| DecodeError::malformed("rice index payload", "gap overflows"))
+}
+
 fn decode_rice_gaps(bytes: &[u8], count: u64, range_len: u64) -> Result<Vec<u64>, DecodeError> {
     let mut b = PositionBuilder::new(count, range_len, bytes.len());
     let mut r = BitReader::new(bytes);
@@ -239,13 +249,14 @@ fn decode_rice_gaps(bytes: &[u8], count: u64, range_len: u64) -> Result<Vec<u64>
         }
         let n = left.min(RICE_BLOCK as u64);
         for _ in 0..n {
+            // Almost every gap is buffered whole: one step, without the general reads.
+            if let Some((q, low)) = r.read_rice_buffered(k, RICE_ESCAPE as u32) {
+                b.push_gap(rice_gap(q, k, low)?)?;
+                continue;
+            }
             let q = r.read_unary(RICE_ESCAPE)?;
             let x = if q < RICE_ESCAPE {
-                let low = r.read_wide(k)?;
-                (q << k)
-                    .checked_add(low)
-                    .filter(|_| q.leading_zeros() >= k)
-                    .ok_or_else(|| DecodeError::malformed("rice index payload", "gap overflows"))?
+                rice_gap(q, k, r.read_wide(k)?)?
             } else {
                 let width = r.read(7)? as u32;
                 if width > 64 {
