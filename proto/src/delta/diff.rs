@@ -28,6 +28,21 @@ impl RangeDiff {
     pub fn is_empty(&self) -> bool {
         self.positions.is_empty()
     }
+
+    /// Empties every buffer (keeping its capacity) and lends them to a scan.
+    fn cleared(&mut self) -> crate::delta::codec::scan::RankOut<'_> {
+        self.positions.clear();
+        self.new.clear();
+        self.old.clear();
+        self.ranks.clear();
+        self.class_totals = None;
+        crate::delta::codec::scan::RankOut {
+            positions: &mut self.positions,
+            old: &mut self.old,
+            new: &mut self.new,
+            ranks: &mut self.ranks,
+        }
+    }
 }
 
 const BLOCK: usize = 32;
@@ -51,22 +66,7 @@ pub fn diff_range(old: &[u16], new: &[u16]) -> RangeDiff {
 /// If the ranges differ in length.
 pub fn diff_range_into(old: &[u16], new: &[u16], out: &mut RangeDiff) {
     assert_eq!(old.len(), new.len(), "diff_range needs equal lengths");
-    out.positions.clear();
-    out.new.clear();
-    out.old.clear();
-    out.ranks.clear();
-    out.class_totals = None;
-    let avx2 = crate::delta::codec::scan::diff_plain(
-        old,
-        new,
-        &mut crate::delta::codec::scan::RankOut {
-            positions: &mut out.positions,
-            old: &mut out.old,
-            new: &mut out.new,
-            ranks: &mut out.ranks,
-        },
-    );
-    if !avx2 {
+    if !crate::delta::codec::scan::diff_plain(old, new, &mut out.cleared()) {
         diff_portable(old, new, out);
     }
 }
@@ -107,20 +107,7 @@ fn diff_portable(old: &[u16], new: &[u16], out: &mut RangeDiff) {
 /// # Panics
 /// If the ranges differ in length or hold 2³² elements or more (parts are far smaller).
 pub fn diff_range_ranked_into(old: &[u16], new: &[u16], out: &mut RangeDiff) {
-    out.positions.clear();
-    out.new.clear();
-    out.old.clear();
-    out.ranks.clear();
-    let totals = crate::delta::codec::scan::diff_ranked(
-        old,
-        new,
-        &mut crate::delta::codec::scan::RankOut {
-            positions: &mut out.positions,
-            old: &mut out.old,
-            new: &mut out.new,
-            ranks: &mut out.ranks,
-        },
-    );
+    let totals = crate::delta::codec::scan::diff_ranked(old, new, &mut out.cleared());
     out.class_totals = Some(totals);
 }
 
