@@ -236,8 +236,8 @@ mod tests {
             limit in 1u32..=64,
             skip in 0u32..16,
         ) {
-            // From every offset, until the stream ends: where the one-step read answers, it
-            // returns and consumes exactly what read_unary + read_wide do.
+            // From a random offset, read after read until the one-step read declines: where it
+            // answers, it returns and consumes exactly what read_unary + read_wide do.
             let mut r = BitReader::new(&bytes);
             if r.read(skip).is_err() {
                 return Ok(());

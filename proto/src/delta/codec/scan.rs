@@ -85,7 +85,7 @@ pub(crate) struct RankOut<'a> {
 }
 
 /// The plain diff of `old` → `new` (positions relative to the range start, old and new bits,
-/// appended to `out`; `out.ranks` untouched) with AVX2, 32 elements per compare; `false`
+/// appended to `out`; `out.ranks` untouched) with AVX2, 64 elements per step; `false`
 /// (nothing appended) where AVX2 is missing, for the caller's portable loop.
 ///
 /// # Panics
@@ -556,7 +556,7 @@ mod v3 {
     }
 
     /// [`super::diff_plain`]: a 64-lane mask of differing elements per block, then the
-    /// block's changes gathered into small arrays and appended with one copy per vector
+    /// block's changes gathered into small arrays and appended with one copy per array
     /// (three checked pushes per change cost more than the compare at RL densities).
     #[inline(always)]
     pub(super) fn diff_plain(simd: V3, old: &[u16], new: &[u16], out: &mut RankOut<'_>) {
