@@ -78,27 +78,16 @@ pub(super) fn encode(
     old: &[u16],
     zigzag: impl Fn(u16, u16) -> u16,
 ) -> (Vec<u8>, usize) {
-    // Two sets of counters, alternate changes in each, summed after: consecutive changes
-    // mostly hit the same few counters, and one set would chain every increment on the
-    // previous one's store. The other steps are counted without a branch (±1 lands in a
-    // spare slot).
-    let mut split = [[[0u64; 3]; CONTEXTS]; 2];
-    let mut split_others = [[0u64; OTHER_SYMBOLS + 1]; 2];
-    for (i, (&n, &o)) in new.iter().zip(old).enumerate() {
+    let mut counts = [[0u64; 3]; CONTEXTS];
+    let mut other_counts = [0u64; OTHER_SYMBOLS];
+    for (&n, &o) in new.iter().zip(old) {
         let z = zigzag(o, n);
         let s = symbol(z);
-        split[i & 1][context(o)][s] += 1;
-        let slot = if s == 2 {
-            other_symbol(z)
-        } else {
-            OTHER_SYMBOLS
-        };
-        split_others[i & 1][slot] += 1;
+        counts[context(o)][s] += 1;
+        if s == 2 {
+            other_counts[other_symbol(z)] += 1;
+        }
     }
-    let counts: [[u64; 3]; CONTEXTS] =
-        core::array::from_fn(|c| core::array::from_fn(|s| split[0][c][s] + split[1][c][s]));
-    let other_counts: [u64; OTHER_SYMBOLS] =
-        core::array::from_fn(|s| split_others[0][s] + split_others[1][s]);
     let order0 = order0_bytes(&counts, &other_counts, new.len());
     let other_bytes = other_params(&other_counts);
     let others = other_table(&other_bytes);
