@@ -77,11 +77,15 @@ impl Link {
     fn offer(&self, out: Outgoing) {
         self.counters.received(out.data.len());
         let mut model = lock(&self.model);
-        match model.on_packet(Instant::now(), out.data.len()) {
+        let now = Instant::now();
+        match model.on_packet(now, out.data.len()) {
             Verdict::Drop(DropReason::Loss) => self.counters.dropped_by_loss(),
             Verdict::Drop(DropReason::Queue) => self.counters.dropped_by_queue(),
-            // Pushed under the model lock so equal due times keep model order.
-            Verdict::DeliverAt(due) => self.queue.push(due, out),
+            Verdict::DeliverAt(due) => {
+                self.counters.queued(model.backlog_bytes(now));
+                // Pushed under the model lock so equal due times keep model order.
+                self.queue.push(due, out);
+            }
         }
     }
 }

@@ -22,6 +22,7 @@ pub(crate) struct DirectionCounters {
     delivered_packets: AtomicU64,
     delivered_bytes: AtomicU64,
     send_errors: AtomicU64,
+    peak_queue_bytes: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64, by: u64) {
@@ -51,6 +52,12 @@ impl DirectionCounters {
         bump(&self.send_errors, 1);
     }
 
+    /// Records the queue's backlog (wire bytes) right after a packet joined it.
+    pub(crate) fn queued(&self, backlog_bytes: u64) {
+        self.peak_queue_bytes
+            .fetch_max(backlog_bytes, Ordering::Relaxed);
+    }
+
     pub(crate) fn snapshot(&self) -> DirectionStats {
         let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
         DirectionStats {
@@ -61,6 +68,7 @@ impl DirectionCounters {
             delivered_packets: get(&self.delivered_packets),
             delivered_bytes: get(&self.delivered_bytes),
             send_errors: get(&self.send_errors),
+            peak_queue_bytes: get(&self.peak_queue_bytes),
         }
     }
 }
@@ -82,6 +90,10 @@ pub struct DirectionStats {
     pub delivered_bytes: u64,
     /// Datagrams whose final send failed (e.g. the receiver's port is closed).
     pub send_errors: u64,
+    /// The largest backlog of the rate limiter's queue, in wire bytes, seen right after a
+    /// packet joined it (the packet included); 0 without a rate. Divided by the rate it is
+    /// the worst queueing delay any packet met on this direction.
+    pub peak_queue_bytes: u64,
 }
 
 impl DirectionStats {
@@ -98,13 +110,14 @@ impl fmt::Display for DirectionStats {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "in {} pkts ({}), delivered {} pkts ({}), lost {}, queue-dropped {}, send errors {}, in flight {}",
+            "in {} pkts ({}), delivered {} pkts ({}), lost {}, queue-dropped {}, peak queue {}, send errors {}, in flight {}",
             self.packets_in,
             format_size(self.bytes_in),
             self.delivered_packets,
             format_size(self.delivered_bytes),
             self.dropped_loss,
             self.dropped_queue,
+            format_size(self.peak_queue_bytes),
             self.send_errors,
             self.in_flight(),
         )

@@ -373,6 +373,12 @@ fn full_queue_drops_the_tail() {
         u64::from(n)
     );
     assert_eq!(arrivals.len() as u64, stats.up.delivered_packets);
+    // The burst filled the queue to within a packet of its limit, and never past it.
+    assert!(
+        (19_000..=20_000).contains(&stats.up.peak_queue_bytes),
+        "{stats}"
+    );
+    assert_eq!(stats.down.peak_queue_bytes, 0, "no rate, no queue: {stats}");
     // Drop-tail: the first 20 packets (the queue's worth) always get through.
     let seqs: Vec<u32> = arrivals.iter().map(|a| seq_of(&a.data)).collect();
     assert_eq!(seqs[..20], (0..20).collect::<Vec<_>>());

@@ -1,9 +1,16 @@
 //! The window ceiling over a real QUIC connection through an emulated bottleneck
 //! (`starling-netem`, 40 Mbit/s, 40 ms RTT, drop-tail queue of 1.5× the BDP): a bulk transfer
-//! striped over four streams, sent with the ceiling set from the stated link, never overflows
-//! the bottleneck queue, while the same transfer with plain BBR does. This is the property that
-//! keeps control messages from queueing behind data (`transport/src/ceiling.rs`); the latencies
+//! striped over four streams, sent with the ceiling set from the stated link, keeps the
+//! bottleneck queue under half its limit, while the same transfer with plain BBR fills it past
+//! one BDP (BBR's startup probes at 2.89× the rate it measured). This is the property that keeps
+//! control messages from queueing behind data (`transport/src/ceiling.rs`); the latencies
 //! themselves are measured by `wan-bench`, not asserted here.
+//!
+//! The measure is the link's peak backlog, which is the worst queueing delay a control message
+//! could meet. Queue drops are printed too but not asserted: whether plain BBR's overshoot
+//! passes the 1.5×BDP limit, and by how many packets, depends on the machine's timing (80–700
+//! drops per run on one machine, none in three runs on another), while its peak backlog stays
+//! above one BDP.
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -23,7 +30,7 @@ const STREAMS: usize = 4;
 const BYTES_PER_STREAM: usize = 3 << 20;
 
 /// Sends `STREAMS` × `BYTES_PER_STREAM` from a server to a client through the emulated link
-/// and returns the packets the link's queue dropped on the way.
+/// and returns the peak backlog of the link's queue, in wire bytes.
 async fn transfer(dir: &Path, ceiling: bool) -> u64 {
     init_cluster(dir, "c", [3; 32]).expect("init");
     issue(dir, Role::Relay, "r1", &dir.join("r1")).expect("issue");
@@ -98,30 +105,40 @@ async fn transfer(dir: &Path, ceiling: bool) -> u64 {
         stats.down.delivered_bytes >= (STREAMS * BYTES_PER_STREAM) as u64,
         "the data went through the emulated link: {stats}"
     );
-    stats.down.dropped_queue
+    eprintln!(
+        "ceiling {ceiling}: queue drops {}, peak queue {} B",
+        stats.down.dropped_queue, stats.down.peak_queue_bytes
+    );
+    stats.down.peak_queue_bytes
+}
+
+/// The link's bandwidth-delay product in bytes.
+fn bdp() -> u64 {
+    (RATE_BPS / 8) * RTT.as_millis() as u64 / 1000
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_capped_sender_leaves_the_bottleneck_queue_alone_where_plain_bbr_overflows_it() {
+async fn a_capped_sender_keeps_the_bottleneck_queue_short_where_plain_bbr_fills_it() {
     let capped = transfer(tempfile::tempdir().expect("tempdir").path(), true).await;
-    // Plain BBR's overflow is the premise of the comparison; on a loaded 2-core machine one
-    // run in a few happens to stay under the queue limit, so the premise gets three tries.
+    // Plain BBR's standing queue is the premise of the comparison, so it gets three tries; the
+    // capped run, which is the claim, gets one.
     let mut plain = 0;
     for _ in 0..3 {
-        plain = transfer(tempfile::tempdir().expect("tempdir").path(), false).await;
-        if plain > 0 {
+        plain = plain.max(transfer(tempfile::tempdir().expect("tempdir").path(), false).await);
+        if plain >= bdp() {
             break;
         }
     }
-    eprintln!("queue drops: capped {capped}, plain BBR {plain}");
-    // Capped runs drop nothing unless a scheduling stall of the user-space link (2 cores, a
-    // busy test machine) lets its queue grow; plain BBR drops 80-700 packets per run.
+    let bdp = bdp();
+    eprintln!("peak queue: capped {capped} B, plain BBR {plain} B, BDP {bdp} B");
     assert!(
-        plain > 0,
-        "plain BBR no longer overflows a 1.5×BDP queue: re-examine whether the ceiling is needed"
+        plain >= bdp,
+        "plain BBR no longer queues a BDP at the bottleneck: re-examine whether the ceiling is needed"
     );
+    // Capped runs peak at 0.25-0.45 BDP (a burst of a few packets over the paced rate); the
+    // bound leaves room for a ~10 ms scheduling stall of the user-space link on a busy machine.
     assert!(
-        capped * 4 < plain,
-        "the ceiling overflowed the bottleneck queue nearly as often as plain BBR"
+        capped * 4 <= bdp * 3,
+        "the capped sender queued {capped} B at the bottleneck, over 0.75 BDP ({bdp} B)"
     );
 }
