@@ -40,7 +40,8 @@
 # when missing), ~8 GB free in --work per actor pair, ~12 GB RAM for the 1.5b preset):
 #   benches/tbf-bench.sh [--reps 3] [--cases "ct1 ct4 saf4"] [--model 1.5b] [--lr 2e-5]
 #                        [--rate-mbit 1000] [--burst 500kb] [--limit 1250000] [--actors 2]
-#                        [--codecs auto|small|fast] [--work /var/tmp/starling-tbf-bench]
+#                        [--codecs auto|small|fast] [--handover yes|no]
+#                        [--work /var/tmp/starling-tbf-bench]
 #                        [--quiet-wait 180] [--keep]
 # (1.5b at lr 1e-5 gives an 86 MB delta; 0.5b ~32 MB.) A full default run takes ~15-20 min;
 # `.ci/run` runs it once at the tiny preset (`--model tiny --reps 1 --cases ct4 --quiet-wait 0`)
@@ -68,6 +69,7 @@ work=/var/tmp/starling-tbf-bench
 keep=0
 quiet_wait=180
 codecs=auto
+handover=yes
 while (($#)); do
     case $1 in
     --reps) reps=$2; shift 2 ;;
@@ -82,6 +84,7 @@ while (($#)); do
     --keep) keep=1; shift ;;
     --quiet-wait) quiet_wait=$2; shift 2 ;;
     --codecs) codecs=$2; shift 2 ;;
+    --handover) handover=$2; shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -328,7 +331,7 @@ wait_quiet() { # up to $1 s for the machine to be >= 75% idle over 2 s (other jo
 }
 
 results=$run_root/results.tsv
-printf 'case\trep\tbytes\tstart_ref\tend_ref\tt_first\tt_publish\tt_cached\tt_staged\tt_active\tgoodput_pct\tratio\twire_per_byte\tpeak_mbit\thub_cpu_s\trelay_cpu_s\thub_peak_pct\trelay_peak_pct\tt_tail\tcatchup_s\tcatchup_pct\tcatchup_hub_pct\tcatchup_relay_pct\tother_cores\trtt_ms\tcodecs\n' >"$results"
+printf 'case\trep\tbytes\tstart_ref\tend_ref\tt_first\tt_publish\tt_cached\tt_staged\tt_active\tgoodput_pct\tratio\twire_per_byte\tpeak_mbit\thub_cpu_s\trelay_cpu_s\thub_peak_pct\trelay_peak_pct\tt_tail\tcatchup_s\tcatchup_pct\tcatchup_hub_pct\tcatchup_relay_pct\tother_cores\trtt_ms\tcodecs\thandover\n' >"$results"
 
 run_case() { # case rep
     local c=$1 rep=$2 stripes hub_extra=() relay_stripes
@@ -342,6 +345,15 @@ run_case() { # case rep
     run=$run_root/$c-$rep
     rm -rf "$run"
     mkdir -p "$run"
+    # With --handover yes (the default) the trainer writes a fresh file per step and gives it
+    # to the hub, which renames it into its store instead of copying it: a copy made here,
+    # before the clock starts, stands for the file a trainer just wrote.
+    local source=$step1 pub_extra=()
+    if [[ $handover == yes ]]; then
+        source=$ckpt/handover-$c-$rep.safetensors
+        cp "$step1" "$source"
+        pub_extra=(--handover)
+    fi
     start hub "$NS_HUB" "$HUB" serve --listen $HUB_IP:7443 --model-id tiny --cluster "$cluster" \
         --store "$run/hub-store" --init "$step0" --stripes "$stripes" "${hub_extra[@]}" \
         --codecs "$codecs" --http 127.0.0.1:9100 --publish-dir "$ckpt"
@@ -386,8 +398,12 @@ run_case() { # case rep
         awk '/^top -/ {n++} n == 2' >"$run/top.txt") &
     PIDS[top]=$!
     ip netns exec "$NS_HUB" "$HUB" publish --model-id tiny --hub $HUB_IP:7443 \
-        --cluster "$cluster" "$step1" > >(stamp >"$run/publish.out") 2>&1
+        --cluster "$cluster" "${pub_extra[@]}" "$source" > >(stamp >"$run/publish.out") 2>&1
     local t_pub=$EPOCHREALTIME
+    local taken=off
+    if [[ $handover == yes ]]; then
+        if [[ -e $source ]]; then taken=copied; rm -f "$source"; else taken=taken; fi
+    fi
     local t_cached
     t_cached=$(wait_for relay "$run/relay.watch" 'starling_relay_newest_version 1$' 900)
     local i t_staged_max=0 t_active_max=0 end_ref=staged t
@@ -459,18 +475,18 @@ run_case() { # case rep
         -v ta="$t_active_max" -v rate="$rate_mbit" -v rtt=1 -v mrtt="$rtt_ms" -v wb="$wire_bytes" \
         -v pm="$peak_mbit" -v hc="$hub_cpu" -v rc="$relay_cpu" -v hp="$hub_peak" -v rp="$relay_peak" \
         -v t2="$t_r2" -v t2c="$t_r2c" -v h0="$h0" -v h1="$h1" -v r1c="$r1c" -v c0="$c0" -v c1="$c1" \
-        -v m0="$mine0" -v m1="$mine1" -v b0="$busy0" -v b1="$busy1" -v t1="$t1" -v ch="$chosen" '
+        -v m0="$mine0" -v m1="$mine1" -v b0="$busy0" -v b1="$busy1" -v t1="$t1" -v ch="$chosen" -v ho="$taken" '
         BEGIN {
             ideal = b * 8 / (rate * 1e6) + rtt / 1000
             printf "%s\t%d\t%d\t%s\t%s\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f\t%.1f\t%.2f\t%.3f\t%d\t%.2f\t%.2f\t%d\t%d",
                 c, rep, b, sr, er, tf - t0, tp - t0, tc - tf, ts - tf, ta - tf,
                 100 * b * 8 / (tc - tf) / (rate * 1e6), (ts - tf) / ideal, wb / b, pm, hc, rc, hp, rp
-            printf "\t%.3f\t%.3f\t%.1f\t%.0f\t%.0f\t%.2f\t%s\t%s\n", tc - tp, t2c - t2,
+            printf "\t%.3f\t%.3f\t%.1f\t%.0f\t%.0f\t%.2f\t%s\t%s\t%s\n", tc - tp, t2c - t2,
                 100 * b * 8 / (t2c - t2) / (rate * 1e6), (h1 - h0) / (c1 - c0), r1c / (c1 - c0),
-                ((b1 - b0) - (m1 - m0)) / 100 / (t1 - t0), mrtt, ch
+                ((b1 - b0) - (m1 - m0)) / 100 / (t1 - t0), mrtt, ch, ho
         }' >>"$results"
-    tail -1 "$results" | awk -F'\t' '{ printf "  %s #%s: codecs %s, delta %.1f MB, first segment +%.2f s, publish returned +%.2f s; from %s: relay cached %.2f s (%.1f%% of link), last %s %.2f s (%.2fx ideal), last active %.2f s; wire %.3f B/B, peak %d Mbit/s; CPU s hub %.1f relay %.1f, peak%% hub %d relay %d; catch-up %.2f s (%.1f%% of link, hub %d%% relay %d%% CPU); other load %.2f cores\n",
-        $1, $2, $26, $3 / 1e6, $6, $7, $4, $8, $11, $5, $9, $12, $10, $13, $14, $15, $16, $17, $18, $20, $21, $22, $23, $24 }'
+    tail -1 "$results" | awk -F'\t' '{ printf "  %s #%s: codecs %s, handover %s, delta %.1f MB, first segment +%.2f s, publish returned +%.2f s; from %s: relay cached %.2f s (%.1f%% of link), last %s %.2f s (%.2fx ideal), last active %.2f s; wire %.3f B/B, peak %d Mbit/s; CPU s hub %.1f relay %.1f, peak%% hub %d relay %d; catch-up %.2f s (%.1f%% of link, hub %d%% relay %d%% CPU); other load %.2f cores\n",
+        $1, $2, $26, $27, $3 / 1e6, $6, $7, $4, $8, $11, $5, $9, $12, $10, $13, $14, $15, $16, $17, $18, $20, $21, $22, $23, $24 }'
     if ((keep == 0)); then rm -rf "$run"/a*-store "$run/hub-store"; fi
 }
 

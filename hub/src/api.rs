@@ -139,6 +139,12 @@ pub struct PublishRequest {
     /// Checks this publish skips (`nonfinite`, `unchanged`, `step_backwards`).
     #[serde(default)]
     pub allow: Vec<crate::ingest::Allow>,
+    /// The trainer gives the file to the hub, which renames it into its store instead of
+    /// copying it where it can (a single file on the store's file system with no other link;
+    /// else it copies). Given back if the publish is refused. The answer's `handed_over` says
+    /// which happened.
+    #[serde(default)]
+    pub handover: bool,
 }
 
 pub(crate) fn router(hub: Arc<Hub>) -> Router {
@@ -238,6 +244,7 @@ async fn create(State(hub): State<Arc<Hub>>, body: Body) -> Reply<(StatusCode, J
         path: req.path,
         step: req.step,
         allow: req.allow,
+        handover: req.handover,
     };
     match publish(&hub, req).await {
         Ok(p) => Ok((
@@ -249,6 +256,7 @@ async fn create(State(hub): State<Arc<Hub>>, body: Body) -> Reply<(StatusCode, J
                 "bytes": p.bytes,
                 "digest": hex(&p.digest),
                 "step": p.step,
+                "handed_over": p.handed_over,
             })),
         )),
         Err(e) => Err(ApiError::new(

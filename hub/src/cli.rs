@@ -209,6 +209,11 @@ pub enum Command {
         cluster: PathBuf,
         #[arg(long, default_value = "model", env = "STARLING_HUB_MODEL_ID")]
         model_id: String,
+        /// Give the file to the hub: it renames it into its store instead of copying it where
+        /// it can (a single file on the store's file system with no other hard link), and
+        /// gives it back if the publish is refused. Do not write to the file afterwards.
+        #[arg(long)]
+        handover: bool,
     },
     /// Create an ed25519 signing key (FILE, mode 0600) and its public key (FILE.pub).
     Keygen {
@@ -564,16 +569,23 @@ pub fn run(cli: Cli) -> Result<()> {
             credentials,
             cluster,
             model_id,
+            handover,
         } => {
             let creds = match &credentials {
                 Some(dir) => Credentials::load_peer(dir)
                     .with_context(|| format!("load trainer credentials from {}", dir.display()))?,
                 None => Credentials::load_hub(&cluster).context("load hub credentials")?,
             };
-            let (version, changes, bytes) =
-                runtime()?.block_on(crate::serve::publish_remote(&creds, hub, &model_id, &path))?;
+            let (version, changes, bytes) = runtime()?.block_on(crate::serve::publish_remote(
+                &creds, hub, &model_id, &path, handover,
+            ))?;
+            let how = match (handover, path.exists()) {
+                (false, _) => "",
+                (true, false) => " (handed over)",
+                (true, true) => " (copied: the hub could not take the file)",
+            };
             println!(
-                "published {} as version {version}: {changes} changes, {bytes} bytes",
+                "published {} as version {version}: {changes} changes, {bytes} bytes{how}",
                 path.display()
             );
             Ok(())

@@ -49,6 +49,9 @@ pub(crate) struct PublishRequest {
     pub(crate) path: PathBuf,
     pub(crate) step: Option<u64>,
     pub(crate) allow: Vec<Allow>,
+    /// The trainer gives the file to the hub: taken by a rename where it can be, else copied
+    /// (`crate::snapshot`).
+    pub(crate) handover: bool,
 }
 
 impl PublishRequest {

@@ -55,6 +55,8 @@ pub(crate) struct Published {
     /// published after it.
     pub(crate) digest: [u8; 16],
     pub(crate) step: Option<u64>,
+    /// Whether the trainer's file was taken (handover), not copied.
+    pub(crate) handed_over: bool,
 }
 
 /// Publishes the checkpoint `req` names (`crate::ingest` for every check it passes first).
@@ -101,10 +103,25 @@ async fn publish_checked(
             req.path.clone(),
         );
         let allow_nonfinite = req.allows(Allow::Nonfinite);
+        let handover = req.handover;
         tokio::task::spawn_blocking(move || {
             let t = std::time::Instant::now();
             let opened = crate::ingest::open_source(&dirs, &layout, &source)?;
-            let copy = crate::snapshot::copy_in(&store, &opened).map_err(internal)?;
+            let taken = if handover {
+                match crate::snapshot::take_in(&store, &opened).map_err(internal)? {
+                    crate::snapshot::Taken::Moved(copy) => Some(copy),
+                    crate::snapshot::Taken::NotTaken(why) => {
+                        tracing::info!(path = %source.display(), "handover declined, copying: {why}");
+                        None
+                    }
+                }
+            } else {
+                None
+            };
+            let copy = match taken {
+                Some(copy) => copy,
+                None => crate::snapshot::copy_in(&store, &opened).map_err(internal)?,
+            };
             drop(opened);
             let copy_ms = t.elapsed().as_millis() as u64;
             let t = std::time::Instant::now();
@@ -112,8 +129,9 @@ async fn publish_checked(
             // Where a publish's time goes before its first segment (a user waits for it).
             tracing::info!(
                 copy_ms,
+                handed_over = copy.handed_over(),
                 nonfinite_check_ms = t.elapsed().as_millis() as u64,
-                "checkpoint copied into the store"
+                "checkpoint in the store"
             );
             Ok::<_, PublishError>(copy)
         })
@@ -257,6 +275,7 @@ async fn publish_locked(
         }
     };
     let store = hub.cfg.store.clone();
+    let handed_over = copy.handed_over();
     let sealed = tokio::task::spawn_blocking(move || copy.seal(&store, version))
         .await
         .context("seal task")
@@ -366,6 +385,7 @@ async fn publish_locked(
         bytes,
         digest: manifest.post_digest.to_bytes(),
         step,
+        handed_over,
     })
 }
 

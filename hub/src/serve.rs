@@ -416,7 +416,7 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
 async fn serve_trainer(hub: Arc<Hub>, mut tx: SendStream, mut reader: MessageReader) -> Result<()> {
     // The trainer closes the connection when it is done: any end of the stream is normal.
     while let Ok(Some(m)) = reader.next().await {
-        let Message::Publish { path } = m else {
+        let Message::Publish { path, handover } = m else {
             send(
                 &mut tx,
                 &Message::Refuse {
@@ -431,6 +431,7 @@ async fn serve_trainer(hub: Arc<Hub>, mut tx: SendStream, mut reader: MessageRea
             path: PathBuf::from(&path),
             step: None,
             allow: Vec::new(),
+            handover,
         };
         let reply = match publish(&hub, req).await {
             Ok(p) => Message::Published {
@@ -463,6 +464,7 @@ pub async fn publish_remote(
     hub_addr: SocketAddr,
     model_id: &str,
     path: &Path,
+    handover: bool,
 ) -> Result<(u64, u64, u64)> {
     if !matches!(creds.role, Role::Hub | Role::Trainer) {
         bail!(
@@ -503,6 +505,7 @@ pub async fn publish_remote(
         &mut tx,
         &Message::Publish {
             path: abs.to_string_lossy().into_owned(),
+            handover,
         },
     )
     .await?;

@@ -5,7 +5,9 @@
 //! are each refused by name with their code — and none of them sends anything: the hub
 //! emits no segment, the actor sees no version, and the next good publish gets the next
 //! number and arrives without a refetch. Concurrent publishes each answer their own
-//! version's digest.
+//! version's digest. A handed-over checkpoint (`"handover": true`) is taken from the trainer's
+//! directory when accepted, given back byte for byte when refused, and copied when another
+//! hard link could still write it.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -243,4 +245,46 @@ fn concurrent_publishes_each_answer_their_own_versions_digest() {
     }
     versions.sort_unstable();
     assert_eq!(versions, vec![1, 2, 3, 4]);
+}
+
+#[test]
+fn a_handed_over_checkpoint_is_taken_and_a_refused_one_given_back() {
+    let mut tb = Testbed::new(2, 23, &[("actor", "a1"), ("trainer", "t1")], &[]);
+    let dl = tb.deadline;
+    let a1 = tb.actor("a1", &[]);
+    wait_for(&a1, "active 0 ", dl);
+    let dir: PathBuf = tb.steps[0].parent().expect("ckpt dir").to_owned();
+    let one = Checkpoint::open(&tb.steps[1]).expect("open");
+    let mut bad = one.read_all().expect("read");
+    bad.values_mut().next().expect("a tensor")[0] = 0x7fc0; // NaN
+
+    // Refused: the file goes back to its name, byte for byte, and nothing is sent.
+    let nan_path = dir.join("nan.safetensors");
+    write(&nan_path, &one, &bad);
+    let nan_bytes = std::fs::read(&nan_path).expect("read");
+    refused(
+        &tb,
+        json!({"path": nan_path, "handover": true}),
+        422,
+        "nonfinite_weights",
+    );
+    assert_eq!(std::fs::read(&nan_path).expect("given back"), nan_bytes);
+
+    // Accepted: taken (the trainer's name is gone), and it reaches the actor bit for bit.
+    let line1 = tb.active_line(1);
+    let (s, v) = post_version(&tb, &json!({"path": tb.steps[1], "handover": true}));
+    assert_eq!((s, v["handed_over"].as_bool()), (201, Some(true)), "{v}");
+    assert!(!tb.steps[1].exists(), "the hub took the file");
+    assert_eq!(next_event(&a1, dl), line1);
+
+    // Another hard link to it: copied, not taken; without "handover", always copied.
+    let twin = dir.join("twin.safetensors");
+    std::fs::hard_link(&tb.steps[2], &twin).expect("link");
+    let (s, v) = post_version(&tb, &json!({"path": tb.steps[2], "handover": true}));
+    assert_eq!((s, v["handed_over"].as_bool()), (201, Some(false)), "{v}");
+    assert!(tb.steps[2].exists() && twin.exists());
+    assert_eq!(next_event(&a1, dl), tb.active_line(2));
+    let (s, v) = post_version(&tb, &json!({"path": nan_path, "allow": ["nonfinite"]}));
+    assert_eq!((s, v["handed_over"].as_bool()), (201, Some(false)), "{v}");
+    assert!(nan_path.exists());
 }

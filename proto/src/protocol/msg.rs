@@ -68,7 +68,7 @@ pub enum RefuseReason {
 }
 
 /// The message type ids `check` knows.
-const KNOWN_TYPES: std::ops::RangeInclusive<u8> = 1..=23;
+const KNOWN_TYPES: std::ops::RangeInclusive<u8> = 1..=24;
 
 /// One control message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -135,9 +135,12 @@ pub enum Message {
         detail: String,
     },
     /// Trainer → hub: diff the checkpoint at `path` (on the hub's machine) against the current
-    /// version and publish it.
+    /// version and publish it. With `handover` the trainer gives the file to the hub, which
+    /// takes it by a rename where it can instead of copying it (message type 24 rather than 12,
+    /// same body: a hub that predates it refuses the unknown type).
     Publish {
         path: String,
+        handover: bool,
     },
     /// Hub → trainer: published as `version`, with `changes` changed elements in `bytes`.
     Published {
@@ -219,7 +222,10 @@ impl Message {
             Self::Refuse { .. } => 9,
             Self::Ping { .. } => 10,
             Self::Pong { .. } => 11,
-            Self::Publish { .. } => 12,
+            Self::Publish {
+                handover: false, ..
+            } => 12,
+            Self::Publish { handover: true, .. } => 24,
             Self::Published { .. } => 13,
             Self::FetchAnchor { .. } => 14,
             Self::Anchor { .. } => 15,
@@ -299,7 +305,7 @@ impl Message {
             Self::Ping { nonce } | Self::Pong { nonce } => {
                 out.extend_from_slice(&nonce.to_le_bytes())
             }
-            Self::Publish { path } => put_bytes(out, path.as_bytes()),
+            Self::Publish { path, .. } => put_bytes(out, path.as_bytes()),
             Self::FetchAnchor { after_version } => put_varint(out, *after_version),
             Self::Anchor { seal } => {
                 put_varint(out, seal.version);
@@ -478,8 +484,9 @@ impl Message {
             11 => Self::Pong {
                 nonce: r.u64_le("nonce")?,
             },
-            12 => Self::Publish {
+            12 | 24 => Self::Publish {
                 path: r.str("path", 4096)?.to_owned(),
+                handover: ty == 24,
             },
             13 => Self::Published {
                 version: r.varint("version")?,
@@ -794,6 +801,11 @@ mod tests {
             Message::Pong { nonce: 42 },
             Message::Publish {
                 path: "/ckpt/step-7".into(),
+                handover: false,
+            },
+            Message::Publish {
+                path: "/ckpt/step-8".into(),
+                handover: true,
             },
             Message::Published {
                 version: 7,

@@ -71,6 +71,37 @@ def test_publish_state_dict_reaches_the_actor_bit_identical(cluster, tmp_path):
 
 
 @needs_torch
+def test_a_handed_over_checkpoint_is_taken_and_a_refused_one_given_back(cluster, tmp_path):
+    import shutil
+
+    hub = cluster.client()
+    before = hub.latest_version()
+    sd = perturbed_state_dict(cluster.material.step1)
+    # keep=False hands the file over: the hub renames it into its store (same file system).
+    v = hub.publish(sd, step=13, directory=tmp_path / "given", keep=False)
+    assert v.version == before + 1 and v.handed_over is True
+    assert not any((tmp_path / "given").iterdir()), "the hub took the file"
+    assert cluster.actor_digest(v.version) == v.digest
+    # A path handed over and refused (identical to the latest version) is given back whole.
+    again = tmp_path / "again.safetensors"
+    shutil.copy(cluster.material.step1, again)
+    first = hub.publish(again, handover=True, allow=["unchanged"])
+    assert first.handed_over is True and not again.exists()
+    shutil.copy(cluster.material.step1, again)
+    data = again.read_bytes()
+    with pytest.raises(StarlingError) as e:
+        hub.publish(again, handover=True)
+    assert e.value.code == "unchanged", repr(e.value)
+    assert again.read_bytes() == data, "the refused file is back where it was"
+    # A file with another hard link is copied, not taken.
+    twin = tmp_path / "twin.safetensors"
+    os.link(again, twin)
+    v3 = hub.publish(again, handover=True, allow=["unchanged"])
+    assert v3.handed_over is False and again.exists() and twin.exists()
+    assert hub.latest_version() == v3.version
+
+
+@needs_torch
 def test_publish_path_and_relative_path(cluster, tmp_path, monkeypatch):
     hub = cluster.client()
     before = hub.latest_version()

@@ -213,6 +213,7 @@ class Client:
         name: Optional[str] = None,
         keep: bool = True,
         allow: Iterable[str] = (),
+        handover: Optional[bool] = None,
     ) -> Version:
         """Publish a checkpoint as the next version and return it once the hub has stored it.
 
@@ -226,8 +227,15 @@ class Client:
           the SDK cannot publish (``invalid_state_dict``: not a tensor, not floating point, on
           the meta device) is refused before anything is written or sent; a file the hub
           refuses (``layout_mismatch`` when tensor names or shapes differ from the run's) is
-          deleted. With ``keep=False`` the file is also deleted once published (the hub keeps
-          its own copy of every version it accepts).
+          deleted. With ``keep=False`` the file is handed over (below) and deleted once
+          published if the hub copied it instead.
+
+        ``handover`` (default: ``not keep`` for a state dict, ``False`` for a path) gives the
+        file to the hub: it renames it into its store instead of copying it, which saves
+        writing the whole checkpoint a second time before the first delta segment. The hub
+        takes it only when it can own it outright (one file, on the store's file system, with no
+        other hard link) and copies it otherwise; ``Version.handed_over`` says which happened.
+        A refused publish gives the file back. Do not write to a handed-over file again.
 
         ``step`` is the trainer's own step number, recorded beside the version.
 
@@ -241,16 +249,20 @@ class Client:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         allow = [str(a) for a in allow]
         if isinstance(path_or_state_dict, Mapping):
-            return self._publish_state_dict(path_or_state_dict, step, directory, name, keep, allow)
+            hand = (not keep) if handover is None else bool(handover)
+            return self._publish_state_dict(path_or_state_dict, step, directory, name, keep, allow, hand)
         path = os.path.abspath(os.fspath(path_or_state_dict))
-        return self._publish_path(path, step, allow)
+        return self._publish_path(path, step, allow, bool(handover))
 
-    def _publish_path(self, path: str, step: Optional[int], allow: List[str]) -> Version:
+    def _publish_path(self, path: str, step: Optional[int], allow: List[str], handover: bool = False) -> Version:
         body: Dict[str, Any] = {"path": path}
         if step is not None:
             body["step"] = step
         if allow:
             body["allow"] = allow
+        if handover:
+            # Sent only when set: a hub that predates it refuses the unknown field.
+            body["handover"] = True
         j = self._request("POST", "/v1/versions", body, timeout=self.publish_timeout)
         return _parse("POST /v1/versions", j, Version.from_json)
 
@@ -262,6 +274,7 @@ class Client:
         name: Optional[str],
         keep: bool,
         allow: List[str],
+        handover: bool,
     ) -> Version:
         if name is not None and (os.sep in name or name in ("", ".", "..") or name.endswith(".tmp")):
             raise ValueError(f"name must be a plain file name not ending in .tmp, got {name!r}")
@@ -289,7 +302,7 @@ class Client:
             raise StarlingError("write_failed", f"cannot write the checkpoint {path} ({_describe(e)})") from None
         published = False
         try:
-            v = self._publish_path(path, step, allow)
+            v = self._publish_path(path, step, allow, handover)
             published = True
             return v
         except StarlingError as e:
@@ -299,7 +312,8 @@ class Client:
                 _unlink_quietly(path)
             raise
         finally:
-            if published and not keep:
+            # A handed-over file is the hub's now; one it copied instead is still ours.
+            if published and not keep and not v.handed_over:
                 _unlink_quietly(path)
 
     # ----------------------------------------------------------------------------------------

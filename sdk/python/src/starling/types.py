@@ -127,6 +127,9 @@ class Version:
     digest: str
     step: Optional[int]
     created_at_ms: Optional[int] = None
+    #: Whether the hub took the trainer's file (handover) rather than copying it; ``None``
+    #: where the answer does not say (``GET /v1/versions``).
+    handed_over: Optional[bool] = None
 
     @classmethod
     def from_json(cls, j: Mapping[str, Any]) -> "Version":
@@ -138,6 +141,7 @@ class Version:
             digest=str(_req(j, "digest", "version")),
             step=j.get("step"),
             created_at_ms=j.get("created_at_ms"),
+            handed_over=j.get("handed_over"),
         )
 
 
