@@ -78,6 +78,9 @@ pub(crate) fn run_mode(
         lr: a.lr(),
         seed: a.seed,
         checkpoint_dir: out.join("checkpoints"),
+        // No-transfer shares the trainer's file with the actors after the publish, so it
+        // keeps it; the other modes give it to the hub.
+        handover: mode != Mode::NoTransfer,
         task: ReverseDigits::default(),
         ..TrainConfig::default()
     };

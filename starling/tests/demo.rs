@@ -42,6 +42,8 @@ fn a_short_run_trains_through_the_hub_and_leaves_a_summary_and_a_plot() {
             Some(i as u64 + 1),
             "versions in order"
         );
+        // The trainer hands each step's file to the hub, which takes it rather than copying.
+        assert_eq!(r["published"]["handed_over"], true, "{}", r["published"]);
         let reward = r["mean_reward"].as_f64().expect("reward");
         assert!((0.0..=1.0).contains(&reward), "reward {reward}");
         assert_eq!(

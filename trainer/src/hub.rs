@@ -142,6 +142,9 @@ pub struct Published {
     pub changes: u64,
     pub bytes: u64,
     pub digest: String,
+    /// Whether the hub took the file (handover) rather than copying it.
+    #[serde(default)]
+    pub handed_over: bool,
 }
 
 /// The hub's answer to a batch submission.
@@ -218,9 +221,18 @@ impl HubClient {
     /// Publishes the checkpoint at `path` (which the hub reads) as the next version. The
     /// trainer publishes one version per step, so a step that left the weights as they were
     /// (no informative sample) is still a version: `allow: ["unchanged"]` (the hub refuses a
-    /// checkpoint equal to the latest version by default, `docs/api.md`).
-    pub fn publish(&self, path: &std::path::Path, step: u64) -> Result<Published, HubError> {
-        let body = serde_json::json!({"path": path, "step": step, "allow": ["unchanged"]});
+    /// checkpoint equal to the latest version by default, `docs/api.md`). With `handover` the
+    /// hub takes the file by a rename where it can instead of copying it.
+    pub fn publish(
+        &self,
+        path: &std::path::Path,
+        step: u64,
+        handover: bool,
+    ) -> Result<Published, HubError> {
+        let mut body = serde_json::json!({"path": path, "step": step, "allow": ["unchanged"]});
+        if handover {
+            body["handover"] = serde_json::Value::Bool(true);
+        }
         self.json("POST", "/v1/versions", Some(&body))
     }
 

@@ -69,6 +69,10 @@ pub struct TrainConfig {
     pub pipelined: bool,
     /// Where checkpoints are written; the hub must be able to read them by the same path.
     pub checkpoint_dir: PathBuf,
+    /// Hand each step's file over to the hub, which takes it by a rename instead of copying
+    /// it (`docs/api.md`, "Handover"): the trainer never reads it again, and the directory
+    /// then keeps only the files the hub could not take.
+    pub handover: bool,
     pub task: ReverseDigits,
     /// Give up on a batch after this long.
     pub batch_timeout: Duration,
@@ -92,6 +96,7 @@ impl Default for TrainConfig {
             seed: 1,
             pipelined: true,
             checkpoint_dir: PathBuf::from("checkpoints"),
+            handover: true,
             task: ReverseDigits::default(),
             batch_timeout: Duration::from_secs(300),
             verify_logprobs: true,
@@ -130,7 +135,8 @@ pub struct StepReport {
     /// Samples per second of rollout time.
     pub rollouts_per_s: f64,
     pub published: PublishedReport,
-    /// The BF16 checkpoint this step wrote and published.
+    /// The BF16 checkpoint this step wrote and published (the hub's now, and gone from this
+    /// path, when it was handed over).
     pub checkpoint: PathBuf,
     /// Accepted samples per actor.
     pub per_actor: BTreeMap<String, usize>,
@@ -151,6 +157,9 @@ pub struct PublishedReport {
     pub changes: u64,
     pub delta_bytes: u64,
     pub digest: String,
+    /// Whether the hub took the step's file (handover) rather than copying it.
+    #[serde(default)]
+    pub handed_over: bool,
 }
 
 impl From<Published> for PublishedReport {
@@ -160,6 +169,7 @@ impl From<Published> for PublishedReport {
             changes: p.changes,
             delta_bytes: p.bytes,
             digest: p.digest,
+            handed_over: p.handed_over,
         }
     }
 }
@@ -250,7 +260,9 @@ impl Trainer {
                 .join(format!("step-{:06}.safetensors", step + 1));
             let bf16 = self.policy.to_bf16()?;
             write_bf16(&bf16, &path)?;
-            let published = self.hub.publish(&path, u64::from(step) + 1)?;
+            let published = self
+                .hub
+                .publish(&path, u64::from(step) + 1, self.cfg.handover)?;
             let publish_s = t2.elapsed().as_secs_f64();
             latest = published.version;
             self.keep_version(latest, &bf16)?;

@@ -78,16 +78,16 @@ def test_a_handed_over_checkpoint_is_taken_and_a_refused_one_given_back(cluster,
     before = hub.latest_version()
     sd = perturbed_state_dict(cluster.material.step1)
     # keep=False hands the file over: the hub renames it into its store (same file system).
-    v = hub.publish(sd, step=13, directory=tmp_path / "given", keep=False)
+    v = hub.publish(sd, step=13, directory=tmp_path / "given", keep=False, allow=["unchanged"])
     assert v.version == before + 1 and v.handed_over is True
     assert not any((tmp_path / "given").iterdir()), "the hub took the file"
     assert cluster.actor_digest(v.version) == v.digest
     # A path handed over and refused (identical to the latest version) is given back whole.
     again = tmp_path / "again.safetensors"
-    shutil.copy(cluster.material.step1, again)
+    shutil.copy(cluster.material.init, again)
     first = hub.publish(again, handover=True, allow=["unchanged"])
     assert first.handed_over is True and not again.exists()
-    shutil.copy(cluster.material.step1, again)
+    shutil.copy(cluster.material.init, again)
     data = again.read_bytes()
     with pytest.raises(StarlingError) as e:
         hub.publish(again, handover=True)
