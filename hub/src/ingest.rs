@@ -161,7 +161,7 @@ impl PublishDirs {
     }
 
     /// Whether a resolved path is inside one of the directories.
-    fn contains(&self, real: &Path) -> bool {
+    pub(crate) fn contains(&self, real: &Path) -> bool {
         self.real.iter().any(|d| real.starts_with(d))
     }
 

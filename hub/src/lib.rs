@@ -17,6 +17,7 @@ pub mod cli;
 mod clock;
 pub mod codecs;
 mod durable;
+mod handover;
 mod hub;
 pub mod ingest;
 mod jobs;

@@ -102,15 +102,24 @@ async fn publish_checked(
             hub.layout.clone(),
             req.path.clone(),
         );
+        // Never taken by a handover: the hub's own store and its initial checkpoint.
+        let off_limits: Vec<PathBuf> = [Some(&hub.cfg.store), hub.cfg.init.as_ref()]
+            .into_iter()
+            .flatten()
+            .filter_map(|p| std::fs::canonicalize(p).ok())
+            .collect();
         let allow_nonfinite = req.allows(Allow::Nonfinite);
         let handover = req.handover;
         tokio::task::spawn_blocking(move || {
             let t = std::time::Instant::now();
             let opened = crate::ingest::open_source(&dirs, &layout, &source)?;
             let taken = if handover {
-                match crate::snapshot::take_in(&store, &opened).map_err(internal)? {
-                    crate::snapshot::Taken::Moved(copy) => Some(copy),
-                    crate::snapshot::Taken::NotTaken(why) => {
+                let allowed = |p: &Path| dirs.contains(p);
+                match crate::handover::take_in(&store, &opened, &allowed, &off_limits)
+                    .map_err(internal)?
+                {
+                    crate::handover::Taken::Moved(copy) => Some(copy),
+                    crate::handover::Taken::NotTaken(why) => {
                         tracing::info!(path = %source.display(), "handover declined, copying: {why}");
                         None
                     }
@@ -280,8 +289,10 @@ async fn publish_locked(
         .await
         .context("seal task")
         .and_then(|r| r);
-    let (snapshot, source) = match sealed.and_then(|p| Ok((durable::FileStamp::of(&p)?, p))) {
-        Ok((stamp, p)) => (p, stamp),
+    // Until the ledger records the version, a handed-over file goes back to the trainer on any
+    // early return (`Sealed`'s drop).
+    let (sealed, source) = match sealed.and_then(|s| Ok((durable::FileStamp::of(s.path())?, s))) {
+        Ok((stamp, s)) => (s, stamp),
         Err(e) => {
             hub.book.abort(version);
             return Err(e).context("keep the hub's copy of the checkpoint");
@@ -318,6 +329,7 @@ async fn publish_locked(
         hub.book.abort(version);
         return Err(e).context("record the version in the ledger");
     }
+    let snapshot = sealed.recorded();
     // On the board before `Commit` can go out, so a subscriber's delivery always finds it.
     let elapsed = started.elapsed();
     hub.board.published(

@@ -235,7 +235,8 @@ class Client:
         writing the whole checkpoint a second time before the first delta segment. The hub
         takes it only when it can own it outright (one file, on the store's file system, with no
         other hard link) and copies it otherwise; ``Version.handed_over`` says which happened.
-        A refused publish gives the file back. Do not write to a handed-over file again.
+        A refused publish gives the file back. Do not write to a handed-over file again. An
+        explicit ``handover=True`` gives the file away even with ``keep=True``.
 
         ``step`` is the trainer's own step number, recorded beside the version.
 
