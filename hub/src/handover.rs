@@ -51,6 +51,13 @@ pub(crate) struct Origin {
     path: PathBuf,
 }
 
+impl Origin {
+    /// The original path.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
 /// What [`take_in`] did.
 #[derive(Debug)]
 pub(crate) enum Taken {
@@ -69,11 +76,11 @@ pub(crate) fn note_of(file: &Path) -> PathBuf {
 
 /// Writes `note` (naming `origin`) durably: the note and its directory are synced before the
 /// file it speaks for moves.
-pub(crate) fn write_note(note: &Path, origin: &Origin) -> Result<()> {
+pub(crate) fn write_note(note: &Path, origin: &Path) -> Result<()> {
     use std::io::Write;
     let mut f =
         std::fs::File::create(note).with_context(|| format!("create {}", note.display()))?;
-    f.write_all(origin.path.as_os_str().as_bytes())
+    f.write_all(origin.as_os_str().as_bytes())
         .and_then(|()| f.sync_all())
         .with_context(|| format!("write {}", note.display()))?;
     sync_parent(note)
@@ -163,18 +170,10 @@ pub(crate) fn take_in(
     let partial_name = incoming_name();
     let partial = d.join(&partial_name);
     remove(&partial);
-    let origin = Origin {
-        dir: Some(from_dir),
-        name: name.to_owned(),
-        path: real.clone(),
-    };
     let note = note_of(&partial);
-    write_note(&note, &origin)?;
-    let Some(from_dir) = origin.dir.as_ref() else {
-        return not("no directory");
-    };
+    write_note(&note, &real)?;
     if let Err(e) = rustix::fs::renameat_with(
-        from_dir,
+        &from_dir,
         name,
         &to_dir,
         &partial_name,
@@ -188,6 +187,11 @@ pub(crate) fn take_in(
     // Whatever now holds the name in the store goes back if it is not the opened file
     // (the copy's drop gives it back, through the same directory descriptor).
     let moved_same = same(&to_dir, partial_name.as_ref());
+    let origin = Origin {
+        dir: Some(from_dir),
+        name: name.to_owned(),
+        path: real.clone(),
+    };
     let copy = Copy::handed_over_at(partial, origin);
     if !moved_same {
         return not("the file changed while it was handed over");
@@ -220,8 +224,8 @@ pub(crate) fn give_back(store: &Path, from: &Path, origin: &Origin) -> bool {
             tracing::warn!(
                 origin = %origin.path.display(),
                 path = %to.display(),
-                "a handed-over checkpoint could not go back to its name (taken again, or not \
-                 ours to link): it is kept here"
+                "a handed-over checkpoint could not go back to its name (taken again \
+                 meanwhile): it is kept here"
             );
             true
         }

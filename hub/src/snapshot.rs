@@ -93,13 +93,20 @@ impl Copy {
                 .and_then(|h| h.sync_all())
                 .with_context(|| format!("sync {}", f.display()))?;
         }
-        // A copy left by a publish that failed after its seal (a handed-over one was given
-        // back then, and its note is gone).
+        // A copy left by a publish that failed after its seal goes; a handed-over file whose
+        // give-back failed then (its note is still there) is never overwritten.
+        if handover::note_of(&target).exists() {
+            anyhow::bail!(
+                "{} holds a handed-over checkpoint that could not be given back: move it and its \
+                 .origin note away",
+                target.display()
+            );
+        }
         remove(&target);
         let note = match &self.origin {
             Some(origin) => {
                 let note = handover::note_of(&target);
-                handover::write_note(&note, origin)?;
+                handover::write_note(&note, origin.path())?;
                 Some(note)
             }
             None => None,
