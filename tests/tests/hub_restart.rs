@@ -220,6 +220,96 @@ fn a_restart_needs_no_init_file_once_the_run_is_recorded() {
     );
 }
 
+/// Handover across a SIGKILL: a file handed over with `starling-hub publish --handover` (QUIC)
+/// is the hub's once recorded and stays so after a restart; files a killed hub held but had not
+/// recorded (one still partial, one sealed under the next version's name, each with its
+/// `.origin` note: the state a SIGKILL between the rename and the ledger leaves, planted here
+/// because a tiny publish is over before a signal can land inside it) go back to the trainer's
+/// names at the restart, byte for byte, and the next publish still gets the next number.
+#[test]
+fn a_restarted_hub_gives_back_handed_over_files_it_had_not_recorded() {
+    let mut tb = Testbed::new(3, 14, &[("actor", "a1")], &[]);
+    let dl = tb.deadline;
+    let a1 = tb.actor("a1", &[]);
+    wait_for(&a1, "active 0 ", dl);
+    let ckpt = tb.steps[0].parent().expect("checkpoint dir").to_owned();
+    let line1 = tb.active_line(1);
+    let given = ckpt.join("given-1.safetensors");
+    std::fs::copy(&tb.steps[1], &given).expect("copy");
+    let out = std::process::Command::new(starling_tests::bin("starling-hub"))
+        .args([
+            "publish",
+            "--model-id",
+            "tiny",
+            "--hub",
+            &tb.hub_addr,
+            "--handover",
+            "--cluster",
+        ])
+        .arg(&tb.cluster)
+        .arg(&given)
+        .output()
+        .expect("publish");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{said}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        said.contains("as version 1") && said.contains("(handed over)"),
+        "{said}"
+    );
+    assert!(!given.exists());
+    assert_eq!(wait_for(&a1, "active 1 ", dl), line1);
+
+    tb.kill_hub();
+    let snapshot = tb.root.join("hub-store/snapshot");
+    let plant = |file: &std::path::Path, origin: &std::path::Path, from: usize| {
+        std::fs::copy(&tb.steps[from], file).expect("plant");
+        let mut note = file.as_os_str().to_owned();
+        note.push(".origin");
+        std::fs::write(note, origin.as_os_str().as_encoded_bytes()).expect("note");
+    };
+    let partial_origin = ckpt.join("given-partial.safetensors");
+    let sealed_origin = ckpt.join("given-2.safetensors");
+    plant(&snapshot.join("incoming-1-0.partial"), &partial_origin, 3);
+    plant(
+        &snapshot.join(version_file_name(2, "safetensors")),
+        &sealed_origin,
+        2,
+    );
+    tb.restart_hub();
+    assert_eq!(
+        latest_version(&tb),
+        1,
+        "nothing unrecorded became a version"
+    );
+    assert_eq!(
+        std::fs::read(&partial_origin).expect("the partial file is given back"),
+        std::fs::read(&tb.steps[3]).expect("read")
+    );
+    assert_eq!(
+        std::fs::read(&sealed_origin).expect("the sealed file is given back"),
+        std::fs::read(&tb.steps[2]).expect("read")
+    );
+    let mut left: Vec<String> = std::fs::read_dir(&snapshot)
+        .expect("snapshot dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        vec![version_file_name(1, "safetensors")],
+        "the recorded file stays"
+    );
+    // The given-back file publishes as version 2.
+    let line2 = tb.active_line(2);
+    publish_to(&tb.hub_addr, &tb.cluster, &sealed_origin);
+    assert_eq!(latest_version(&tb), 2);
+    assert_eq!(wait_for(&a1, "active 2 ", dl), line2);
+}
+
 /// Starts the hub with `--init` step `step` as version `version`, asserts that it refuses to
 /// start (`why`), and returns what it printed on stderr.
 fn refused_start(tb: &Testbed, step: usize, version: &str, why: &str) -> String {
