@@ -275,15 +275,8 @@ pub(crate) fn reclaim(store: &Path, paths: &[PathBuf], keep: &Path) -> HashSet<P
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+    use crate::snapshot::tests::{checkpoint, sharded};
     use crate::snapshot::tidy;
-    use starling_checkpoint::writer::SafetensorsWriter;
-
-    fn checkpoint(path: &Path, value: u16) {
-        let layout = vec![("w".to_owned(), vec![4u64])];
-        let mut w = SafetensorsWriter::create(path, &layout, None).unwrap();
-        w.write(&[value; 4]).unwrap();
-        w.finish().unwrap();
-    }
 
     fn take(store: &Path, source: &Checkpoint) -> Taken {
         take_in(store, source, &|_| true, &[store.to_owned()]).unwrap()
@@ -460,14 +453,7 @@ mod tests {
         assert!(source.exists());
 
         // A sharded checkpoint is copied, not taken.
-        let shards = trainer.path().join("ckpt");
-        std::fs::create_dir(&shards).unwrap();
-        checkpoint(&shards.join("a.safetensors"), 3);
-        std::fs::write(
-            shards.join("model.safetensors.index.json"),
-            br#"{"weight_map": {"w": "a.safetensors"}}"#,
-        )
-        .unwrap();
+        let shards = sharded(trainer.path());
         let opened = Checkpoint::open(&shards).unwrap();
         let why = declined(take(store.path(), &opened));
         assert!(why.contains("sharded"), "{why}");

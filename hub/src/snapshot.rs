@@ -310,11 +310,25 @@ pub(crate) fn remove(path: &Path) {
 
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use starling_checkpoint::writer::SafetensorsWriter;
 
-    fn checkpoint(path: &Path, value: u16) {
+    /// A sharded checkpoint `<dir>/ckpt`: an index naming one shard, `a.safetensors`.
+    pub(crate) fn sharded(dir: &Path) -> PathBuf {
+        let shards = dir.join("ckpt");
+        std::fs::create_dir(&shards).unwrap();
+        checkpoint(&shards.join("a.safetensors"), 3);
+        std::fs::write(
+            shards.join("model.safetensors.index.json"),
+            br#"{"weight_map": {"w": "a.safetensors"}}"#,
+        )
+        .unwrap();
+        shards
+    }
+
+    /// A one-tensor checkpoint at `path`, every element `value` (also `crate::handover`'s).
+    pub(crate) fn checkpoint(path: &Path, value: u16) {
         let layout = vec![("w".to_owned(), vec![4u64])];
         let mut w = SafetensorsWriter::create(path, &layout, None).unwrap();
         w.write(&[value; 4]).unwrap();
@@ -373,14 +387,7 @@ mod tests {
     fn a_sharded_checkpoint_is_copied_as_its_index_and_the_shards_it_names() {
         let store = tempfile::tempdir().unwrap();
         let trainer = tempfile::tempdir().unwrap();
-        let shards = trainer.path().join("ckpt");
-        std::fs::create_dir(&shards).unwrap();
-        checkpoint(&shards.join("a.safetensors"), 3);
-        std::fs::write(
-            shards.join("model.safetensors.index.json"),
-            br#"{"weight_map": {"w": "a.safetensors"}}"#,
-        )
-        .unwrap();
+        let shards = sharded(trainer.path());
         checkpoint(&shards.join("unlisted.safetensors"), 4);
         std::fs::write(shards.join("notes.txt"), b"not a checkpoint file").unwrap();
         let opened = Checkpoint::open(&shards).unwrap();
