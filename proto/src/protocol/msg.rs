@@ -137,7 +137,7 @@ pub enum Message {
     /// Trainer → hub: diff the checkpoint at `path` (on the hub's machine) against the current
     /// version and publish it. With `handover` the trainer gives the file to the hub, which
     /// takes it by a rename where it can instead of copying it (message type 24 rather than 12,
-    /// same body: a hub that predates it refuses the unknown type).
+    /// same body: a hub that predates it drops the connection on the unknown type).
     Publish {
         path: String,
         handover: bool,
