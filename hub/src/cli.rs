@@ -168,6 +168,12 @@ pub enum Command {
         /// --full-broadcast` compares against. Same path, segments and verification.
         #[arg(long)]
         full_broadcast: bool,
+        /// Record each new tensor's BLAKE3 in every version's manifest, for offline audits
+        /// with `starling-hub verify`. Costs a hash pass over the whole checkpoint per version,
+        /// beside the encode; actors never need it (they check each segment's hash and the
+        /// post-state digest).
+        #[arg(long)]
+        tensor_hashes: bool,
         /// Close a segment once it holds this many KiB (the unit of forwarding, verifying
         /// and refetching).
         #[arg(long, default_value_t = 2048)]
@@ -451,6 +457,7 @@ pub fn run(cli: Cli) -> Result<()> {
             actor_timeout,
             uniform_split,
             full_broadcast,
+            tensor_hashes,
             results,
             http_limits,
         } => {
@@ -545,6 +552,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 keep_anchors,
                 segment_bytes: segment_kib.max(1) << 10,
                 full_broadcast,
+                tensor_hashes,
                 peer_links: peer_links.into_iter().collect(),
                 link_ceiling: !no_link_ceiling,
                 codecs,

@@ -195,6 +195,7 @@ async fn publish_locked(
     let mut opts = DiffOptions::new(&hub.cfg.model_id, base, version, created);
     opts.signing_key = Some(hub.signing.clone());
     opts.encoder.segment_target_bytes = hub.cfg.segment_bytes;
+    opts.tensor_hashes = hub.cfg.tensor_hashes;
     if hub.cfg.full_broadcast {
         opts.encoder.choice = starling_proto::delta::segment::CodecChoice::only_dense(
             starling_proto::delta::codec::DenseCodec::PlanesZstd,
