@@ -108,8 +108,9 @@ fn host_arg(cmd: &str) -> Option<&str> {
     None
 }
 
-/// One part of what a commit wrote: flat positions in a tensor and the new bits there.
-type WrittenPart<'a> = (&'a [u64], &'a [u16]);
+/// One part of what a commit wrote: where it starts in a tensor, positions relative to that and
+/// the new bits there.
+type WrittenPart<'a> = (u64, &'a [u32], &'a [u16]);
 
 /// The files of a model directory besides its weights and config that vLLM reads.
 const TOKENIZER_FILES: [&str; 4] = [
@@ -602,21 +603,24 @@ impl VllmEngine {
         // A tensor's parts cover disjoint ranges: sorted by their first position, their
         // positions are ascending over the whole tensor.
         let mut by_tensor: BTreeMap<&str, Vec<WrittenPart<'_>>> = BTreeMap::new();
-        for (tensor, positions, new) in change.written() {
+        for (tensor, start, positions, new) in change.written() {
             if !positions.is_empty() {
-                by_tensor.entry(tensor).or_default().push((positions, new));
+                by_tensor
+                    .entry(tensor)
+                    .or_default()
+                    .push((start, positions, new));
             }
         }
         let mut tensors: Vec<(String, Vec<u8>, Vec<u8>, usize)> = Vec::new();
         let mut shape_json = serde_json::Map::new();
         for (tensor, mut parts) in by_tensor {
-            parts.sort_by_key(|(p, _)| p[0]);
-            let n: usize = parts.iter().map(|(p, _)| p.len()).sum();
+            parts.sort_by_key(|&(start, _, _)| start);
+            let n: usize = parts.iter().map(|(_, p, _)| p.len()).sum();
             let mut idx = Vec::with_capacity(n * 8);
             let mut val = Vec::with_capacity(n * 2);
-            for (p, v) in parts {
+            for (start, p, v) in parts {
                 for &i in p {
-                    idx.extend_from_slice(&(i as i64).to_le_bytes());
+                    idx.extend_from_slice(&((start + u64::from(i)) as i64).to_le_bytes());
                 }
                 for &b in v {
                     val.extend_from_slice(&b.to_le_bytes());

@@ -348,9 +348,14 @@ fn written_by_tensor(
     log: &starling_proto::delta::apply::UndoLog,
 ) -> BTreeMap<String, Vec<(u64, u16)>> {
     let mut out: BTreeMap<String, Vec<(u64, u16)>> = BTreeMap::new();
-    for (tensor, positions, new) in log.written() {
+    for (tensor, start, positions, new) in log.written() {
         let entry = out.entry(tensor.to_owned()).or_default();
-        entry.extend(positions.iter().copied().zip(new.iter().copied()));
+        entry.extend(
+            positions
+                .iter()
+                .map(|&p| start + u64::from(p))
+                .zip(new.iter().copied()),
+        );
     }
     for changes in out.values_mut() {
         changes.sort_unstable();
@@ -382,10 +387,10 @@ fn a_change_computed_from_two_checkpoints_is_what_a_commit_writes() {
     assert_eq!(written_by_tensor(&between), written_by_tensor(&committed));
     // Scattering what it wrote onto the old weights gives the new ones.
     let mut scattered = old.clone();
-    for (tensor, positions, bits) in between.written() {
+    for (tensor, start, positions, bits) in between.written() {
         let t = scattered.get_mut(tensor).expect("tensor");
         for (&i, &b) in positions.iter().zip(bits) {
-            t[i as usize] = b;
+            t[start as usize + i as usize] = b;
         }
     }
     assert_eq!(scattered, new);

@@ -19,7 +19,7 @@ use thiserror::Error;
 use crate::delta::container::{Frame, FrameKind};
 use crate::delta::digest::{DigestKey, StateDigest};
 use crate::delta::manifest::{Manifest, SignatureError, SignedManifest, TrustPolicy, hex};
-use crate::delta::segment::{EncodedPart, Segment, SparseChanges};
+use crate::delta::segment::{CompactChanges, EncodedPart, Segment};
 use crate::error::DecodeError;
 
 /// Read and write access to BF16 tensors by name.
@@ -120,11 +120,11 @@ fn stage_part(
     p: &EncodedPart,
     range: &[u16],
 ) -> Result<(StagedPart, StateDigest), StageError> {
-    let SparseChanges {
-        mut positions,
+    let CompactChanges {
+        positions,
         new,
         old,
-    } = p.decode_changes(range)?;
+    } = p.decode_changes_compact(range)?;
     if positions.len() as u64 != p.changes {
         return Err(DecodeError::malformed(
             "part",
@@ -137,14 +137,10 @@ fn stage_part(
         .into());
     }
     let digest = key.tensor(&p.tensor).delta(p.start, &positions, &old, &new);
-    // Part-relative to tensor positions in place: a second vector would be another 8 fresh
-    // bytes per change, and first-touch page faults are a large share of staging's cost.
-    for i in &mut positions {
-        *i += p.start;
-    }
     Ok((
         StagedPart {
             tensor: p.tensor.clone(),
+            start: p.start,
             positions,
             new,
             old,
@@ -153,11 +149,13 @@ fn stage_part(
     ))
 }
 
-/// The staged changes of one part: absolute positions in the tensor, new and old bits.
+/// The staged changes of one part: where it starts in the tensor, positions relative to that
+/// (a part covers at most 2²⁶ elements, so 4 bytes each), new and old bits.
 #[derive(Debug, Clone)]
 struct StagedPart {
     tensor: String,
-    positions: Vec<u64>,
+    start: u64,
+    positions: Vec<u32>,
     new: Vec<u16>,
     old: Vec<u16>,
 }
@@ -444,13 +442,19 @@ impl UndoLog {
         (self.version, self.digest)
     }
 
-    /// What the commit wrote, part by part: the tensor, flat positions in it (ascending
-    /// within a part; a tensor's parts cover disjoint ranges) and the new bits there. What an
-    /// engine that holds its own copy of the weights needs to follow the commit sparsely.
-    pub fn written(&self) -> impl Iterator<Item = (&str, &[u64], &[u16])> {
-        self.parts
-            .iter()
-            .map(|p| (p.tensor.as_str(), p.positions.as_slice(), p.new.as_slice()))
+    /// What the commit wrote, part by part: the tensor, the part's first flat position in it,
+    /// the changed positions relative to that (ascending within a part; a tensor's parts
+    /// cover disjoint ranges) and the new bits there. What an engine that holds its own copy
+    /// of the weights needs to follow the commit sparsely.
+    pub fn written(&self) -> impl Iterator<Item = (&str, u64, &[u32], &[u16])> {
+        self.parts.iter().map(|p| {
+            (
+                p.tensor.as_str(),
+                p.start,
+                p.positions.as_slice(),
+                p.new.as_slice(),
+            )
+        })
     }
 
     /// The change from `old` (version `version`, digest `digest`) to `new`, as a commit
@@ -471,21 +475,26 @@ impl UndoLog {
             if name != name_b || a.len() != b.len() {
                 return None;
             }
-            let positions: Vec<u64> = (0..a.len())
-                .filter(|&i| a[i] != b[i])
-                .map(|i| i as u64)
-                .collect();
-            if positions.is_empty() {
-                continue;
+            // One part per 2²⁶ elements, as a decoder's parts are at most that long.
+            let span = crate::delta::segment::MAX_PART_ELEMS as usize;
+            for (k, (a, b)) in a.chunks(span).zip(b.chunks(span)).enumerate() {
+                let positions: Vec<u32> = (0..a.len())
+                    .filter(|&i| a[i] != b[i])
+                    .map(|i| i as u32)
+                    .collect();
+                if positions.is_empty() {
+                    continue;
+                }
+                let new_bits = positions.iter().map(|&i| b[i as usize]).collect();
+                let old_bits = positions.iter().map(|&i| a[i as usize]).collect();
+                parts.push(StagedPart {
+                    tensor: name.clone(),
+                    start: (k * span) as u64,
+                    positions,
+                    new: new_bits,
+                    old: old_bits,
+                });
             }
-            let new_bits = positions.iter().map(|&i| b[i as usize]).collect();
-            let old_bits = positions.iter().map(|&i| a[i as usize]).collect();
-            parts.push(StagedPart {
-                tensor: name.clone(),
-                positions,
-                new: new_bits,
-                old: old_bits,
-            });
         }
         Some(Self {
             version,
@@ -554,18 +563,22 @@ impl<W: Weights> VersionedWeights<W> {
                 .tensor(&p.tensor)
                 .map(<[u16]>::len)
                 .ok_or_else(|| StageError::UnknownTensor(p.tensor.clone()))?;
-            if p.positions.last().is_some_and(|&l| l >= numel as u64) {
+            let end = p
+                .positions
+                .last()
+                .map_or(p.start, |&l| p.start.saturating_add(u64::from(l) + 1));
+            if end > numel as u64 {
                 return Err(StageError::RangeOutOfBounds {
                     tensor: p.tensor.clone(),
-                    start: 0,
-                    len: p.positions.last().copied().unwrap_or(0) + 1,
+                    start: p.start,
+                    len: end - p.start,
                     numel: numel as u64,
                 });
             }
         }
         for p in &sealed.parts {
             if let Some(t) = self.weights.tensor_mut(&p.tensor) {
-                scatter(t, &p.positions, &p.new);
+                scatter(&mut t[p.start as usize..], &p.positions, &p.new);
             }
         }
         let undo = UndoLog {
@@ -582,7 +595,7 @@ impl<W: Weights> VersionedWeights<W> {
     pub fn rollback(&mut self, undo: UndoLog) {
         for p in &undo.parts {
             if let Some(t) = self.weights.tensor_mut(&p.tensor) {
-                scatter(t, &p.positions, &p.old);
+                scatter(&mut t[p.start as usize..], &p.positions, &p.old);
             }
         }
         self.version = undo.version;
@@ -592,9 +605,9 @@ impl<W: Weights> VersionedWeights<W> {
 
 /// Overwrites `values` at `positions`. Positions were bounds-checked by the caller.
 #[inline]
-pub fn scatter(tensor: &mut [u16], positions: &[u64], values: &[u16]) {
+pub fn scatter<P: Copy + Into<u64>>(tensor: &mut [u16], positions: &[P], values: &[u16]) {
     for (&p, &v) in positions.iter().zip(values) {
-        tensor[p as usize] = v;
+        tensor[p.into() as usize] = v;
     }
 }
 

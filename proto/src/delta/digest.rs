@@ -128,10 +128,18 @@ impl TensorKey {
     }
 
     /// The digest change of replacing `old` by `new` at `positions` (relative to `start`).
-    pub fn delta(&self, start: u64, positions: &[u64], old: &[u16], new: &[u16]) -> StateDigest {
+    #[inline]
+    pub fn delta<P: Copy + Into<u64>>(
+        &self,
+        start: u64,
+        positions: &[P],
+        old: &[u16],
+        new: &[u16],
+    ) -> StateDigest {
         let mut d = StateDigest::default();
         for ((&p, &o), &n) in positions.iter().zip(old).zip(new) {
-            d.replace(self.element(start + p, o), self.element(start + p, n));
+            let at = start + p.into();
+            d.replace(self.element(at, o), self.element(at, n));
         }
         d
     }

@@ -457,6 +457,53 @@ impl EncodedPart {
         }
     }
 
+    /// [`decode_changes`](Self::decode_changes) in the form a receiver stages: positions as
+    /// `u32` relative to the part start (a part covers at most [`MAX_PART_ELEMS`] = 2²⁶
+    /// elements), so a staged change takes 8 bytes (position, old and new bits) instead of 12:
+    /// on a version's first staging, faulting in fresh pages is a large share of its time.
+    pub fn decode_changes_compact(&self, base: &[u16]) -> Result<CompactChanges, DecodeError> {
+        let PartPayload::Sparse {
+            index,
+            value,
+            index_bytes,
+            value_bytes,
+        } = &self.payload
+        else {
+            let c = self.decode_changes(base)?;
+            return Ok(CompactChanges {
+                positions: c.positions.iter().map(|&p| p as u32).collect(),
+                new: c.new,
+                old: c.old,
+            });
+        };
+        if base.len() as u64 != self.len {
+            return Err(DecodeError::malformed(
+                "part",
+                format!(
+                    "base range has {} elements, part covers {}",
+                    base.len(),
+                    self.len
+                ),
+            ));
+        }
+        let mut positions = Vec::new();
+        codec::index::decode_into(
+            *index,
+            index_bytes,
+            self.changes,
+            self.len,
+            Some(base),
+            &mut positions,
+        )?;
+        let old: Vec<u16> = positions.iter().map(|&p| base[p as usize]).collect();
+        let new = codec::value::decode(*value, value_bytes, old.len(), Some(&old))?;
+        Ok(CompactChanges {
+            positions,
+            new,
+            old,
+        })
+    }
+
     /// The codec names, for inspection.
     pub fn codec_names(&self) -> (&'static str, &'static str) {
         match &self.payload {
@@ -538,6 +585,16 @@ fn payload_len(p: &PartPayload) -> usize {
 pub struct SparseChanges {
     /// Positions relative to the part start, increasing.
     pub positions: Vec<u64>,
+    pub new: Vec<u16>,
+    pub old: Vec<u16>,
+}
+
+/// The changes of one part as a receiver stages them
+/// ([`EncodedPart::decode_changes_compact`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CompactChanges {
+    /// Positions relative to the part start, increasing (a part is at most 2²⁶ long).
+    pub positions: Vec<u32>,
     pub new: Vec<u16>,
     pub old: Vec<u16>,
 }

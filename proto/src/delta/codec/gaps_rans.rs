@@ -278,7 +278,12 @@ pub(super) fn encode(classes: &[u8], after: &[u32], firsts: &[u32; EXP_CLASSES])
 
 /// Decodes exactly `count` positions of a part whose base values are `base` (the caller has
 /// checked `base.len() < 2³²` and `count ≤ base.len()`).
-pub(super) fn decode(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u64>, DecodeError> {
+pub(super) fn decode(
+    bytes: &[u8],
+    count: u64,
+    base: &[u16],
+    out: &mut Vec<u32>,
+) -> Result<(), DecodeError> {
     let range_len = base.len() as u64;
     let mut r = Reader::new(bytes);
     let mask = r.u32_le(WHAT)?;
@@ -316,8 +321,7 @@ pub(super) fn decode(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u64>,
             ),
         ));
     }
-    let mut d = RansDecoder::new(r.take(r.remaining(), WHAT)?, WHAT)?;
-    let beyond = || DecodeError::malformed(WHAT, "a gap beyond the range or not codable");
+    let d = RansDecoder::new(r.take(r.remaining(), WHAT)?, WHAT)?;
     // Each class's changes as ranks in the class (its first gap, then one more than the
     // previous rank plus each gap), and the class's element count its last gap implies.
     // Bounded by the part's element count, which the receiver holds; the up-front capacity
@@ -325,7 +329,30 @@ pub(super) fn decode(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u64>,
     // tables), so a few forged bytes claiming 2²⁶ changes do not reserve the whole range
     // before decoding proves them. The vector grows if needed.
     let cap = (count as usize).min(bytes.len().saturating_mul(2400).saturating_add(1024));
-    let mut ranks = Vec::with_capacity(cap);
+    RANKS.with(|ranks| {
+        let mut ranks = ranks.borrow_mut();
+        ranks.clear();
+        ranks.reserve(cap);
+        let selected = select(d, &classes, &mut ranks, range_len, base, out);
+        // A rare huge part must not pin its buffer in every worker for good.
+        if ranks.capacity() > RANKS_KEEP {
+            *ranks = Vec::new();
+        }
+        selected
+    })
+}
+
+/// Decodes the classes' gaps into ranks (`ranks`, cleared) and selects their positions in
+/// `base` into `out`.
+fn select(
+    mut d: RansDecoder<'_>,
+    classes: &[(usize, u64, Params)],
+    ranks: &mut Vec<u32>,
+    range_len: u64,
+    base: &[u16],
+    out: &mut Vec<u32>,
+) -> Result<(), DecodeError> {
+    let beyond = || DecodeError::malformed(WHAT, "a gap beyond the range or not codable");
     let mut start = [0usize; EXP_CLASSES + 1];
     let mut totals = [0u64; EXP_CLASSES];
     let mut listed = classes.iter().peekable();
@@ -359,13 +386,13 @@ pub(super) fn decode(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u64>,
     start[EXP_CLASSES] = ranks.len();
     d.finish(WHAT)?;
     let lists = scan::ClassRanks {
-        ranks: &ranks,
+        ranks: ranks.as_slice(),
         start,
     };
-    let mut out = Vec::with_capacity(ranks.len());
-    let sel = scan::select_ranks(base, &lists, &mut out);
+    out.reserve(ranks.len());
+    let sel = scan::select_ranks(base, &lists, out);
     // Every rank met, and each class exactly as long as its last gap says.
-    for &(c, n, _) in &classes {
+    for &(c, n, _) in classes {
         if sel.found[c] as u64 + 1 != n || u64::from(sel.totals[c]) != totals[c] {
             return Err(DecodeError::malformed(
                 WHAT,
@@ -373,8 +400,18 @@ pub(super) fn decode(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u64>,
             ));
         }
     }
-    debug_assert_eq!(out.len() as u64, count);
-    Ok(out)
+    debug_assert_eq!(out.len(), ranks.len());
+    Ok(())
+}
+
+/// Ranks kept in each thread's buffer between parts (4M: 16 MB): more than any part of the
+/// default encoder's size holds.
+const RANKS_KEEP: usize = 1 << 22;
+
+thread_local! {
+    /// Each thread's class ranks, reused from part to part (fresh pages cost more than the
+    /// decoding that fills them).
+    static RANKS: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 #[cfg(test)]

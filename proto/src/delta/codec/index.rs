@@ -65,19 +65,84 @@ pub fn decode(
     range_len: u64,
     base: Option<&[u16]>,
 ) -> Result<Vec<u64>, DecodeError> {
+    let mut out = Vec::new();
+    decode_into(codec, bytes, count, range_len, base, &mut out)?;
+    Ok(out)
+}
+
+/// A decoded position's type: `u64` for any range, `u32` for a range of at most 2³²
+/// elements (a part covers at most 2²⁶), the form a receiver stages: half the memory, and
+/// fresh pages are a large share of staging's time.
+pub trait Position: Copy + Into<u64> {
+    /// The longest range whose positions this type holds.
+    const MAX_RANGE: u64;
+    /// `p`, which is below [`MAX_RANGE`](Self::MAX_RANGE).
+    fn at(p: u64) -> Self;
+    /// Appends `ps`, positions in a range of under 2³² elements.
+    fn extend_u32(out: &mut Vec<Self>, ps: &[u32]);
+    /// `out` itself when `Self` is `u32`.
+    fn as_u32s(out: &mut Vec<Self>) -> Option<&mut Vec<u32>>;
+}
+
+impl Position for u32 {
+    const MAX_RANGE: u64 = 1 << 32;
+    #[inline(always)]
+    fn at(p: u64) -> Self {
+        p as u32
+    }
+    fn extend_u32(out: &mut Vec<Self>, ps: &[u32]) {
+        out.extend_from_slice(ps);
+    }
+    fn as_u32s(out: &mut Vec<Self>) -> Option<&mut Vec<u32>> {
+        Some(out)
+    }
+}
+
+impl Position for u64 {
+    const MAX_RANGE: u64 = u64::MAX;
+    #[inline(always)]
+    fn at(p: u64) -> Self {
+        p
+    }
+    fn extend_u32(out: &mut Vec<Self>, ps: &[u32]) {
+        out.extend(ps.iter().map(|&p| u64::from(p)));
+    }
+    fn as_u32s(_: &mut Vec<Self>) -> Option<&mut Vec<u32>> {
+        None
+    }
+}
+
+/// [`decode`] into `out` (cleared first), as `u32` or `u64` positions ([`Position`]); a range
+/// longer than the type holds is refused. On an error `out` holds whatever was decoded before
+/// it.
+pub fn decode_into<P: Position>(
+    codec: IndexCodec,
+    bytes: &[u8],
+    count: u64,
+    range_len: u64,
+    base: Option<&[u16]>,
+    out: &mut Vec<P>,
+) -> Result<(), DecodeError> {
+    out.clear();
+    if range_len > P::MAX_RANGE {
+        return Err(DecodeError::malformed(
+            "index payload",
+            format!("a range of {range_len} elements, more than these positions hold"),
+        ));
+    }
     if count > range_len {
         return Err(DecodeError::malformed(
             "index payload",
             format!("{count} changes in a range of {range_len} elements"),
         ));
     }
-    let positions = match codec {
-        IndexCodec::Leb128Gaps => decode_leb128_gaps(bytes, count, range_len)?,
+    match codec {
+        IndexCodec::Leb128Gaps => decode_leb128_gaps(bytes, count, range_len, out)?,
         IndexCodec::Leb128GapsZstd => {
             let raw = zstd_decompress(bytes, (count as usize).saturating_mul(10), "index payload")?;
-            decode_leb128_gaps(&raw, count, range_len)?
+            decode_leb128_gaps(&raw, count, range_len, out)?
         }
-        IndexCodec::RiceGaps => decode_rice_gaps(bytes, count, range_len)?,
+        IndexCodec::RiceGaps => decode_rice_gaps(bytes, count, range_len, out)?,
         IndexCodec::ExpClassGapsRc | IndexCodec::ExpClassGapsRans => {
             let Some(base) = base.filter(|b| b.len() as u64 == range_len) else {
                 return Err(DecodeError::malformed(
@@ -91,11 +156,15 @@ pub fn decode(
                     "range of 2^32 elements or more",
                 ));
             }
+            // These decode to u32 natively (their ranges are under 2³²).
+            let mut narrow = Vec::new();
+            let native = P::as_u32s(out).unwrap_or(&mut narrow);
             if codec == IndexCodec::ExpClassGapsRc {
-                decode_exp_class_gaps(bytes, count, base)?
+                decode_exp_class_gaps(bytes, count, base, native)?
             } else {
-                gaps_rans::decode(bytes, count, base)?
+                gaps_rans::decode(bytes, count, base, native)?
             }
+            P::extend_u32(out, &narrow);
         }
         IndexCodec::BitmapZstd => {
             let want = range_len.div_ceil(8) as usize;
@@ -106,10 +175,10 @@ pub fn decode(
                     format!("{} bytes for {range_len} elements", raw.len()),
                 ));
             }
-            decode_bitmap(&raw, count, range_len)?
+            decode_bitmap(&raw, count, range_len, out)?
         }
-    };
-    Ok(positions)
+    }
+    Ok(())
 }
 
 fn gaps(positions: &[u64]) -> impl Iterator<Item = u64> + '_ {
@@ -133,21 +202,29 @@ fn leb128_gaps(positions: &[u64]) -> Vec<u8> {
 }
 
 /// Accumulates decoded gaps into positions, checking order and the range bound.
-struct PositionBuilder {
-    out: Vec<u64>,
+struct PositionBuilder<P> {
+    out: Vec<P>,
     next_min: u64,
     range_len: u64,
 }
 
-impl PositionBuilder {
-    fn new(count: u64, range_len: u64, input_bytes: usize) -> Self {
+impl<P: Position> PositionBuilder<P> {
+    /// Builds into `out`'s buffer (taken; [`finish`](Self::finish) gives it back): an owned
+    /// vector keeps its length in a register through the hot loop.
+    fn new(count: u64, range_len: u64, input_bytes: usize, out: &mut Vec<P>) -> Self {
+        let mut out = std::mem::take(out);
         // Never trust `count` for the allocation beyond what the input could possibly hold.
         let cap = (count as usize).min(input_bytes.saturating_mul(8).saturating_add(8));
+        out.reserve(cap);
         Self {
-            out: Vec::with_capacity(cap),
+            out,
             next_min: 0,
             range_len,
         }
+    }
+
+    fn finish(self, out: &mut Vec<P>) {
+        *out = self.out;
     }
 
     #[inline]
@@ -159,20 +236,27 @@ impl PositionBuilder {
                 format!("position beyond the range of {} elements", self.range_len),
             ));
         };
-        self.out.push(p);
+        // `p < range_len ≤ P::MAX_RANGE`.
+        self.out.push(P::at(p));
         self.next_min = p + 1;
         Ok(())
     }
 }
 
-fn decode_leb128_gaps(bytes: &[u8], count: u64, range_len: u64) -> Result<Vec<u64>, DecodeError> {
-    let mut b = PositionBuilder::new(count, range_len, bytes.len());
+fn decode_leb128_gaps<P: Position>(
+    bytes: &[u8],
+    count: u64,
+    range_len: u64,
+    out: &mut Vec<P>,
+) -> Result<(), DecodeError> {
+    let mut b = PositionBuilder::new(count, range_len, bytes.len(), out);
     let mut r = Reader::new(bytes);
     for _ in 0..count {
         b.push_gap(r.varint("index gap")?)?;
     }
     r.finish("index payload")?;
-    Ok(b.out)
+    b.finish(out);
+    Ok(())
 }
 
 /// Cost in bits of Rice-coding `xs` with parameter `k`.
@@ -235,8 +319,13 @@ fn rice_gap(q: u64, k: u32, low: u64) -> Result<u64, DecodeError> {
         .ok_or_else(|| DecodeError::malformed("rice index payload", "gap overflows"))
 }
 
-fn decode_rice_gaps(bytes: &[u8], count: u64, range_len: u64) -> Result<Vec<u64>, DecodeError> {
-    let mut b = PositionBuilder::new(count, range_len, bytes.len());
+fn decode_rice_gaps<P: Position>(
+    bytes: &[u8],
+    count: u64,
+    range_len: u64,
+    out: &mut Vec<P>,
+) -> Result<(), DecodeError> {
+    let mut b = PositionBuilder::new(count, range_len, bytes.len(), out);
     let mut r = BitReader::new(bytes);
     let mut left = count;
     while left > 0 {
@@ -277,7 +366,8 @@ fn decode_rice_gaps(bytes: &[u8], count: u64, range_len: u64) -> Result<Vec<u64>
             trailing: r.trailing_bytes(),
         });
     }
-    Ok(b.out)
+    b.finish(out);
+    Ok(())
 }
 
 fn bitmap(positions: &[u64], range_len: u64) -> Vec<u8> {
@@ -288,7 +378,12 @@ fn bitmap(positions: &[u64], range_len: u64) -> Vec<u8> {
     bits
 }
 
-fn decode_bitmap(raw: &[u8], count: u64, range_len: u64) -> Result<Vec<u64>, DecodeError> {
+fn decode_bitmap<P: Position>(
+    raw: &[u8],
+    count: u64,
+    range_len: u64,
+    out: &mut Vec<P>,
+) -> Result<(), DecodeError> {
     let ones: u64 = raw.iter().map(|b| u64::from(b.count_ones())).sum();
     let tail_bits = range_len % 8;
     if tail_bits != 0 && raw.last().is_some_and(|&b| b >> tail_bits != 0) {
@@ -303,16 +398,19 @@ fn decode_bitmap(raw: &[u8], count: u64, range_len: u64) -> Result<Vec<u64>, Dec
             format!("{ones} bits set, {count} expected"),
         ));
     }
-    let mut out = Vec::with_capacity(count as usize);
+    // An owned vector keeps its length in a register through the loop.
+    let mut positions = std::mem::take(out);
+    positions.reserve(count as usize);
     for (i, &byte) in raw.iter().enumerate() {
         let mut b = byte;
         while b != 0 {
             let bit = b.trailing_zeros();
-            out.push(i as u64 * 8 + u64::from(bit));
+            positions.push(P::at(i as u64 * 8 + u64::from(bit)));
             b &= b - 1;
         }
     }
-    Ok(out)
+    *out = positions;
+    Ok(())
 }
 
 /// Quotients at or above this take the escape of [`GapModel`].
@@ -490,7 +588,12 @@ fn exp_class_gaps_ranked(
     e.finish()
 }
 
-fn decode_exp_class_gaps(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u64>, DecodeError> {
+fn decode_exp_class_gaps(
+    bytes: &[u8],
+    count: u64,
+    base: &[u16],
+    out: &mut Vec<u32>,
+) -> Result<(), DecodeError> {
     const WHAT: &str = "exp-class gaps";
     let range_len = base.len() as u64;
     let mut d = RangeDecoder::new(bytes);
@@ -511,12 +614,13 @@ fn decode_exp_class_gaps(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u
     // bit), so a few forged bytes claiming 2²⁶ changes do not reserve 512 MB before decoding
     // proves them. The vector grows if a real stream needs more.
     let cap = (count as usize).min(bytes.len().saturating_mul(512).saturating_add(1024));
-    let mut out = Vec::with_capacity(cap);
+    out.reserve(cap);
     scan::countdown(base, &mut rem, &mut |p, c| {
         if out.len() as u64 == count {
             return Err(DecodeError::malformed(WHAT, "more changes than declared"));
         }
-        out.push(p);
+        // The caller checked `range_len < 2³²`.
+        out.push(p as u32);
         let g = models[c].decode(&mut d, &mut escape);
         if g > range_len || d.overran() {
             return Err(DecodeError::malformed(WHAT, "gap beyond the range"));
@@ -536,7 +640,7 @@ fn decode_exp_class_gaps(bytes: &[u8], count: u64, base: &[u16]) -> Result<Vec<u
         ));
     }
     d.finish(WHAT)?;
-    Ok(out)
+    Ok(())
 }
 
 /// Exact size in bytes [`IndexCodec::Leb128Gaps`] takes, without encoding.
@@ -566,6 +670,38 @@ mod tests {
         let dec =
             decode(codec, &enc, positions.len() as u64, range_len, Some(&base)).expect("decodes");
         assert_eq!(dec, positions, "{}", codec.name());
+        same_as_u32(codec, &enc, positions, range_len, &base);
+    }
+
+    /// The `u32` positions a receiver stages are the `u64` ones, and a range they cannot hold
+    /// is refused with an error (never truncated).
+    fn same_as_u32(codec: IndexCodec, enc: &[u8], positions: &[u64], range_len: u64, base: &[u16]) {
+        let mut narrow: Vec<u32> = vec![7; 3];
+        let got = decode_into(
+            codec,
+            enc,
+            positions.len() as u64,
+            range_len,
+            Some(base),
+            &mut narrow,
+        );
+        if range_len <= 1 << 32 {
+            got.expect("decodes as u32");
+            assert!(
+                narrow
+                    .iter()
+                    .map(|&p| u64::from(p))
+                    .eq(positions.iter().copied()),
+                "{}",
+                codec.name()
+            );
+        } else {
+            assert!(
+                got.is_err(),
+                "{}: a range of {range_len} as u32",
+                codec.name()
+            );
+        }
     }
 
     fn sorted_positions(max: u64) -> impl Strategy<Value = Vec<u64>> {
@@ -780,6 +916,7 @@ mod tests {
         let dec =
             decode(codec, &enc, positions.len() as u64, range_len, Some(base)).expect("decodes");
         assert_eq!(dec, positions, "{}", codec.name());
+        same_as_u32(codec, &enc, positions, range_len, base);
     }
 
     proptest! {

@@ -274,7 +274,7 @@ pub(crate) struct Selected {
 /// Appends to `out`, in position order, the position of every element of `base` whose rank
 /// in its class is one of `lists`' ranks for that class: the countdown's job, with every gap
 /// known before the scan starts, so no decoding waits inside it.
-pub(crate) fn select_ranks(base: &[u16], lists: &ClassRanks<'_>, out: &mut Vec<u64>) -> Selected {
+pub(crate) fn select_ranks(base: &[u16], lists: &ClassRanks<'_>, out: &mut Vec<u32>) -> Selected {
     // Above ~1 change per 64 elements the per-class test of the sparse form is a coin toss
     // for the branch predictor: test every class without branching instead.
     let dense = lists.ranks.len().saturating_mul(DENSE_SELECT_ELEMS) > base.len();
@@ -285,7 +285,7 @@ pub(crate) fn select_ranks(base: &[u16], lists: &ClassRanks<'_>, out: &mut Vec<u
 fn select_ranks_as(
     base: &[u16],
     lists: &ClassRanks<'_>,
-    out: &mut Vec<u64>,
+    out: &mut Vec<u32>,
     dense: bool,
 ) -> Selected {
     let mut cur: [usize; EXP_CLASSES] = core::array::from_fn(|c| lists.start[c]);
@@ -340,12 +340,13 @@ fn select_ranks_scalar(
     lists: &ClassRanks<'_>,
     cur: &mut [usize; EXP_CLASSES],
     cnt: &mut [u32; EXP_CLASSES],
-    out: &mut Vec<u64>,
+    out: &mut Vec<u32>,
 ) {
     for (i, &b) in base.iter().enumerate() {
         let c = usize::from(class_of(b));
         if cnt[c] == next_rank(lists, cur, c) {
-            out.push(start + i as u64);
+            // The caller's range is under 2³² elements.
+            out.push((start + i as u64) as u32);
             cur[c] += 1;
         }
         cnt[c] += 1;
@@ -810,7 +811,7 @@ mod v3 {
         lists: &ClassRanks<'_>,
         cur: &mut [usize; EXP_CLASSES],
         cnt: &mut [u32; EXP_CLASSES],
-        out: &mut Vec<u64>,
+        out: &mut Vec<u32>,
     ) {
         let (blocks, _) = pulp::as_arrays::<BLOCK, u16>(base);
         let mut lo = initial_window(base);
@@ -892,7 +893,7 @@ mod v3 {
                 }
             }
             while events != 0 {
-                out.push(i as u64 + u64::from(events.trailing_zeros()));
+                out.push(i as u32 + events.trailing_zeros());
                 events &= events - 1;
             }
             if (s + 1) % RECENTER_BLOCKS == 0 {
@@ -1027,7 +1028,12 @@ mod tests {
         for dense in [false, true] {
             let mut found = Vec::new();
             let sel = select_ranks_as(base, &lists, &mut found, dense);
-            assert_eq!(found, positions);
+            assert!(
+                found
+                    .iter()
+                    .map(|&p| u64::from(p))
+                    .eq(positions.iter().copied())
+            );
             assert_eq!(sel.totals, want_totals);
             assert!((0..EXP_CLASSES).all(|c| sel.found[c] == by_class[c].len()));
         }
@@ -1037,7 +1043,13 @@ mod tests {
             Vec::new(),
         );
         select_ranks_scalar(base, 0, &lists, &mut cur, &mut cnt, &mut found);
-        assert_eq!((found, cnt), (positions.to_vec(), want_totals));
+        assert!(
+            found
+                .iter()
+                .map(|&p| u64::from(p))
+                .eq(positions.iter().copied())
+        );
+        assert_eq!(cnt, want_totals);
         // A rank beyond its class is never found, and the others still are.
         if let Some(c) = (0..EXP_CLASSES).find(|&c| !by_class[c].is_empty()) {
             let mut more = by_class.clone();
@@ -1054,7 +1066,12 @@ mod tests {
                     start,
                 };
                 let sel = select_ranks_as(base, &lists, &mut found, dense);
-                assert_eq!(found, positions);
+                assert!(
+                    found
+                        .iter()
+                        .map(|&p| u64::from(p))
+                        .eq(positions.iter().copied())
+                );
                 assert_eq!(sel.found[c], by_class[c].len());
             }
         }
