@@ -41,6 +41,7 @@
 #   benches/tbf-bench.sh [--reps 3] [--cases "ct1 ct4 saf4"] [--model 1.5b] [--lr 2e-5]
 #                        [--rate-mbit 1000] [--burst 500kb] [--limit 1250000] [--actors 2]
 #                        [--codecs auto|small|fast] [--handover yes|no]
+#                        [--hub-args "EXTRA SERVE ARGS"] (e.g. "--tensor-hashes", for A/B runs)
 #                        [--work /var/tmp/starling-tbf-bench]
 #                        [--quiet-wait 180] [--keep]
 # (1.5b at lr 1e-5 gives an 86 MB delta; 0.5b ~32 MB.) A full default run takes ~15-20 min;
@@ -70,6 +71,7 @@ keep=0
 quiet_wait=180
 codecs=auto
 handover=yes
+hub_args=""
 while (($#)); do
     case $1 in
     --reps) reps=$2; shift 2 ;;
@@ -85,6 +87,7 @@ while (($#)); do
     --quiet-wait) quiet_wait=$2; shift 2 ;;
     --codecs) codecs=$2; shift 2 ;;
     --handover) handover=$2; shift 2 ;;
+    --hub-args) hub_args=$2; shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
@@ -236,6 +239,9 @@ watcher() { # port paths... : every 0.05 s, stamped `key value` lines for what c
     shift
     local -A last=()
     local -a lines
+    # `read -t` on a pipe nobody writes to waits without forking a `sleep` 20 times a second.
+    local idle
+    exec {idle}<> <(:)
     while :; do
         for path in "$@"; do
             exec 3<>"/dev/tcp/127.0.0.1/$port" 2>/dev/null || continue
@@ -270,7 +276,7 @@ watcher() { # port paths... : every 0.05 s, stamped `key value` lines for what c
                 fi
             fi
         done
-        sleep 0.05
+        read -r -t 0.05 -u "$idle" _ || true
     done
 }
 start_watch() { # name namespace port paths... : a watcher of NAME's endpoints into $run/NAME.watch
@@ -297,7 +303,9 @@ wait_for() { # name file regex timeout_s : stamp of the first match; dies if NAM
             return 1
         fi
         ((SECONDS < deadline)) || { echo "timeout waiting for '$re' in $file" >&2; return 1; }
-        sleep 0.05
+        # The stamp is the watcher's, so how often this looks for it changes no figure: every
+        # 0.25 s keeps the grep and cut it forks off the measured processes' cores.
+        sleep 0.25
     done
 }
 cpu_ticks() { # pid : utime + stime in clock ticks
@@ -306,11 +314,17 @@ cpu_ticks() { # pid : utime + stime in clock ticks
     echo $((f[13] + f[14]))
 }
 sampler() { # every 0.1 s: stamp, hub wan0 tx bytes, hub CPU ticks, relay CPU ticks
-    local hub=$1 relay=$2 tx
+    # Builtins only (no command substitution, no `sleep`): nothing forked 10 times a second.
+    local hub=$1 relay=$2 tx idle
+    local -a h r
+    exec {idle}<> <(:)
     while :; do
-        tx=$(<"/sys/class/net/wan0/statistics/tx_bytes")
-        printf '%s %s %s %s\n' "$EPOCHREALTIME" "$tx" "$(cpu_ticks "$hub")" "$(cpu_ticks "$relay")"
-        sleep 0.1
+        read -r tx <"/sys/class/net/wan0/statistics/tx_bytes"
+        read -r -a h <"/proc/$hub/stat" || h=()
+        read -r -a r <"/proc/$relay/stat" || r=()
+        printf '%s %s %s %s\n' "$EPOCHREALTIME" "$tx" $((${h[13]:-0} + ${h[14]:-0})) \
+            $((${r[13]:-0} + ${r[14]:-0}))
+        read -r -t 0.1 -u "$idle" _ || true
     done
 }
 f() { awk "BEGIN { printf \"%.${2:-2}f\", $1 }"; } # f EXPR [DECIMALS]: evaluate and format
@@ -354,9 +368,10 @@ run_case() { # case rep
         cp "$step1" "$source"
         pub_extra=(--handover)
     fi
+    # shellcheck disable=SC2086 # --hub-args is split into words on purpose
     start hub "$NS_HUB" "$HUB" serve --listen $HUB_IP:7443 --model-id tiny --cluster "$cluster" \
         --store "$run/hub-store" --init "$step0" --stripes "$stripes" "${hub_extra[@]}" \
-        --codecs "$codecs" --http 127.0.0.1:9100 --publish-dir "$ckpt"
+        --codecs "$codecs" --http 127.0.0.1:9100 --publish-dir "$ckpt" $hub_args
     start_watch hub "$NS_HUB" 9100 /metrics
     wait_for hub "$run/hub.watch" 'up 1$' 600 >/dev/null
     # Only the hub's `up` is read from its watch: polling its long /metrics in bash every
@@ -378,6 +393,14 @@ run_case() { # case rep
         wait_for "a$i" "$run/a$i.watch" 'active_version 0$' 600 >/dev/null
         wait_for "a$i" "$run/a$i.watch" 'source_connected true$' 60 >/dev/null
     done
+    # With --handover yes nothing reads the generated step 1 any more (the hub publishes the
+    # fresh copy made above); its page cache is this script's, not the measured processes':
+    # drop it so that the kernel need not reclaim memory during the run (one box holds a hub
+    # and two actors here, 3.5 GB of weights each at 1.5b). Step 0 stays: it is the hub's and
+    # the actors' --init, and the hub diffs against it in place.
+    if [[ $handover == yes ]]; then
+        dd if="$step1" iflag=nocache count=0 status=none 2>/dev/null || true
+    fi
     wait_quiet "$quiet_wait"
     # The relay's mean control RTT to the hub so far (reported; the ideal uses the stated 1 ms).
     local rtt_sum rtt_n rtt_ms=nan
@@ -386,7 +409,7 @@ run_case() { # case rep
     [[ -n $rtt_n && $rtt_n != 0 ]] && rtt_ms=$(f "1000*$rtt_sum/$rtt_n" 3)
 
     local hub_pid=${PIDS[hub]} relay_pid=${PIDS[relay]} mine0=0 p
-    ip netns exec "$NS_HUB" bash -c "$(declare -f cpu_ticks sampler); sampler $hub_pid $relay_pid" \
+    ip netns exec "$NS_HUB" bash -c "$(declare -f sampler); sampler $hub_pid $relay_pid" \
         >"$run/samples" 2>/dev/null &
     PIDS[sampler]=$!
     for p in hub relay $(seq -f 'a%g' "$actors"); do mine0=$((mine0 + $(cpu_ticks "${PIDS[$p]}"))); done
