@@ -410,11 +410,8 @@ impl EncodedPart {
         })
     }
 
-    /// Decodes against the base values of exactly this part's range into the changed
-    /// positions (relative to the part start), their new bits and their old bits — what
-    /// staging keeps — reading each old value once. A dense part's changes are the elements
-    /// whose bits differ.
-    pub fn decode_changes(&self, base: &[u16]) -> Result<SparseChanges, DecodeError> {
+    /// Refuses a base range that is not exactly as long as this part.
+    fn check_base(&self, base: &[u16]) -> Result<(), DecodeError> {
         if base.len() as u64 != self.len {
             return Err(DecodeError::malformed(
                 "part",
@@ -425,6 +422,15 @@ impl EncodedPart {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// Decodes against the base values of exactly this part's range into the changed
+    /// positions (relative to the part start), their new bits and their old bits — what
+    /// staging keeps — reading each old value once. A dense part's changes are the elements
+    /// whose bits differ.
+    pub fn decode_changes(&self, base: &[u16]) -> Result<SparseChanges, DecodeError> {
+        self.check_base(base)?;
         match &self.payload {
             PartPayload::Sparse {
                 index,
@@ -476,16 +482,7 @@ impl EncodedPart {
                 old: c.old,
             });
         };
-        if base.len() as u64 != self.len {
-            return Err(DecodeError::malformed(
-                "part",
-                format!(
-                    "base range has {} elements, part covers {}",
-                    base.len(),
-                    self.len
-                ),
-            ));
-        }
+        self.check_base(base)?;
         let mut positions = Vec::new();
         codec::index::decode_into(
             *index,
