@@ -19,7 +19,9 @@ use starling_proto::delta::container::{
     frame_hash, parse_frame, parse_frame_header,
 };
 use starling_proto::delta::digest::{DigestKey, StateDigest};
-use starling_proto::delta::encode::{DeltaEncoder, DeltaHeader, EncoderConfig, TensorPair};
+use starling_proto::delta::encode::{
+    DeltaEncoder, DeltaHeader, EncoderConfig, NonFiniteChanges, TensorPair,
+};
 use starling_proto::delta::manifest::{Manifest, TrustPolicy, hex};
 use starling_proto::{DecodeError, delta::manifest::SignedManifest};
 use thiserror::Error;
@@ -53,6 +55,10 @@ pub enum DeltaFileError {
         expected: String,
         actual: String,
     },
+    /// [`DiffOptions::refuse_nonfinite_changes`]: changed elements became NaN or ±Inf. The
+    /// manifest was not written, so no receiver can commit what was emitted before.
+    #[error("{} tensor(s) have changed elements that became NaN or ±Inf", .0.len())]
+    NonFinite(Vec<NonFiniteChanges>),
 }
 
 /// Options of a diff.
@@ -71,6 +77,10 @@ pub struct DiffOptions {
     /// The base's state digest when the caller knows it (the hub chains each manifest's
     /// post digest); `None` makes the encoder hash every base element on the way.
     pub pre_digest: Option<StateDigest>,
+    /// Fail with [`DeltaFileError::NonFinite`], before the manifest, when a changed element
+    /// became NaN or ±Inf. For a base known to hold none this checks the whole new checkpoint
+    /// in the diff's own pass: the hub's publish uses it instead of a separate scan.
+    pub refuse_nonfinite_changes: bool,
 }
 
 impl DiffOptions {
@@ -85,6 +95,7 @@ impl DiffOptions {
             tensor_hashes: true,
             signing_key: None,
             pre_digest: None,
+            refuse_nonfinite_changes: false,
         }
     }
 }
@@ -269,6 +280,12 @@ pub fn diff_checkpoints(
     }
     flush_batch(&mut batch, pair, &mut enc, &mut out, opts.tensor_hashes)?;
     progress(scanned);
+    if opts.refuse_nonfinite_changes {
+        let bad = enc.nonfinite_changes();
+        if !bad.is_empty() {
+            return Err(DeltaFileError::NonFinite(bad));
+        }
+    }
     let fin = enc.finish(opts.signing_key.as_ref());
     for f in &fin.segments {
         out.emit(&f.bytes)?;
@@ -736,6 +753,61 @@ mod tests {
         }
         w.finish().expect("finish");
         path
+    }
+
+    #[test]
+    fn a_diff_told_to_refuse_nonfinite_changes_stops_before_its_manifest() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let old_path = write_checkpoint(dir.path(), "old.safetensors", 0, 0);
+        let old = Checkpoint::open(&old_path).expect("old");
+        let mut weights = old.read_all().expect("read");
+        // NaN and Inf in the chunked tensor (far into it) and in a batched one.
+        let big = weights.get_mut("b.big").expect("b");
+        big[2500] = 0x7fc0;
+        big[2999] = 0xff80;
+        weights.get_mut("c.tail").expect("c")[1] = 0xffc3;
+        let new_path = dir.path().join("new.safetensors");
+        let layout: Vec<(String, Vec<u64>)> = old
+            .tensors()
+            .iter()
+            .map(|t| (t.name.clone(), t.shape.clone()))
+            .collect();
+        let mut w = SafetensorsWriter::create(&new_path, &layout, None).expect("create");
+        for bits in weights.values() {
+            w.write(bits).expect("write");
+        }
+        w.finish().expect("finish");
+        let new = Checkpoint::open(&new_path).expect("new");
+
+        let mut opts = DiffOptions::new("m", 0, 1, 42);
+        opts.chunk_elems = 1000;
+        opts.refuse_nonfinite_changes = true;
+        let mut kinds = Vec::new();
+        let got = diff_checkpoints(
+            &old,
+            &new,
+            &opts,
+            &mut |b| {
+                kinds.push(b.first().copied());
+                Ok(())
+            },
+            &|_| {},
+        );
+        let Err(DeltaFileError::NonFinite(bad)) = got else {
+            panic!("not refused: {got:?}");
+        };
+        let named: Vec<(&str, u64, u64)> = bad
+            .iter()
+            .map(|t| (t.tensor.as_str(), t.nan, t.inf))
+            .collect();
+        assert_eq!(named, [("b.big", 1, 1), ("c.tail", 1, 0)]);
+        assert!(
+            !kinds.contains(&Some(FrameKind::Manifest as u8)),
+            "no manifest: nothing emitted can be committed"
+        );
+        // Not asked to refuse (an allowed NaN step): the same pair diffs.
+        opts.refuse_nonfinite_changes = false;
+        diff_checkpoints(&old, &new, &opts, &mut |_| Ok(()), &|_| {}).expect("diffs");
     }
 
     #[test]

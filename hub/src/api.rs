@@ -257,6 +257,7 @@ async fn create(State(hub): State<Arc<Hub>>, body: Body) -> Reply<(StatusCode, J
                 "digest": hex(&p.digest),
                 "step": p.step,
                 "handed_over": p.handed_over,
+                "nonfinite_check": p.nonfinite_check.name(),
             })),
         )),
         Err(e) => Err(ApiError::new(

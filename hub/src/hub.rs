@@ -117,6 +117,13 @@ pub(crate) struct Hub {
     pub(crate) layout: starling_checkpoint::safetensors::Layout,
     pub(crate) signing: SigningKey,
     pub(crate) state: Mutex<State>,
+    /// The newest version is known to hold no NaN or ±Inf: it passed the scan of every element
+    /// (at a publish, or in the background after a start), or the change check on top of such
+    /// a version. Then the next publish checks only its changed elements, in the diff's own
+    /// pass (`crate::ingest`, step 4). False after a start until the scan ends, and after a
+    /// publish that allowed `nonfinite`. Written only with `state` locked, so a publish decides
+    /// on its own base; read without it by `/v1/status`.
+    pub(crate) newest_finite: std::sync::atomic::AtomicBool,
     pub(crate) book: Arc<VersionBook>,
     pub(crate) metrics: Metrics,
     pub(crate) anchors: Arc<Anchors>,

@@ -16,10 +16,12 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use anyhow::{Context, Result};
-use starling_checkpoint::deltafile::{DiffOptions, diff_checkpoints};
+use starling_checkpoint::deltafile::{DeltaFileError, DiffOptions, diff_checkpoints};
 use starling_checkpoint::safetensors::Checkpoint;
+use starling_checkpoint::scan::nonfinite;
 use starling_checkpoint::writer::AtomicFile;
 use starling_ledger::Digest;
 use starling_proto::delta::container::{FrameKind, split_frames};
@@ -57,6 +59,8 @@ pub(crate) struct Published {
     pub(crate) step: Option<u64>,
     /// Whether the trainer's file was taken (handover), not copied.
     pub(crate) handed_over: bool,
+    /// How its weights were checked for NaN and ±Inf.
+    pub(crate) nonfinite_check: Finite,
 }
 
 /// Publishes the checkpoint `req` names (`crate::ingest` for every check it passes first).
@@ -93,6 +97,7 @@ async fn publish_checked(
     req: PublishRequest,
 ) -> std::result::Result<Published, PublishError> {
     let internal = PublishError::Internal;
+    let allow_nonfinite = req.allows(Allow::Nonfinite);
     // Off the runtime and before the publish lock: a FIFO, a stalled mount or a slow disk
     // holds this request only, never the hub or another publish.
     let copy = {
@@ -108,7 +113,6 @@ async fn publish_checked(
             .flatten()
             .filter_map(|p| std::fs::canonicalize(p).ok())
             .collect();
-        let allow_nonfinite = req.allows(Allow::Nonfinite);
         let handover = req.handover;
         tokio::task::spawn_blocking(move || {
             let t = std::time::Instant::now();
@@ -133,13 +137,11 @@ async fn publish_checked(
             };
             drop(opened);
             let copy_ms = t.elapsed().as_millis() as u64;
-            let t = std::time::Instant::now();
-            crate::ingest::check_copy(copy.path(), &source, &layout, allow_nonfinite)?;
+            crate::ingest::check_copy(copy.path(), &source, &layout)?;
             // Where a publish's time goes before its first segment (a user waits for it).
             tracing::info!(
                 copy_ms,
                 handed_over = copy.handed_over(),
-                nonfinite_check_ms = t.elapsed().as_millis() as u64,
                 "checkpoint in the store"
             );
             Ok::<_, PublishError>(copy)
@@ -171,10 +173,97 @@ async fn publish_checked(
         .await
         .map_err(|e| internal(anyhow::anyhow!("compare task: {e}")))??;
     }
-    // Accepted: from here on the version streams to subscribers as it is encoded.
-    publish_locked(hub, state, copy, req.step)
+    // NaN and ±Inf (`crate::ingest`, step 4): every element when the latest version is not
+    // known to be finite, else only the changed ones, by the diff.
+    let finite = if allow_nonfinite {
+        Finite::Allowed
+    } else if hub.newest_finite.load(Ordering::Acquire) {
+        Finite::CheckChanges
+    } else {
+        let (new, source) = (copy.path().to_owned(), req.path.clone());
+        tokio::task::spawn_blocking(move || {
+            let t = std::time::Instant::now();
+            let r = crate::ingest::check_finite(&new, &source);
+            tracing::info!(
+                nonfinite_check_ms = t.elapsed().as_millis() as u64,
+                "scanned every element for NaN and ±Inf"
+            );
+            r
+        })
         .await
-        .map_err(internal)
+        .map_err(|e| internal(anyhow::anyhow!("scan task: {e}")))??;
+        Finite::Scanned
+    };
+    // Accepted: from here on the version streams to subscribers as it is encoded.
+    publish_locked(hub, state, copy, req.step, finite)
+        .await
+        .map_err(|e| match e.downcast::<DeltaFileError>() {
+            Ok(DeltaFileError::NonFinite(bad)) => crate::ingest::nonfinite_changes(&req.path, &bad),
+            Ok(other) => internal(other.into()),
+            Err(e) => internal(e),
+        })
+}
+
+/// Learns whether the newest version (`version`, the hub's copy at `snapshot`) holds NaN or
+/// ±Inf, by a scan in the background after a start: when it holds none, the next publish
+/// checks only the elements it changes (`crate::ingest`, step 4) instead of scanning its whole
+/// checkpoint before the first segment. A publish that runs first does the full scan itself.
+pub(crate) async fn learn_finite(hub: Arc<Hub>, snapshot: PathBuf, version: u64) {
+    let scanned = tokio::task::spawn_blocking(move || {
+        let t = std::time::Instant::now();
+        let found = Checkpoint::open(&snapshot).and_then(|c| nonfinite(&c));
+        (found, t.elapsed())
+    })
+    .await;
+    let (found, took) = match scanned {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::warn!(version, "NaN scan of the newest version: {e}");
+            return;
+        }
+    };
+    match found {
+        Ok(bad) if bad.is_empty() => {
+            let state = hub.state.lock().await;
+            if state.version == version {
+                hub.newest_finite.store(true, Ordering::Release);
+            }
+            drop(state);
+            tracing::info!(
+                version,
+                scan_ms = took.as_millis() as u64,
+                "the newest version holds no NaN or ±Inf: publishes check only what they change"
+            );
+        }
+        Ok(bad) => tracing::info!(
+            version,
+            tensors = bad.len(),
+            "the newest version holds NaN or ±Inf: the next publish scans every element"
+        ),
+        Err(e) => tracing::warn!(version, "NaN scan of the newest version: {e}"),
+    }
+}
+
+/// How a publish is checked for NaN and ±Inf.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Finite {
+    /// The request allows them: not checked.
+    Allowed,
+    /// Every element was scanned before the diff.
+    Scanned,
+    /// The base is known finite: the diff refuses a changed element that became NaN or ±Inf.
+    CheckChanges,
+}
+
+impl Finite {
+    /// The name the publish answer gives (`nonfinite_check`).
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Self::Allowed => "allowed",
+            Self::Scanned => "every_element",
+            Self::CheckChanges => "changed_elements",
+        }
+    }
 }
 
 async fn publish_locked(
@@ -182,6 +271,7 @@ async fn publish_locked(
     mut state: tokio::sync::MutexGuard<'_, State>,
     copy: crate::snapshot::Copy,
     step: Option<u64>,
+    finite: Finite,
 ) -> Result<Published> {
     let started = std::time::Instant::now();
     let base = state.version;
@@ -196,6 +286,7 @@ async fn publish_locked(
     opts.signing_key = Some(hub.signing.clone());
     opts.encoder.segment_target_bytes = hub.cfg.segment_bytes;
     opts.tensor_hashes = hub.cfg.tensor_hashes;
+    opts.refuse_nonfinite_changes = finite == Finite::CheckChanges;
     if hub.cfg.full_broadcast {
         opts.encoder.choice = starling_proto::delta::segment::CodecChoice::only_dense(
             starling_proto::delta::codec::DenseCodec::PlanesZstd,
@@ -203,14 +294,12 @@ async fn publish_locked(
     }
     opts.pre_digest = Some(state.digest);
     let id = delta_id(&hub.cfg.model_id, base, version, created);
-    // Cut-through: subscribers get each frame the moment the encoder emits it. Store-and-
-    // forward (for comparison): the version is offered once its file is durable.
-    let live = if hub.cfg.cut_through {
-        Some(hub.book.begin(version, base, id)?)
-    } else {
-        None
-    };
-    let sink_live = live.clone();
+    // Cut-through: subscribers hear of the version with its first frame and get each frame
+    // the moment the encoder emits it; a diff that fails before its first segment (a NaN
+    // among the changes, most often) has sent nothing. Store-and-forward (for comparison):
+    // the version is offered once its file is durable.
+    let cut_through = hub.cfg.cut_through;
+    let book = hub.book.clone();
     let dest2 = dest.clone();
     let (codecs, links, board) = (hub.codecs.clone(), hub.board.links(), hub.board.clone());
     let full_broadcast = hub.cfg.full_broadcast;
@@ -240,6 +329,7 @@ async fn publish_locked(
         let mut file =
             AtomicFile::create(&dest2).with_context(|| format!("create {}", dest2.display()))?;
         let mut first = true;
+        let mut live: Option<Arc<LiveVersion>> = None;
         let (signed, bytes) = diff_checkpoints(
             &o,
             &n,
@@ -251,8 +341,16 @@ async fn publish_locked(
                     board.first_segment(version, now_ms());
                     println!("first-segment {version}");
                 }
-                if let Some(live) = &sink_live {
-                    offer(live, b);
+                if cut_through && offered(b) {
+                    if live.is_none() {
+                        live = Some(
+                            book.begin(version, base, id)
+                                .map_err(std::io::Error::other)?,
+                        );
+                    }
+                    if let Some(live) = &live {
+                        offer(live, b);
+                    }
                 }
                 Ok(())
             },
@@ -271,13 +369,13 @@ async fn publish_locked(
         // Durable before it is listed: fsync, rename, fsync the directory.
         file.commit()
             .with_context(|| format!("write {}", dest2.display()))?;
-        Ok((signed.manifest, bytes))
+        Ok((signed.manifest, bytes, live))
     })
     .instrument(span.clone())
     .await
     .context("diff task")
     .and_then(|r| r);
-    let (manifest, bytes) = match diffed {
+    let (manifest, bytes, live) = match diffed {
         Ok(d) => d,
         Err(e) => {
             hub.book.abort(version);
@@ -352,6 +450,8 @@ async fn publish_locked(
     state.snapshot = snapshot.clone();
     state.digest = manifest.post_digest;
     state.step = step;
+    hub.newest_finite
+        .store(finite != Finite::Allowed, Ordering::Release);
     drop(state);
     if !hub.pins().contains(&previous) {
         crate::snapshot::release(&hub.cfg.store, &previous);
@@ -399,6 +499,7 @@ async fn publish_locked(
         digest: manifest.post_digest.to_bytes(),
         step,
         handed_over,
+        nonfinite_check: finite,
     })
 }
 
@@ -423,13 +524,17 @@ async fn spill(book: &VersionBook, version: u64, file: &Path) {
     }
 }
 
-/// Offers one encoded frame to subscribers: segments and the manifest (the file header and
-/// the trailer only matter in a file).
-fn offer(live: &LiveVersion, frame: &[u8]) {
-    if frame
+/// Whether subscribers get this encoded frame: segments and the manifest (the file header
+/// and the trailer only matter in a file).
+fn offered(frame: &[u8]) -> bool {
+    frame
         .first()
         .is_some_and(|&k| k == FrameKind::Segment as u8 || k == FrameKind::Manifest as u8)
-    {
+}
+
+/// Offers one encoded frame to subscribers ([`offered`]).
+fn offer(live: &LiveVersion, frame: &[u8]) {
+    if offered(frame) {
         match WireFrame::parse(frame.to_vec()) {
             Ok(f) => live.push(f),
             Err(e) => tracing::error!("encoder emitted an unparsable frame: {e}"),

@@ -163,6 +163,7 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
             digest: resumed.digest,
             step: resumed.step,
         }),
+        newest_finite: std::sync::atomic::AtomicBool::new(false),
         book: Arc::new(book),
         board: Arc::new(Board::new(now_ms())),
         checkpoint_bytes,
@@ -215,6 +216,7 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
         let s = hub.state.lock().await;
         (s.version, s.snapshot.clone())
     };
+    let snapshot_for_scan = snapshot.clone();
     if current == resumed.seeded && !hub.anchors.has(current) {
         // A full-checkpoint copy of the seed: in the background, so the hub serves at once
         // (until it is written, a subscriber asking for an anchor is refused and asks again
@@ -235,6 +237,13 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
             }
         });
     }
+    // Whether the newest version is finite, learnt in the background, so that the first
+    // publish can check only what it changes for NaN and ±Inf.
+    hub.spawn_until_stopped(crate::publish::learn_finite(
+        hub.clone(),
+        snapshot_for_scan,
+        current,
+    ));
     hub.metrics.set_active(resumed_version(&hub).await);
     if let Some(http) = hub.cfg.http {
         let (listener, at) = starling_telemetry::http::bind(http)

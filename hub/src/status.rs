@@ -251,6 +251,8 @@ async fn build(hub: &Hub) -> anyhow::Result<Value> {
         "started_at_ms": board.started_at_ms(),
         "version": version,
         "checkpoint_bytes": hub.checkpoint_bytes,
+        // Whether the next publish checks only its changed elements for NaN and ±Inf.
+        "newest_version_finite": hub.newest_finite.load(std::sync::atomic::Ordering::Acquire),
         "codecs": hub.codecs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).status(),
         "versions": board.versions(&actor_regions, hub.checkpoint_bytes),
         "regions": regions_json,

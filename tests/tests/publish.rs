@@ -288,3 +288,101 @@ fn a_handed_over_checkpoint_is_taken_and_a_refused_one_given_back() {
     assert_eq!((s, v["handed_over"].as_bool()), (201, Some(false)), "{v}");
     assert!(nan_path.exists());
 }
+
+/// `/v1/status`'s `newest_version_finite`: whether the next publish checks only its changed
+/// elements for NaN and ±Inf.
+fn newest_finite(tb: &Testbed) -> bool {
+    let (_, text) = http_request(&tb.hub_http, "GET", "/v1/status", None, None);
+    let v: Value = serde_json::from_str(&text).unwrap_or_else(|_| panic!("not JSON: {text}"));
+    v["newest_version_finite"]
+        .as_bool()
+        .unwrap_or_else(|| panic!("no newest_version_finite: {v}"))
+}
+
+/// Waits for `newest_version_finite` to read `want` (the status is rebuilt at most twice a
+/// second).
+fn wait_newest_finite(tb: &Testbed, want: bool) {
+    let t0 = std::time::Instant::now();
+    while newest_finite(tb) != want {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "newest_version_finite never became {want}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_nan_step_on_a_finite_version_is_refused_by_the_diff_and_never_committed() {
+    let mut tb = Testbed::new(3, 24, &[("actor", "a1"), ("trainer", "t1")], &[]);
+    let dl = tb.deadline;
+    let a1 = tb.actor("a1", &[]);
+    wait_for(&a1, "active 0 ", dl);
+    // After a start the hub scans its newest version in the background; once that is done
+    // (the status says so) a publish checks only the elements it changes.
+    wait_newest_finite(&tb, true);
+    let (s, v) = post_version(&tb, &json!({"path": tb.steps[1]}));
+    assert_eq!((s, v["version"].as_u64()), (201, Some(1)), "{v}");
+    assert_eq!(v["nonfinite_check"], "changed_elements", "{v}");
+    assert_eq!(next_event(&a1, dl), tb.active_line(1));
+
+    let dir: PathBuf = tb.steps[0].parent().expect("ckpt dir").to_owned();
+    let two = Checkpoint::open(&tb.steps[2]).expect("open");
+    let mut bad = two.read_all().expect("read");
+    let victim = bad.keys().last().expect("a tensor").clone();
+    let t = bad.get_mut(&victim).expect("tensor");
+    let n = t.len();
+    t[n - 1] = 0x7fc0; // NaN
+    t[n - 2] = 0xffc1; // NaN, other sign and payload
+    t[0] = 0x7f80; // +Inf
+    let nan_path = dir.join("nan-2.safetensors");
+    write(&nan_path, &two, &bad);
+    let (s, v) = post_version(&tb, &json!({"path": nan_path, "handover": true}));
+    assert_eq!(
+        (s, v["code"].as_str()),
+        (422, Some("nonfinite_weights")),
+        "{v}"
+    );
+    let m = v["message"].as_str().expect("message");
+    assert!(m.contains(&format!("{victim} (2 NaN, 1 ±Inf)")), "{m}");
+    assert!(nan_path.exists(), "a refused handover is given back");
+    assert!(
+        newest_finite(&tb),
+        "version 1 is still the newest, and finite"
+    );
+
+    // Whatever of it went out was dropped: the actor's next version is the good step 2,
+    // numbered 2, with its own digest. An actor that had staged some of the refused one's
+    // segments drops them when version 2 comes with another delta id (`refetch 2`).
+    let (s, v) = post_version(&tb, &json!({"path": tb.steps[2]}));
+    assert_eq!((s, v["version"].as_u64()), (201, Some(2)), "{v}");
+    assert_eq!(v["nonfinite_check"], "changed_elements", "{v}");
+    let mut line = next_event(&a1, dl);
+    if line == "refetch 2" {
+        line = next_event(&a1, dl);
+    }
+    assert_eq!(
+        line,
+        tb.active_line(2),
+        "the refused version was never committed"
+    );
+    // A NaN step allowed on purpose makes the newest version unknown: the next NaN step is
+    // found by the scan of every element, before anything is sent, and the next good one is
+    // scanned whole.
+    let (s, v) = post_version(&tb, &json!({"path": nan_path, "allow": ["nonfinite"]}));
+    assert_eq!((s, v["version"].as_u64()), (201, Some(3)), "{v}");
+    assert_eq!(v["nonfinite_check"], "allowed", "{v}");
+    wait_newest_finite(&tb, false);
+    wait_for(&a1, "active 3 ", dl);
+    while tb.hub_out.recv_timeout(Duration::from_millis(200)).is_ok() {}
+    let mut worse = bad.clone();
+    worse.get_mut(&victim).expect("tensor")[1] = 0x7fc0;
+    let worse_path = dir.join("nan-3.safetensors");
+    write(&worse_path, &two, &worse);
+    let m = refused(&tb, json!({"path": worse_path}), 422, "nonfinite_weights");
+    assert!(m.contains(&format!("{victim} (3 NaN, 1 ±Inf)")), "{m}");
+    let (s, v) = post_version(&tb, &json!({"path": tb.steps[1]}));
+    assert_eq!((s, v["version"].as_u64()), (201, Some(4)), "{v}");
+    assert_eq!(v["nonfinite_check"], "every_element", "{v}");
+    wait_newest_finite(&tb, true);
+}

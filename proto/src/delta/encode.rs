@@ -8,6 +8,8 @@
 //! are still being diffed. `finish` produces the signed manifest and the trailer.
 
 use ed25519_dalek::SigningKey;
+use std::collections::BTreeMap;
+
 use rayon::prelude::*;
 
 use crate::delta::codec::IndexCodec;
@@ -118,6 +120,33 @@ pub struct DeltaEncoder {
     segments: Vec<SegmentEntry>,
     /// Bytes of the file so far (header + emitted frames), for the trailer.
     offset: u64,
+    /// Per tensor (by index), changed elements whose new bits are NaN and ±Inf.
+    nonfinite: BTreeMap<usize, (u64, u64)>,
+}
+
+/// A tensor with changed elements that became NaN or ±Inf
+/// ([`DeltaEncoder::nonfinite_changes`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NonFiniteChanges {
+    pub tensor: String,
+    /// Changed elements whose new bits are a NaN (any payload, either sign).
+    pub nan: u64,
+    /// Changed elements whose new bits are +Inf or −Inf.
+    pub inf: u64,
+}
+
+/// NaNs and infinities among `bits` as BF16 (exponent all ones; a zero mantissa is an
+/// infinity). One predictable test per element in the common case of none.
+fn count_nonfinite(bits: &[u16]) -> (u64, u64) {
+    if !bits
+        .iter()
+        .fold(false, |any, &b| any | (b & 0x7f80 == 0x7f80))
+    {
+        return (0, 0);
+    }
+    let special = bits.iter().filter(|&&b| b & 0x7f80 == 0x7f80);
+    let inf = special.clone().filter(|&&b| b & 0x007f == 0).count() as u64;
+    (special.count() as u64 - inf, inf)
 }
 
 impl DeltaEncoder {
@@ -143,7 +172,23 @@ impl DeltaEncoder {
             pending_bytes: 0,
             segments: Vec::new(),
             offset: FILE_HEADER_LEN as u64,
+            nonfinite: BTreeMap::new(),
         }
+    }
+
+    /// The tensors so far with changed elements whose new bits are NaN or ±Inf. A sender
+    /// whose base is known to hold none has then checked the whole new checkpoint: an element
+    /// that did not change kept its finite bits. Counted in the diff's own pass over the
+    /// changes, so it costs no read of the checkpoint.
+    pub fn nonfinite_changes(&self) -> Vec<NonFiniteChanges> {
+        self.nonfinite
+            .iter()
+            .map(|(&t, &(nan, inf))| NonFiniteChanges {
+                tensor: self.tensors[t].name.clone(),
+                nan,
+                inf,
+            })
+            .collect()
     }
 
     /// The 16-byte file header to write before the first frame.
@@ -280,7 +325,14 @@ impl DeltaEncoder {
             .enumerate()
             .flat_map(|(wi, w)| (0..w.old.len().div_ceil(part)).map(move |pi| (wi, pi)))
             .collect();
-        let results: Vec<(usize, Option<EncodedPart>, StateDigest, StateDigest)> = jobs
+        #[allow(clippy::type_complexity)]
+        let results: Vec<(
+            usize,
+            Option<EncodedPart>,
+            StateDigest,
+            StateDigest,
+            (u64, u64),
+        )> = jobs
             .par_iter()
             .map(|&(wi, pi)| {
                 let w = &work[wi];
@@ -302,22 +354,28 @@ impl DeltaEncoder {
                         diff_range_into(o, n, d);
                     }
                     if d.is_empty() {
-                        return (w.tensor, None, StateDigest::default(), pre);
+                        return (w.tensor, None, StateDigest::default(), pre, (0, 0));
                     }
                     let digest = tkey.delta(s, &d.positions, &d.old, &d.new);
+                    let nonfinite = count_nonfinite(&d.new);
                     (
                         w.tensor,
                         Some(EncodedPart::encode(names[wi], s, o, n, d, choice)),
                         digest,
                         pre,
+                        nonfinite,
                     )
                 })
             })
             .collect();
         let mut out = Vec::new();
-        for (ti, p, d, pre) in results {
+        for (ti, p, d, pre, (nan, inf)) in results {
             if let Some(c) = self.computed_pre.as_mut() {
                 c.merge(pre);
+            }
+            if nan + inf > 0 {
+                let e = self.nonfinite.entry(ti).or_default();
+                *e = (e.0 + nan, e.1 + inf);
             }
             let Some(p) = p else { continue };
             self.change_digest.merge(d);
