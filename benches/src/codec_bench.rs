@@ -31,6 +31,10 @@ use starling_proto::delta::manifest::TrustPolicy;
 use starling_proto::delta::segment::PartPayload;
 use starling_proto::wire::put_varint;
 
+// The actor's allocator, so that staging here costs what it costs in the actor.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser, Debug)]
 #[command(about = "Starling codec benchmark: sizes vs peers and bounds, speed vs a compare loop")]
 struct Args {
