@@ -9,6 +9,7 @@
 //! difference, which for a real training step is in the first chunk.
 
 use rayon::prelude::*;
+use starling_proto::delta::diff::count_nonfinite;
 
 use crate::safetensors::{Checkpoint, CheckpointError, TensorInfo};
 
@@ -61,16 +62,8 @@ pub fn nonfinite(c: &Checkpoint) -> Result<Vec<NonFinite>, CheckpointError> {
         .map(|t| {
             let (mut nan, mut inf) = (0u64, 0u64);
             chunks(c, t, &mut |_, bits| {
-                for &b in bits {
-                    // Exponent all ones: an infinity when the mantissa is zero, else a NaN.
-                    if b & 0x7f80 == 0x7f80 {
-                        if b & 0x007f == 0 {
-                            inf += 1;
-                        } else {
-                            nan += 1;
-                        }
-                    }
-                }
+                let (n, i) = count_nonfinite(bits);
+                (nan, inf) = (nan + n, inf + i);
                 false
             })?;
             Ok((nan + inf > 0).then(|| NonFinite {

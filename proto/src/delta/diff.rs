@@ -5,6 +5,20 @@
 //! SIMD-friendly) and only the set bits are visited. At RL densities
 //! (~1%) most blocks are clean, and the scan runs near memory bandwidth.
 
+/// NaNs and infinities among `bits` as BF16 (exponent all ones; a zero mantissa is an
+/// infinity): `(nan, inf)`. One predictable test per element in the common case of none.
+pub fn count_nonfinite(bits: &[u16]) -> (u64, u64) {
+    if !bits
+        .iter()
+        .fold(false, |any, &b| any | (b & 0x7f80 == 0x7f80))
+    {
+        return (0, 0);
+    }
+    let special = bits.iter().filter(|&&b| b & 0x7f80 == 0x7f80);
+    let inf = special.clone().filter(|&&b| b & 0x007f == 0).count() as u64;
+    (special.count() as u64 - inf, inf)
+}
+
 /// The changes of one range: positions relative to the range start, new and old bits.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
 pub struct RangeDiff {

@@ -16,7 +16,7 @@ use crate::delta::codec::IndexCodec;
 use crate::delta::container::{
     FILE_HEADER_LEN, FrameKind, Trailer, build_frame, encode_frame, file_header,
 };
-use crate::delta::diff::{RangeDiff, diff_range_into, diff_range_ranked_into};
+use crate::delta::diff::{RangeDiff, count_nonfinite, diff_range_into, diff_range_ranked_into};
 use crate::delta::digest::{DigestKey, StateDigest};
 use crate::delta::manifest::{
     Dtype, Manifest, SegmentEntry, SignedManifest, TensorEntry, delta_id,
@@ -101,6 +101,17 @@ struct Work<'a> {
     new: &'a [u16],
 }
 
+/// What encoding one part produced: its tensor (by index), the coded part (none when nothing
+/// changed), the digest change, the base range's digest (when the encoder computes it) and the
+/// NaN and ±Inf counts among the changed new bits.
+struct PartOutcome {
+    tensor: usize,
+    part: Option<EncodedPart>,
+    digest: StateDigest,
+    pre: StateDigest,
+    nonfinite: (u64, u64),
+}
+
 /// The encoder state of one delta.
 #[derive(Debug)]
 pub struct DeltaEncoder {
@@ -133,20 +144,6 @@ pub struct NonFiniteChanges {
     pub nan: u64,
     /// Changed elements whose new bits are +Inf or −Inf.
     pub inf: u64,
-}
-
-/// NaNs and infinities among `bits` as BF16 (exponent all ones; a zero mantissa is an
-/// infinity). One predictable test per element in the common case of none.
-fn count_nonfinite(bits: &[u16]) -> (u64, u64) {
-    if !bits
-        .iter()
-        .fold(false, |any, &b| any | (b & 0x7f80 == 0x7f80))
-    {
-        return (0, 0);
-    }
-    let special = bits.iter().filter(|&&b| b & 0x7f80 == 0x7f80);
-    let inf = special.clone().filter(|&&b| b & 0x007f == 0).count() as u64;
-    (special.count() as u64 - inf, inf)
 }
 
 impl DeltaEncoder {
@@ -325,14 +322,7 @@ impl DeltaEncoder {
             .enumerate()
             .flat_map(|(wi, w)| (0..w.old.len().div_ceil(part)).map(move |pi| (wi, pi)))
             .collect();
-        #[allow(clippy::type_complexity)]
-        let results: Vec<(
-            usize,
-            Option<EncodedPart>,
-            StateDigest,
-            StateDigest,
-            (u64, u64),
-        )> = jobs
+        let results: Vec<PartOutcome> = jobs
             .par_iter()
             .map(|&(wi, pi)| {
                 let w = &work[wi];
@@ -354,22 +344,33 @@ impl DeltaEncoder {
                         diff_range_into(o, n, d);
                     }
                     if d.is_empty() {
-                        return (w.tensor, None, StateDigest::default(), pre, (0, 0));
+                        return PartOutcome {
+                            tensor: w.tensor,
+                            part: None,
+                            digest: StateDigest::default(),
+                            pre,
+                            nonfinite: (0, 0),
+                        };
                     }
-                    let digest = tkey.delta(s, &d.positions, &d.old, &d.new);
-                    let nonfinite = count_nonfinite(&d.new);
-                    (
-                        w.tensor,
-                        Some(EncodedPart::encode(names[wi], s, o, n, d, choice)),
-                        digest,
+                    PartOutcome {
+                        tensor: w.tensor,
+                        digest: tkey.delta(s, &d.positions, &d.old, &d.new),
+                        nonfinite: count_nonfinite(&d.new),
+                        part: Some(EncodedPart::encode(names[wi], s, o, n, d, choice)),
                         pre,
-                        nonfinite,
-                    )
+                    }
                 })
             })
             .collect();
         let mut out = Vec::new();
-        for (ti, p, d, pre, (nan, inf)) in results {
+        for PartOutcome {
+            tensor: ti,
+            part: p,
+            digest: d,
+            pre,
+            nonfinite: (nan, inf),
+        } in results
+        {
             if let Some(c) = self.computed_pre.as_mut() {
                 c.merge(pre);
             }

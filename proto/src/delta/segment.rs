@@ -7,6 +7,7 @@
 //! retransmission and parallel apply. A segment is decodable on its own, in any order,
 //! given only the base values of the ranges it covers.
 
+use crate::delta::codec::index::Position;
 use crate::delta::codec::{self, DenseCodec, IndexCodec, ValueCodec};
 use crate::delta::diff::RangeDiff;
 use crate::error::DecodeError;
@@ -430,6 +431,37 @@ impl EncodedPart {
     /// staging keeps — reading each old value once. A dense part's changes are the elements
     /// whose bits differ.
     pub fn decode_changes(&self, base: &[u16]) -> Result<SparseChanges, DecodeError> {
+        let Decoded {
+            positions,
+            new,
+            old,
+        } = self.decode_changes_as::<u64>(base)?;
+        Ok(SparseChanges {
+            positions,
+            new,
+            old,
+        })
+    }
+
+    /// [`decode_changes`](Self::decode_changes) in the form a receiver stages: positions as
+    /// `u32` relative to the part start (a part covers at most [`MAX_PART_ELEMS`] = 2²⁶
+    /// elements), so a staged change takes 8 bytes (position, old and new bits) instead of 12:
+    /// on a version's first staging, faulting in fresh pages is a large share of its time.
+    pub fn decode_changes_compact(&self, base: &[u16]) -> Result<CompactChanges, DecodeError> {
+        let Decoded {
+            positions,
+            new,
+            old,
+        } = self.decode_changes_as::<u32>(base)?;
+        Ok(CompactChanges {
+            positions,
+            new,
+            old,
+        })
+    }
+
+    /// Positions (as `P`), new bits and old bits of this part's changes.
+    fn decode_changes_as<P: Position>(&self, base: &[u16]) -> Result<Decoded<P>, DecodeError> {
         self.check_base(base)?;
         match &self.payload {
             PartPayload::Sparse {
@@ -438,11 +470,21 @@ impl EncodedPart {
                 index_bytes,
                 value_bytes,
             } => {
-                let positions =
-                    codec::index::decode(*index, index_bytes, self.changes, self.len, Some(base))?;
-                let old: Vec<u16> = positions.iter().map(|&p| base[p as usize]).collect();
-                let new = codec::value::decode(*value, value_bytes, positions.len(), Some(&old))?;
-                Ok(SparseChanges {
+                let mut positions = Vec::new();
+                codec::index::decode_into(
+                    *index,
+                    index_bytes,
+                    self.changes,
+                    self.len,
+                    Some(base),
+                    &mut positions,
+                )?;
+                let old: Vec<u16> = positions
+                    .iter()
+                    .map(|&p| base[Into::<u64>::into(p) as usize])
+                    .collect();
+                let new = codec::value::decode(*value, value_bytes, old.len(), Some(&old))?;
+                Ok(Decoded {
                     positions,
                     new,
                     old,
@@ -450,55 +492,21 @@ impl EncodedPart {
             }
             PartPayload::Dense { codec, bytes } => {
                 let values = codec::dense::decode(*codec, bytes, self.len as usize, Some(base))?;
-                let mut c = SparseChanges::default();
+                let (mut positions, mut new, mut old) = (Vec::new(), Vec::new(), Vec::new());
                 for (i, (&o, n)) in base.iter().zip(values).enumerate() {
                     if o != n {
-                        c.positions.push(i as u64);
-                        c.new.push(n);
-                        c.old.push(o);
+                        positions.push(P::at(i as u64));
+                        new.push(n);
+                        old.push(o);
                     }
                 }
-                Ok(c)
+                Ok(Decoded {
+                    positions,
+                    new,
+                    old,
+                })
             }
         }
-    }
-
-    /// [`decode_changes`](Self::decode_changes) in the form a receiver stages: positions as
-    /// `u32` relative to the part start (a part covers at most [`MAX_PART_ELEMS`] = 2²⁶
-    /// elements), so a staged change takes 8 bytes (position, old and new bits) instead of 12:
-    /// on a version's first staging, faulting in fresh pages is a large share of its time.
-    pub fn decode_changes_compact(&self, base: &[u16]) -> Result<CompactChanges, DecodeError> {
-        let PartPayload::Sparse {
-            index,
-            value,
-            index_bytes,
-            value_bytes,
-        } = &self.payload
-        else {
-            let c = self.decode_changes(base)?;
-            return Ok(CompactChanges {
-                positions: c.positions.iter().map(|&p| p as u32).collect(),
-                new: c.new,
-                old: c.old,
-            });
-        };
-        self.check_base(base)?;
-        let mut positions = Vec::new();
-        codec::index::decode_into(
-            *index,
-            index_bytes,
-            self.changes,
-            self.len,
-            Some(base),
-            &mut positions,
-        )?;
-        let old: Vec<u16> = positions.iter().map(|&p| base[p as usize]).collect();
-        let new = codec::value::decode(*value, value_bytes, old.len(), Some(&old))?;
-        Ok(CompactChanges {
-            positions,
-            new,
-            old,
-        })
     }
 
     /// The codec names, for inspection.
@@ -584,6 +592,13 @@ pub struct SparseChanges {
     pub positions: Vec<u64>,
     pub new: Vec<u16>,
     pub old: Vec<u16>,
+}
+
+/// A part's changes with positions of either width (`EncodedPart::decode_changes_as`).
+struct Decoded<P> {
+    positions: Vec<P>,
+    new: Vec<u16>,
+    old: Vec<u16>,
 }
 
 /// The changes of one part as a receiver stages them
