@@ -14,15 +14,16 @@
 #
 # Every wait and every time is read from the processes' status endpoints and metrics, never
 # from their log text: each process serves `--http` on 127.0.0.1 in its namespace, and a
-# watcher beside it polls `/metrics` (and the actors' `/v1/status`) every 50 ms through bash's
+# watcher beside it polls the relays' and actors' `/v1/status` every 0.5 s through bash's
 # /dev/tcp (no curl), writing a stamped `key value` line whenever a value changes
-# (WORK/run-PID/CASE-REP/NAME.watch).
+# (WORK/run-PID/CASE-REP/NAME.watch). The events timed here carry the stamp the process
+# recorded itself (`cached_at_ms`, `newest_staged_at_ms`, `active_at_ms`), so the slow poll
+# blurs no figure and takes almost no CPU from the processes measured.
 # Per run: the delta's bytes (hub store deltas/v00000001.sdc), the codec set the hub chose
 # (`/v1/status` `codecs.chosen`) and, from the start (the version's `first_segment_at_ms` in
 # the hub's `/v1/status` when it has one, else the moment `publish` is started), the times to
-# the relay's `starling_relay_newest_version 1`, to the last actor's `staged_version 1` (else
-# `active_version 1`) and to the last actor's `active_version 1` (which includes persisting
-# the full checkpoint). Goodput = delta bytes / (relay cached - start), as % of the tbf rate.
+# the relay's `cached_version 1`, to the last actor's `newest_staged_version 1` and to the last
+# actor's `active_version 1` (which includes persisting the full checkpoint). Goodput = delta bytes / (relay cached - start), as % of the tbf rate.
 # Ideal = bytes*8/rate + RTT, with the RTT the relay is told (`--wan-rtt-ms 1`: an upper
 # bound on the idle veth's ~0.1 ms); the relay's mean QUIC control RTT to the hub
 # (`starling_relay_control_rtt_seconds`, which includes both processes' scheduling delay on a
@@ -232,16 +233,30 @@ http_get() { # host port path : the response body on stdout (status 200 only)
     exec 3<&-
     ((ok))
 }
-watcher() { # port paths... : every 0.05 s, stamped `key value` lines for what changed
+watcher() { # port paths... : every 0.5 s, stamped `key value` lines for what changed
     # Keys: `up 1` once 127.0.0.1:PORT answers; every unlabelled `starling_*` sample of
-    # /metrics; from a /v1/status: staged_version, active_version, source_connected.
-    local port=$1 l k v body path
+    # /metrics; from an actor's /v1/status: staged_version, active_version, source_connected;
+    # from a relay's: cached_version, hub_connected. A version's line carries the stamp the
+    # process itself recorded (`staged_at_ms`, `active_at_ms`, `cached_at_ms`; the hub link's
+    # `since_ms`), so this loop can poll slowly, off the measured processes' cores, without
+    # blurring any figure; other lines carry the time this loop saw them.
+    local port=$1 l k v at body path
     shift
     local -A last=()
     local -a lines
-    # `read -t` on a pipe nobody writes to waits without forking a `sleep` 20 times a second.
+    # `read -t` on a pipe nobody writes to waits without forking a `sleep`.
     local idle
     exec {idle}<> <(:)
+    # emit KEY VALUE [MS]: a stamped line when VALUE changed (stamped MS when given).
+    emit() {
+        [[ ${last[$1]:-} == "$2" ]] && return 0
+        last[$1]=$2
+        if [[ -n ${3:-} ]]; then
+            printf '%d.%03d %s %s\n' $(($3 / 1000)) $(($3 % 1000)) "$1" "$2"
+        else
+            printf '%s %s %s\n' "$EPOCHREALTIME" "$1" "$2"
+        fi
+    }
     while :; do
         for path in "$@"; do
             exec 3<>"/dev/tcp/127.0.0.1/$port" 2>/dev/null || continue
@@ -253,30 +268,29 @@ watcher() { # port paths... : every 0.05 s, stamped `key value` lines for what c
                 for l in "${lines[@]}"; do
                     l=${l%$'\r'}
                     [[ $l =~ ^(starling_[a-z_]+)\ ([-+0-9.eE]+|NaN)$ ]] || continue
-                    k=${BASH_REMATCH[1]} v=${BASH_REMATCH[2]}
-                    [[ ${last[$k]:-} == "$v" ]] && continue
-                    last[$k]=$v
-                    printf '%s %s %s\n' "$EPOCHREALTIME" "$k" "$v"
+                    emit "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}"
                 done
-            else
-                body=${lines[*]: -1}
-                for k in staged_version active_version; do
-                    [[ $body =~ \"$k\":([0-9]+|null) ]] || continue
-                    v=${BASH_REMATCH[1]}
-                    [[ ${last[$k]:-} == "$v" ]] && continue
-                    last[$k]=$v
-                    printf '%s %s %s\n' "$EPOCHREALTIME" "$k" "$v"
-                done
-                if [[ $body =~ \"source\":\{[^}]*\"connected\":(true|false) ]]; then
-                    v=${BASH_REMATCH[1]}
-                    if [[ ${last[source_connected]:-} != "$v" ]]; then
-                        last[source_connected]=$v
-                        printf '%s source_connected %s\n' "$EPOCHREALTIME" "$v"
-                    fi
-                fi
+                continue
             fi
+            body=${lines[*]: -1}
+            if [[ $body =~ \"role\":\"relay\" ]]; then
+                [[ $body =~ \"cached_at_ms\":([0-9]+) ]] && at=${BASH_REMATCH[1]} || at=
+                [[ $body =~ \"cached_version\":([0-9]+) ]] && emit cached_version "${BASH_REMATCH[1]}" "$at"
+                [[ $body =~ \"hub\":\{[^}]*\"connected\":(true|false)[^}]*\"since_ms\":([0-9]+) ]] &&
+                    emit hub_connected "${BASH_REMATCH[1]}" "${BASH_REMATCH[2]}"
+                continue
+            fi
+            # `newest_staged_*` stays once the version is active: a slow poll still sees it.
+            for k in newest_staged:staged active:active; do
+                [[ $body =~ \"${k%:*}_version\":([0-9]+|null) ]] || continue
+                v=${BASH_REMATCH[1]}
+                [[ $body =~ \"${k%:*}_at_ms\":([0-9]+) ]] && at=${BASH_REMATCH[1]} || at=
+                emit "${k#*:}_version" "$v" "$at"
+            done
+            [[ $body =~ \"source\":\{[^}]*\"connected\":(true|false) ]] &&
+                emit source_connected "${BASH_REMATCH[1]}"
         done
-        read -r -t 0.05 -u "$idle" _ || true
+        read -r -t 0.5 -u "$idle" _ || true
     done
 }
 start_watch() { # name namespace port paths... : a watcher of NAME's endpoints into $run/NAME.watch
@@ -381,8 +395,8 @@ run_case() { # case rep
     start relay "$NS_RELAY" "$RELAY" --model-id tiny --listen $RELAY_LAN_IP:7444 \
         --hub $HUB_IP:7443 --region r1 --credentials "$run_root/r1" \
         --wan-mbit "$rate_mbit" --wan-rtt-ms 1 --stripes "$relay_stripes" --http 127.0.0.1:9101
-    start_watch relay "$NS_RELAY" 9101 /metrics
-    wait_for relay "$run/relay.watch" 'starling_relay_upstream_connected 1$' 60 >/dev/null
+    start_watch relay "$NS_RELAY" 9101 /v1/status
+    wait_for relay "$run/relay.watch" 'hub_connected true$' 60 >/dev/null
     for i in $(seq "$actors"); do
         start "a$i" "$NS_ACT" "$ACTOR" --model-id tiny --hub $HUB_IP:7443 \
             --credentials "$run_root/a$i" --init "$step0" --store "$run/a$i-store" \
@@ -393,19 +407,23 @@ run_case() { # case rep
         wait_for "a$i" "$run/a$i.watch" 'active_version 0$' 600 >/dev/null
         wait_for "a$i" "$run/a$i.watch" 'source_connected true$' 60 >/dev/null
     done
-    # With --handover yes nothing reads the generated step 1 any more (the hub publishes the
-    # fresh copy made above); its page cache is this script's, not the measured processes':
-    # drop it so that the kernel need not reclaim memory during the run (one box holds a hub
-    # and two actors here, 3.5 GB of weights each at 1.5b). Step 0 stays: it is the hub's and
-    # the actors' --init, and the hub diffs against it in place.
-    if [[ $handover == yes ]]; then
-        dd if="$step1" iflag=nocache count=0 status=none 2>/dev/null || true
-    fi
+    # The page cache at the start of the run: the two files the hub diffs (step 0, its --init,
+    # and the file it publishes) and nothing else. A trainer's fresh checkpoint is in its host's
+    # page cache, and so is the hub's newest snapshot; what else this box cached (earlier runs'
+    # copies, builds) would otherwise be reclaimed, or those two files read back from disk,
+    # inside the measured window, because one 24 GB box holds a hub and two actors here
+    # (3.5 GB of weights each at 1.5b). `sync` first, so that no writeback of the copy made
+    # above runs during the run either.
+    sync
+    echo 1 >/proc/sys/vm/drop_caches
+    cat "$step0" "$source" >/dev/null
     wait_quiet "$quiet_wait"
     # The relay's mean control RTT to the hub so far (reported; the ideal uses the stated 1 ms).
     local rtt_sum rtt_n rtt_ms=nan
-    rtt_sum=$(last_value starling_relay_control_rtt_seconds_sum "$run/relay.watch")
-    rtt_n=$(last_value starling_relay_control_rtt_seconds_count "$run/relay.watch")
+    ip netns exec "$NS_RELAY" bash -c "$(declare -f http_get); http_get 127.0.0.1 9101 /metrics" \
+        2>/dev/null | sed 's/^/0 /' >"$run/relay-metrics.txt" || true
+    rtt_sum=$(last_value starling_relay_control_rtt_seconds_sum "$run/relay-metrics.txt")
+    rtt_n=$(last_value starling_relay_control_rtt_seconds_count "$run/relay-metrics.txt")
     [[ -n $rtt_n && $rtt_n != 0 ]] && rtt_ms=$(f "1000*$rtt_sum/$rtt_n" 3)
 
     local hub_pid=${PIDS[hub]} relay_pid=${PIDS[relay]} mine0=0 p
@@ -428,7 +446,7 @@ run_case() { # case rep
         if [[ -e $source ]]; then taken=copied; rm -f "$source"; else taken=taken; fi
     fi
     local t_cached
-    t_cached=$(wait_for relay "$run/relay.watch" 'starling_relay_newest_version 1$' 900)
+    t_cached=$(wait_for relay "$run/relay.watch" 'cached_version 1$' 900)
     local i t_staged_max=0 t_active_max=0 end_ref=staged t
     for i in $(seq "$actors"); do
         t=$(wait_for "a$i" "$run/a$i.watch" 'active_version 1$' 900)
@@ -460,11 +478,12 @@ run_case() { # case rep
     start relay2 "$NS_RELAY" "$RELAY" --model-id tiny --listen $RELAY_LAN_IP:7445 \
         --hub $HUB_IP:7443 --region r2 --credentials "$run_root/r2" \
         --wan-mbit "$rate_mbit" --wan-rtt-ms 1 --stripes "$relay_stripes" --http 127.0.0.1:9102
-    start_watch relay2 "$NS_RELAY" 9102 /metrics
+    start_watch relay2 "$NS_RELAY" 9102 /v1/status
     h0=$(cpu_ticks "$hub_pid")
     c0=$EPOCHREALTIME
-    t_r2=$(wait_for relay2 "$run/relay2.watch" 'up 1$' 60)
-    t_r2c=$(wait_for relay2 "$run/relay2.watch" 'starling_relay_newest_version 1$' 300)
+    # From the catch-up relay's connection to the hub (its own stamp) to its `cached`.
+    t_r2=$(wait_for relay2 "$run/relay2.watch" 'hub_connected true$' 60)
+    t_r2c=$(wait_for relay2 "$run/relay2.watch" 'cached_version 1$' 300)
     h1=$(cpu_ticks "$hub_pid")
     r1c=$(cpu_ticks "${PIDS[relay2]}")
     c1=$EPOCHREALTIME
@@ -546,7 +565,7 @@ for c in $cases; do
 done
 echo
 echo "Full BF16 checkpoint ($(f "$ckpt_bytes/1e6" 1) MB) at the line rate: $(f "$ckpt_bytes*8/($rate_mbit*1e6)" 1) s."
-echo "Times are from the start reference (version 1's \`first_segment_at_ms\` in the hub's \`/v1/status\`, or the start of \`publish\` when the hub does not report it) except the two columns \"after publish start\"/\"publish returned\" (from the start of \`publish\`; \`publish\` returns once the delta file is durable). \"staged\" (an actor's \`/v1/status\` \`staged_version\`, polled every 50 ms) falls back to \`active_version\` when the poll did not see it staged; \`active\` includes persisting the full checkpoint. Goodput = delta bytes / relay-cached time (bounded by the encoder when it is slower than the link). Catch-up = a second relay fetching the finished version from the hub's store over the same, now idle, link (its status endpoint answering → \`starling_relay_newest_version 1\`): the transport's goodput without the encoder. CPU % is of one core; CPU seconds span publish start → last active. Other load = CPU used by processes outside the benchmark (e.g. concurrent builds) during the run, in cores."
+echo "Times are from the start reference (version 1's \`first_segment_at_ms\` in the hub's \`/v1/status\`, or the start of \`publish\` when the hub does not report it) except the two columns \"after publish start\"/\"publish returned\" (from the start of \`publish\`; \`publish\` returns once the delta file is durable). \"cached\", \"staged\" and \"active\" are the moments the relay and the actors recorded themselves (\`/v1/status\` \`cached_at_ms\`, \`newest_staged_at_ms\`, \`active_at_ms\`); \`active\` includes persisting the full checkpoint. Goodput = delta bytes / relay-cached time (bounded by the encoder when it is slower than the link). Catch-up = a second relay fetching the finished version from the hub's store over the same, now idle, link (from its connection to the hub to its \`cached_version 1\`, both as it stamped them): the transport's goodput without the encoder. CPU % is of one core; CPU seconds span publish start → last active. Other load = CPU used by processes outside the benchmark (e.g. concurrent builds) during the run, in cores."
 echo
 echo "Command: \`$cmdline\`"
 echo "Per-run results: $results"

@@ -239,7 +239,7 @@ impl Shell for Pipeline<'_> {
             Notice::Received { version } => {
                 println!("staged {version}");
                 self.metrics.staged();
-                self.status.send_modify(|s| s.staged = Some(version));
+                self.status.send_modify(|s| s.stage(version));
             }
             Notice::SourceDropped { .. } => {
                 let quarantine_s = self.quarantine.as_secs_f64();
@@ -287,10 +287,7 @@ impl<'a> Pipeline<'a> {
             let weights = self.state.weights();
             tokio::task::block_in_place(|| engine.load(weights, version, digest, change))?;
         }
-        self.status.send_modify(|s| {
-            s.active = Some((version, digest));
-            s.staged = s.staged.filter(|&v| v > version);
-        });
+        self.status.send_modify(|s| s.activate(version, digest));
         Ok(())
     }
 }

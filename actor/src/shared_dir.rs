@@ -92,10 +92,8 @@ impl SharedDir<'_> {
                 engine.load(weights, version, bytes, change.as_ref())
             })?;
         }
-        self.status.send_modify(|s| {
-            s.active = Some((version, bytes));
-            s.staged = None;
-        });
+        // The shared directory has no staging: a version is active once loaded.
+        self.status.send_modify(|s| s.activate(version, bytes));
         self.metrics.set_active(version);
         println!("active {version} {digest}");
         Ok(())

@@ -81,7 +81,12 @@ impl ActorStatus {
             "now_ms": now_ms,
             "active_version": p.active.map(|(v, _)| v),
             "active_digest": p.active.map(|(_, d)| starling_proto::delta::manifest::hex(&d)),
+            "active_at_ms": p.active_at_ms,
+            // Staged and waiting for its commit; null once active.
             "staged_version": p.staged,
+            // The newest version staged at all, and when: kept once it is active.
+            "newest_staged_version": p.newest_staged.map(|(v, _)| v),
+            "newest_staged_at_ms": p.newest_staged.map(|(_, at)| at),
             "source": source.map(|s| json!({"name": s.name, "kind": s.kind, "connected": s.connected})),
             "engine": self.engine,
             // What the engine proves it holds; null while it is fenced (it then takes no work).

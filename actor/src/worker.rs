@@ -66,6 +66,27 @@ pub struct PipelineStatus {
     pub active: Option<(u64, [u8; 16])>,
     /// The newest version received completely and verified, not yet active.
     pub staged: Option<u64>,
+    /// When `active` became active (Unix ms): what a benchmark reads instead of polling for
+    /// the moment.
+    pub active_at_ms: Option<u64>,
+    /// The newest version staged so far and when (Unix ms); kept after it becomes active.
+    pub newest_staged: Option<(u64, u64)>,
+}
+
+impl PipelineStatus {
+    /// `version` is staged now.
+    pub fn stage(&mut self, version: u64) {
+        self.staged = Some(version);
+        self.newest_staged = Some((version, starling_telemetry::unix_ms()));
+    }
+
+    /// `version` with `digest` is active now; a staged version at or below it is no longer
+    /// waiting.
+    pub fn activate(&mut self, version: u64, digest: [u8; 16]) {
+        self.active = Some((version, digest));
+        self.active_at_ms = Some(starling_telemetry::unix_ms());
+        self.staged = self.staged.filter(|&v| v > version);
+    }
 }
 
 /// What the worker needs.
@@ -464,4 +485,28 @@ pub(crate) fn start(
         metrics.clone(),
         stop.clone(),
     )))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::PipelineStatus;
+
+    #[test]
+    fn activating_a_version_keeps_a_newer_staged_one_and_the_staging_time() {
+        let mut s = PipelineStatus::default();
+        s.stage(3);
+        let staged = s.newest_staged;
+        assert_eq!(staged.map(|(v, _)| v), Some(3));
+        s.activate(2, [2; 16]);
+        assert_eq!((s.staged, s.newest_staged), (Some(3), staged));
+        assert_eq!(s.active, Some((2, [2; 16])));
+        assert!(
+            s.active_at_ms
+                .zip(staged)
+                .is_some_and(|(active, (_, staged))| active >= staged)
+        );
+        s.activate(3, [3; 16]);
+        assert_eq!((s.staged, s.newest_staged), (None, staged));
+        assert_eq!(s.active.map(|a| a.0), Some(3));
+    }
 }

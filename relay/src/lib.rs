@@ -375,6 +375,7 @@ impl Shell for Relay<'_> {
         self.metrics.observe_transfer(started.elapsed());
         self.metrics.set_active(version);
         self.metrics.staged();
+        self.status.cached(version);
         println!("cached {version}");
         tracing::info!(version, "version verified and cached");
         // Tells the hub this region holds the version (its status shows when).

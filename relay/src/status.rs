@@ -37,6 +37,8 @@ struct Inner {
     hub_connected: bool,
     hub_since_ms: u64,
     rtt: Option<Duration>,
+    /// The newest version verified and cached here, and when (Unix ms).
+    cached: Option<(u64, u64)>,
     subscribers: BTreeMap<String, Subscriber>,
 }
 
@@ -71,6 +73,14 @@ impl RelayStatus {
         let mut i = self.inner();
         i.hub_connected = connected;
         i.hub_since_ms = now_ms();
+    }
+
+    /// `version` was verified and cached now.
+    pub(crate) fn cached(&self, version: u64) {
+        let mut i = self.inner();
+        if i.cached.is_none_or(|(v, _)| v < version) {
+            i.cached = Some((version, now_ms()));
+        }
     }
 
     /// A control round trip to the hub took `rtt`.
@@ -115,6 +125,10 @@ impl RelayStatus {
             },
             "version": self.book.latest(),
             "oldest_version": self.book.oldest(),
+            // The newest version this process verified and cached itself (not one restored
+            // from its disk cache at start), and when.
+            "cached_version": i.cached.map(|(v, _)| v),
+            "cached_at_ms": i.cached.map(|(_, at)| at),
             "subscribers": subscribers,
         })
     }

@@ -146,10 +146,26 @@ fn the_dashboard_shows_what_the_status_says_and_every_exporter_is_valid() {
         (json!("relay"), json!(1))
     );
     assert_eq!(relay["hub"]["connected"], true);
+    // Each process stamps the moment it cached, staged or activated a version itself, so a
+    // benchmark need not poll fast to time it: the stamps fall within this test's run.
+    let within_run = |v: &Value, at: &Value| {
+        let (at, now) = (at.as_u64(), v["now_ms"].as_u64());
+        assert!(
+            at.zip(now)
+                .is_some_and(|(at, now)| at <= now && now - at < 600_000),
+            "{v}"
+        );
+    };
+    assert_eq!(relay["cached_version"], 1, "{relay}");
+    within_run(&relay, &relay["cached_at_ms"]);
     for (name, http) in &c.actor_http {
         let a: Value = serde_json::from_str(&http_get(http, "/v1/status")).expect("json");
         assert_eq!(a["name"], name.as_str());
         assert_eq!(a["active_version"], 1, "{a}");
+        within_run(&a, &a["active_at_ms"]);
+        assert_eq!(a["staged_version"], Value::Null, "{a}");
+        assert_eq!(a["newest_staged_version"], 1, "{a}");
+        within_run(&a, &a["newest_staged_at_ms"]);
         assert_eq!(a["source"]["kind"], "relay", "{a}");
         assert_eq!(a["worker_connected"], true, "{a}");
     }
