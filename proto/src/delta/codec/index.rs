@@ -259,23 +259,21 @@ fn decode_leb128_gaps<P: Position>(
     Ok(())
 }
 
-/// Cost in bits of Rice-coding `xs` with parameter `k`.
-fn rice_cost(xs: &[u64], k: u32) -> u64 {
-    xs.iter()
-        .map(|&x| {
-            let q = x >> k;
-            if q < RICE_ESCAPE {
-                q + 1 + u64::from(k)
-            } else {
-                RICE_ESCAPE + 7 + u64::from(64 - x.leading_zeros())
-            }
-        })
-        .sum()
+/// Cost in bits of Rice-coding a gap `x` with parameter `k`.
+#[inline(always)]
+fn rice_bits(x: u64, k: u32) -> u64 {
+    let q = x >> k;
+    if q < RICE_ESCAPE {
+        q + 1 + u64::from(k)
+    } else {
+        RICE_ESCAPE + 7 + u64::from(64 - x.leading_zeros())
+    }
 }
 
+/// The Rice parameter for a block of gaps: of the two around `log2(mean · ln 2)` (the
+/// optimum for geometric gaps), the cheaper, the lower on a tie. Both costs in one pass.
 fn best_rice_k(xs: &[u64]) -> u32 {
     let mean = xs.iter().map(|&x| x as f64).sum::<f64>() / xs.len().max(1) as f64;
-    // For geometric data the optimum is near log2(mean · ln 2); search around it.
     let guess = if mean < 1.0 {
         0
     } else {
@@ -283,20 +281,39 @@ fn best_rice_k(xs: &[u64]) -> u32 {
     };
     let lo = guess.clamp(0, 58) as u32;
     let hi = (guess + 1).min(58) as u32;
-    (lo..=hi).min_by_key(|&k| rice_cost(xs, k)).unwrap_or(0)
+    let (c_lo, c_hi) = xs.iter().fold((0u64, 0u64), |(a, b), &x| {
+        (a + rice_bits(x, lo), b + rice_bits(x, hi))
+    });
+    if c_hi < c_lo { hi } else { lo }
 }
 
+/// Rice-coded gaps in blocks of [`RICE_BLOCK`], each with its own parameter (6 bits). The
+/// gaps of a block are computed into a stack buffer (no vector of every gap), and a gap
+/// whose unary quotient, terminator and low bits fit in one write is written at once.
 fn rice_gaps(positions: &[u64]) -> Vec<u8> {
-    let xs: Vec<u64> = gaps(positions).collect();
     let mut w = BitWriter::with_capacity(positions.len() + 16);
-    for block in xs.chunks(RICE_BLOCK) {
-        let k = best_rice_k(block);
+    let mut buf = [0u64; RICE_BLOCK];
+    let mut next_min = 0u64;
+    for block in positions.chunks(RICE_BLOCK) {
+        let xs = &mut buf[..block.len()];
+        for (x, &p) in xs.iter_mut().zip(block) {
+            *x = p - next_min;
+            next_min = p + 1;
+        }
+        let k = best_rice_k(xs);
         w.write(u64::from(k), 6);
-        for &x in block {
+        let low_mask = u64::MAX.checked_shr(64 - k).unwrap_or(0);
+        for &x in xs.iter() {
             let q = x >> k;
             if q < RICE_ESCAPE {
-                w.write_unary(q);
-                w.write_wide(x, k);
+                let bits = q as u32 + 1 + k;
+                if bits <= 57 {
+                    // LSB first: q ones, the zero terminator, then the low k bits.
+                    w.write(((1u64 << q) - 1) | (x & low_mask) << (q + 1), bits);
+                } else {
+                    w.write_unary(q);
+                    w.write_wide(x, k);
+                }
             } else {
                 // RICE_ESCAPE ones with no terminator, then the width and the raw bits.
                 w.write((1u64 << RICE_ESCAPE) - 1, RICE_ESCAPE as u32);
@@ -917,6 +934,63 @@ mod tests {
             decode(codec, &enc, positions.len() as u64, range_len, Some(base)).expect("decodes");
         assert_eq!(dec, positions, "{}", codec.name());
         same_as_u32(codec, &enc, positions, range_len, base);
+    }
+
+    /// The Rice encoder as first written: every gap collected, each candidate parameter
+    /// costed in its own pass, the quotient and the low bits written separately. The fused
+    /// encoder must write the same bytes.
+    fn rice_gaps_reference(positions: &[u64]) -> Vec<u8> {
+        let xs: Vec<u64> = gaps(positions).collect();
+        let mut w = BitWriter::with_capacity(positions.len() + 16);
+        for block in xs.chunks(RICE_BLOCK) {
+            let mean = block.iter().map(|&x| x as f64).sum::<f64>() / block.len() as f64;
+            let guess = if mean < 1.0 {
+                0
+            } else {
+                (mean * std::f64::consts::LN_2).log2().floor().max(0.0) as i64
+            };
+            let (lo, hi) = (guess.clamp(0, 58) as u32, (guess + 1).min(58) as u32);
+            let cost = |k: u32| block.iter().map(|&x| rice_bits(x, k)).sum::<u64>();
+            let k = (lo..=hi).min_by_key(|&k| cost(k)).unwrap_or(0);
+            w.write(u64::from(k), 6);
+            for &x in block {
+                let q = x >> k;
+                if q < RICE_ESCAPE {
+                    w.write_unary(q);
+                    w.write_wide(x, k);
+                } else {
+                    w.write((1u64 << RICE_ESCAPE) - 1, RICE_ESCAPE as u32);
+                    let width = 64 - x.leading_zeros();
+                    w.write(u64::from(width), 7);
+                    w.write_wide(x, width);
+                }
+            }
+        }
+        w.finish()
+    }
+
+    proptest! {
+        #[test]
+        fn rice_gaps_write_what_the_reference_writes(
+            gaps in proptest::collection::vec(
+                prop_oneof![0u64..4, 0u64..64, 0u64..5000, 0u64..(1 << 40), 0u64..(1 << 62)],
+                0..3000,
+            ),
+        ) {
+            // Positions from gaps of every scale: small (k = 0), geometric-like, quotients
+            // that overflow one write, escapes.
+            let mut positions = Vec::with_capacity(gaps.len());
+            let mut next = 0u64;
+            for g in gaps {
+                let Some(p) = next.checked_add(g).filter(|&p| p < u64::MAX - 1) else { break };
+                positions.push(p);
+                next = p + 1;
+            }
+            let got = rice_gaps(&positions);
+            prop_assert_eq!(&got, &rice_gaps_reference(&positions));
+            let back = decode(IndexCodec::RiceGaps, &got, positions.len() as u64, u64::MAX, None);
+            prop_assert_eq!(back.ok(), Some(positions));
+        }
     }
 
     proptest! {
