@@ -19,11 +19,16 @@
 # (WORK/run-PID/CASE-REP/NAME.watch). The events timed here carry the stamp the process
 # recorded itself (`cached_at_ms`, `newest_staged_at_ms`, `active_at_ms`), so the slow poll
 # blurs no figure and takes almost no CPU from the processes measured.
-# Per run: the delta's bytes (hub store deltas/v00000001.sdc), the codec set the hub chose
-# (`/v1/status` `codecs.chosen`) and, from the start (the version's `first_segment_at_ms` in
-# the hub's `/v1/status` when it has one, else the moment `publish` is started), the times to
-# the relay's `cached_version 1`, to the last actor's `newest_staged_version 1` and to the last
-# actor's `active_version 1` (which includes persisting the full checkpoint). Goodput = delta bytes / (relay cached - start), as % of the tbf rate.
+# Each run publishes --warmup versions untimed (default 1: generator steps 1..W, each waited
+# for until every actor has it active), then measures version W+1: the way every version of a
+# training run arrives (staged into the vectors the previous version's undo log left, diffed
+# against the hub's newest snapshot), not only the first after a start (--warmup 0).
+# Per run: the measured delta's bytes (hub store deltas/vNNNNNNNN.sdc), the codec set the hub
+# chose (`/v1/status` `codecs.chosen`) and, from the start (the version's `first_segment_at_ms`
+# in the hub's `/v1/status` when it has one, else the moment `publish` is started), the times
+# to the relay's `cached_version`, to the last actor's `newest_staged_version` and to the last
+# actor's `active_version` (which includes persisting the full checkpoint). Goodput = delta
+# bytes / (relay cached - start), as % of the tbf rate.
 # Ideal = bytes*8/rate + RTT, with the RTT the relay is told (`--wan-rtt-ms 1`: an upper
 # bound on the idle veth's ~0.1 ms); the relay's mean QUIC control RTT to the hub
 # (`starling_relay_control_rtt_seconds`, which includes both processes' scheduling delay on a
@@ -41,7 +46,7 @@
 # when missing), ~8 GB free in --work per actor pair, ~12 GB RAM for the 1.5b preset):
 #   benches/tbf-bench.sh [--reps 3] [--cases "ct1 ct4 saf4"] [--model 1.5b] [--lr 2e-5]
 #                        [--rate-mbit 1000] [--burst 500kb] [--limit 1250000] [--actors 2]
-#                        [--codecs auto|small|fast] [--handover yes|no]
+#                        [--codecs auto|small|fast] [--handover yes|no] [--warmup 1]
 #                        [--hub-args "EXTRA SERVE ARGS"] (e.g. "--tensor-hashes", for A/B runs)
 #                        [--work /var/tmp/starling-tbf-bench]
 #                        [--quiet-wait 180] [--keep]
@@ -72,6 +77,7 @@ keep=0
 quiet_wait=180
 codecs=auto
 handover=yes
+warmup=1
 hub_args=""
 while (($#)); do
     case $1 in
@@ -88,6 +94,7 @@ while (($#)); do
     --quiet-wait) quiet_wait=$2; shift 2 ;;
     --codecs) codecs=$2; shift 2 ;;
     --handover) handover=$2; shift 2 ;;
+    --warmup) warmup=$2; shift 2 ;;
     --hub-args) hub_args=$2; shift 2 ;;
     -h | --help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument $1 (see --help)" >&2; exit 2 ;;
@@ -122,14 +129,20 @@ bin_stamp=$(stat -c '%y' "$release/starling-hub" | cut -d. -f1)
 git_rev=$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')
 git_dirty=$(git -C "$repo" status --porcelain --untracked-files=no 2>/dev/null | wc -l)
 
+[[ $warmup =~ ^[0-9]+$ ]] || { echo "--warmup takes a count" >&2; exit 2; }
+# The measured version: after --warmup untimed ones, so that it is staged the way every
+# version of a run is (into the vectors the previous version's undo log left), not the way
+# only the first after a start is.
+measured=$((warmup + 1))
+step_file() { printf '%s/step-%04d.safetensors' "$ckpt" "$1"; }
 ckpt=$work/$model-lr$lr
-if [[ ! -f $ckpt/step-0001.safetensors ]]; then
-    echo "generating $model checkpoints (lr $lr) in $ckpt ..."
-    rm -rf "$ckpt.tmp"
-    "$HUB" bench gen --model "$model" --steps 1 --lr "$lr" -o "$ckpt.tmp"
+if [[ ! -f $(step_file "$measured") ]]; then
+    echo "generating $model checkpoints (lr $lr, $measured steps) in $ckpt ..."
+    rm -rf "$ckpt.tmp" "$ckpt"
+    "$HUB" bench gen --model "$model" --steps "$measured" --lr "$lr" -o "$ckpt.tmp"
     mv "$ckpt.tmp" "$ckpt"
 fi
-step0=$ckpt/step-0000.safetensors step1=$ckpt/step-0001.safetensors
+step0=$(step_file 0)
 ckpt_bytes=$(stat -c %s "$step0")
 
 # ---------------------------------------------------------------- namespaces
@@ -376,12 +389,19 @@ run_case() { # case rep
     # With --handover yes (the default) the trainer writes a fresh file per step and gives it
     # to the hub, which renames it into its store instead of copying it: a copy made here,
     # before the clock starts, stands for the file a trainer just wrote.
-    local source=$step1 pub_extra=()
-    if [[ $handover == yes ]]; then
-        source=$ckpt/handover-$c-$rep.safetensors
-        cp "$step1" "$source"
-        pub_extra=(--handover)
-    fi
+    # Version v is step v of the generator; with --handover yes, a copy of it.
+    local -a sources=() pub_extra=()
+    local v
+    for v in $(seq "$measured"); do
+        if [[ $handover == yes ]]; then
+            sources[v]=$ckpt/handover-$c-$rep-$v.safetensors
+            cp "$(step_file "$v")" "${sources[v]}"
+        else
+            sources[v]=$(step_file "$v")
+        fi
+    done
+    [[ $handover == yes ]] && pub_extra=(--handover)
+    local source=${sources[measured]}
     # shellcheck disable=SC2086 # --hub-args is split into words on purpose
     start hub "$NS_HUB" "$HUB" serve --listen $HUB_IP:7443 --model-id tiny --cluster "$cluster" \
         --store "$run/hub-store" --init "$step0" --stripes "$stripes" "${hub_extra[@]}" \
@@ -407,8 +427,22 @@ run_case() { # case rep
         wait_for "a$i" "$run/a$i.watch" 'active_version 0$' 600 >/dev/null
         wait_for "a$i" "$run/a$i.watch" 'source_connected true$' 60 >/dev/null
     done
-    # The page cache at the start of the run: the two files the hub diffs (step 0, its --init,
-    # and the file it publishes) and nothing else. A trainer's fresh checkpoint is in its host's
+    # The warm-up versions, untimed: published, cached by the relay, active at every actor.
+    for v in $(seq "$warmup"); do
+        ip netns exec "$NS_HUB" "$HUB" publish --model-id tiny --hub $HUB_IP:7443 \
+            --cluster "$cluster" "${pub_extra[@]}" "${sources[v]}" > >(stamp >"$run/publish-$v.out") 2>&1
+        [[ $handover == yes ]] && rm -f "${sources[v]}"
+        wait_for relay "$run/relay.watch" "cached_version $v\$" 900 >/dev/null
+        for i in $(seq "$actors"); do
+            wait_for "a$i" "$run/a$i.watch" "active_version $v\$" 900 >/dev/null
+        done
+    done
+    # The hub's newest snapshot, which it diffs the measured version against: the last
+    # warm-up version in its store (handed over, or copied), else step 0 (its --init).
+    local base_file=$step0
+    ((warmup > 0)) && base_file=$(printf '%s/hub-store/snapshot/v%08d.safetensors' "$run" "$warmup")
+    # The page cache at the start of the run: the two files the hub diffs (its newest
+    # snapshot and the file it publishes) and nothing else. A trainer's fresh checkpoint is in its host's
     # page cache, and so is the hub's newest snapshot; what else this box cached (earlier runs'
     # copies, builds) would otherwise be reclaimed, or those two files read back from disk,
     # inside the measured window, because one 24 GB box holds a hub and two actors here
@@ -416,7 +450,7 @@ run_case() { # case rep
     # above runs during the run either.
     sync
     echo 1 >/proc/sys/vm/drop_caches
-    cat "$step0" "$source" >/dev/null
+    cat "$base_file" "$source" >/dev/null
     wait_quiet "$quiet_wait"
     # The relay's mean control RTT to the hub so far (reported; the ideal uses the stated 1 ms).
     local rtt_sum rtt_n rtt_ms=nan
@@ -446,27 +480,34 @@ run_case() { # case rep
         if [[ -e $source ]]; then taken=copied; rm -f "$source"; else taken=taken; fi
     fi
     local t_cached
-    t_cached=$(wait_for relay "$run/relay.watch" 'cached_version 1$' 900)
+    t_cached=$(wait_for relay "$run/relay.watch" "cached_version $measured\$" 900)
     local i t_staged_max=0 t_active_max=0 end_ref=staged t
     for i in $(seq "$actors"); do
-        t=$(wait_for "a$i" "$run/a$i.watch" 'active_version 1$' 900)
+        t=$(wait_for "a$i" "$run/a$i.watch" "active_version $measured\$" 900)
         t_active_max=$(awk -v a="$t" -v b="$t_active_max" 'BEGIN { print (a > b ? a : b) }')
-        t=$(first_ts "$run/a$i.watch" 'staged_version 1$')
-        [[ -n $t ]] || { t=$(first_ts "$run/a$i.watch" 'active_version 1$'); end_ref=active; }
+        t=$(first_ts "$run/a$i.watch" "staged_version $measured\$")
+        [[ -n $t ]] || { t=$(first_ts "$run/a$i.watch" "active_version $measured\$"); end_ref=active; }
         t_staged_max=$(awk -v a="$t" -v b="$t_staged_max" 'BEGIN { print (a > b ? a : b) }')
     done
     local mine1=0 busy1 t1
     for p in hub relay $(seq -f 'a%g' "$actors"); do mine1=$((mine1 + $(cpu_ticks "${PIDS[$p]}"))); done
     busy1=$(cpu_busy)
     t1=$EPOCHREALTIME
-    # The hub's status: when version 1's first segment was encoded, and the codecs it chose.
-    local status t_first start_ref=first-segment chosen=?
+    # The hub's status: when the measured version's first segment was encoded, and the codecs
+    # it chose. Each entry of `versions` is an object whose first key is "actors" (an array;
+    # a region's "actors" is a count) and whose last is "version" (serde_json sorts keys).
+    local status t_first start_ref=first-segment chosen=? rest entry
     status=$(ip netns exec "$NS_HUB" bash -c "$(declare -f http_get); http_get 127.0.0.1 9100 /v1/status" 2>/dev/null || true)
     printf '%s\n' "$status" >"$run/hub-status.json"
     t_first=
-    if [[ $status =~ \"first_segment_at_ms\":([0-9]+) ]]; then
-        t_first=$(f "${BASH_REMATCH[1]}/1000" 3)
-    fi
+    rest=${status#*\"versions\":\[}
+    while [[ $rest == *'{"actors":['* ]]; do
+        rest=${rest#*\{\"actors\":\[}
+        entry=${rest%%\{\"actors\":\[*}
+        if [[ $entry =~ \"version\":$measured\} && $entry =~ \"first_segment_at_ms\":([0-9]+) ]]; then
+            t_first=$(f "${BASH_REMATCH[1]}/1000" 3)
+        fi
+    done
     [[ $status =~ \"chosen\":\"([a-z]+)\" ]] && chosen=${BASH_REMATCH[1]}
     [[ -n $t_first ]] || { t_first=$t0; start_ref=publish; }
     wait "${PIDS[top]}" 2>/dev/null || true
@@ -483,13 +524,17 @@ run_case() { # case rep
     c0=$EPOCHREALTIME
     # From the catch-up relay's connection to the hub (its own stamp) to its `cached`.
     t_r2=$(wait_for relay2 "$run/relay2.watch" 'hub_connected true$' 60)
-    t_r2c=$(wait_for relay2 "$run/relay2.watch" 'cached_version 1$' 300)
+    t_r2c=$(wait_for relay2 "$run/relay2.watch" "cached_version $measured\$" 300)
     h1=$(cpu_ticks "$hub_pid")
     r1c=$(cpu_ticks "${PIDS[relay2]}")
     c1=$EPOCHREALTIME
 
-    local bytes
-    bytes=$(stat -c %s "$run/hub-store/deltas/v00000001.sdc")
+    # The measured delta's bytes; the catch-up relay fetches every version up to it.
+    local bytes catchup_bytes=0
+    bytes=$(stat -c %s "$(printf '%s/hub-store/deltas/v%08d.sdc' "$run" "$measured")")
+    for v in $(seq "$measured"); do
+        catchup_bytes=$((catchup_bytes + $(stat -c %s "$(printf '%s/hub-store/deltas/v%08d.sdc' "$run" "$v")")))
+    done
     stop_all
 
     # Wire: bytes the hub's veth sent between t0 and the relay's `cached`; peak rate over 0.5 s.
@@ -517,14 +562,15 @@ run_case() { # case rep
         -v ta="$t_active_max" -v rate="$rate_mbit" -v rtt=1 -v mrtt="$rtt_ms" -v wb="$wire_bytes" \
         -v pm="$peak_mbit" -v hc="$hub_cpu" -v rc="$relay_cpu" -v hp="$hub_peak" -v rp="$relay_peak" \
         -v t2="$t_r2" -v t2c="$t_r2c" -v h0="$h0" -v h1="$h1" -v r1c="$r1c" -v c0="$c0" -v c1="$c1" \
-        -v m0="$mine0" -v m1="$mine1" -v b0="$busy0" -v b1="$busy1" -v t1="$t1" -v ch="$chosen" -v ho="$taken" '
+        -v m0="$mine0" -v m1="$mine1" -v b0="$busy0" -v b1="$busy1" -v t1="$t1" -v ch="$chosen" -v ho="$taken" \
+        -v cb="$catchup_bytes" '
         BEGIN {
             ideal = b * 8 / (rate * 1e6) + rtt / 1000
             printf "%s\t%d\t%d\t%s\t%s\t%.3f\t%.3f\t%.3f\t%.3f\t%.3f\t%.1f\t%.2f\t%.3f\t%d\t%.2f\t%.2f\t%d\t%d",
                 c, rep, b, sr, er, tf - t0, tp - t0, tc - tf, ts - tf, ta - tf,
                 100 * b * 8 / (tc - tf) / (rate * 1e6), (ts - tf) / ideal, wb / b, pm, hc, rc, hp, rp
             printf "\t%.3f\t%.3f\t%.1f\t%.0f\t%.0f\t%.2f\t%s\t%s\t%s\n", tc - tp, t2c - t2,
-                100 * b * 8 / (t2c - t2) / (rate * 1e6), (h1 - h0) / (c1 - c0), r1c / (c1 - c0),
+                100 * cb * 8 / (t2c - t2) / (rate * 1e6), (h1 - h0) / (c1 - c0), r1c / (c1 - c0),
                 ((b1 - b0) - (m1 - m0)) / 100 / (t1 - t0), mrtt, ch, ho
         }' >>"$results"
     tail -1 "$results" | awk -F'\t' '{ printf "  %s #%s: codecs %s, handover %s, delta %.1f MB, first segment +%.2f s, publish returned +%.2f s; from %s: relay cached %.2f s (%.1f%% of link), last %s %.2f s (%.2fx ideal), last active %.2f s; wire %.3f B/B, peak %d Mbit/s; CPU s hub %.1f relay %.1f, peak%% hub %d relay %d; catch-up %.2f s (%.1f%% of link, hub %d%% relay %d%% CPU); other load %.2f cores\n",
@@ -548,7 +594,7 @@ label() { case $1 in ct1) echo "cut-through, 1 stream" ;; ct4) echo "cut-through
 echo
 echo "### Delta delivery over tbf ${rate_mbit} Mbit/s, no added delay (medians of $reps runs)"
 echo
-echo "Settings: tbf rate ${rate_mbit}mbit burst $burst limit $limit B on both directions of the hub-relay veth (ideal counts 1 ms of RTT, as the relay is told; the relay's mean QUIC control RTT to the hub, median of the runs: $(awk -F'\t' 'NR > 1 { print $25 }' "$results" | median) ms); hub --codecs $codecs; relay-actors veth unshaped; $actors actors; model preset $model, lr $lr, 1 step; checkpoint $(f "$ckpt_bytes/1e6" 1) MB (BF16); relay --wan-mbit $rate_mbit --wan-rtt-ms 1; binaries of $git_rev (+$git_dirty modified files, built $bin_stamp); $(nproc) cores."
+echo "Settings: tbf rate ${rate_mbit}mbit burst $burst limit $limit B on both directions of the hub-relay veth (ideal counts 1 ms of RTT, as the relay is told; the relay's mean QUIC control RTT to the hub, median of the runs: $(awk -F'\t' 'NR > 1 { print $25 }' "$results" | median) ms); hub --codecs $codecs; relay-actors veth unshaped; $actors actors; model preset $model, lr $lr; measured version $measured, after $warmup untimed warm-up version(s); checkpoint $(f "$ckpt_bytes/1e6" 1) MB (BF16); relay --wan-mbit $rate_mbit --wan-rtt-ms 1; binaries of $git_rev (+$git_dirty modified files, built $bin_stamp); $(nproc) cores."
 echo
 echo "| case | codecs chosen | delta MB | start → end ref | first segment after publish start (s) | publish returned (s) | relay cached (s) | goodput (% of link) | relay cached − publish returned (s) | last staged (s) | staged / ideal (bytes/rate + RTT) | last active (s) | wire B / delta B | peak wire Mbit/s | hub / relay CPU s | hub / relay peak CPU % | catch-up: s, % of link, hub / relay CPU % | full checkpoint at catch-up goodput (s) | full checkpoint ÷ last staged | other load (cores) |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
@@ -565,7 +611,7 @@ for c in $cases; do
 done
 echo
 echo "Full BF16 checkpoint ($(f "$ckpt_bytes/1e6" 1) MB) at the line rate: $(f "$ckpt_bytes*8/($rate_mbit*1e6)" 1) s."
-echo "Times are from the start reference (version 1's \`first_segment_at_ms\` in the hub's \`/v1/status\`, or the start of \`publish\` when the hub does not report it) except the two columns \"after publish start\"/\"publish returned\" (from the start of \`publish\`; \`publish\` returns once the delta file is durable). \"cached\", \"staged\" and \"active\" are the moments the relay and the actors recorded themselves (\`/v1/status\` \`cached_at_ms\`, \`newest_staged_at_ms\`, \`active_at_ms\`); \`active\` includes persisting the full checkpoint. Goodput = delta bytes / relay-cached time (bounded by the encoder when it is slower than the link). Catch-up = a second relay fetching the finished version from the hub's store over the same, now idle, link (from its connection to the hub to its \`cached_version 1\`, both as it stamped them): the transport's goodput without the encoder. CPU % is of one core; CPU seconds span publish start → last active. Other load = CPU used by processes outside the benchmark (e.g. concurrent builds) during the run, in cores."
+echo "Times are from the start reference (the measured version's \`first_segment_at_ms\` in the hub's \`/v1/status\`, or the start of \`publish\` when the hub does not report it) except the two columns \"after publish start\"/\"publish returned\" (from the start of \`publish\`; \`publish\` returns once the delta file is durable). \"cached\", \"staged\" and \"active\" are the moments the relay and the actors recorded themselves (\`/v1/status\` \`cached_at_ms\`, \`newest_staged_at_ms\`, \`active_at_ms\`); \`active\` includes persisting the full checkpoint. Goodput = delta bytes / relay-cached time (bounded by the encoder when it is slower than the link). Catch-up = a second relay fetching the finished version from the hub's store over the same, now idle, link (from its connection to the hub to its \`cached_version\` of the measured version, fetching every version up to it, both as it stamped them): the transport's goodput without the encoder. CPU % is of one core; CPU seconds span publish start → last active. Other load = CPU used by processes outside the benchmark (e.g. concurrent builds) during the run, in cores."
 echo
 echo "Command: \`$cmdline\`"
 echo "Per-run results: $results"

@@ -193,6 +193,7 @@ async fn follow_sources(
         shown,
         quarantine,
         staging: Default::default(),
+        staging_buffers: Default::default(),
     };
     metrics.set_active(active);
     p.load_engine(None)?;

@@ -29,7 +29,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 use starling_checkpoint::deltafile::Model;
 use starling_proto::delta::anchor::AnchorSeal;
-use starling_proto::delta::apply::{Stager, UndoLog, VersionedWeights};
+use starling_proto::delta::apply::{Stager, StagingBuffers, UndoLog, VersionedWeights};
 use starling_proto::delta::manifest::TrustPolicy;
 use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::Metrics;
@@ -67,6 +67,10 @@ pub(crate) struct Pipeline<'a> {
     pub(crate) quarantine: Duration,
     /// Versions being staged (begun, not yet activated or discarded).
     pub(crate) staging: BTreeMap<u64, Staging>,
+    /// The last activated version's undo log's vectors, which the next version stages into:
+    /// freed instead, they would go back to the kernel before the next version arrives and
+    /// staging would fault fresh pages in again (`apply::StagingBuffers`).
+    pub(crate) staging_buffers: Arc<StagingBuffers>,
 }
 
 impl Shell for Pipeline<'_> {
@@ -88,7 +92,10 @@ impl Shell for Pipeline<'_> {
 
     /// A stager on the active weights (the core begins a version only on its base).
     fn begin(&mut self, version: u64, _base: u64, _delta_id: [u8; 32]) -> bool {
-        let stager = self.state.stager();
+        let stager = self
+            .state
+            .stager()
+            .with_buffers(self.staging_buffers.clone());
         self.staging.insert(
             version,
             Staging {
@@ -154,6 +161,8 @@ impl Shell for Pipeline<'_> {
         let frames: Vec<&[u8]> = s.raw.iter().map(Vec::as_slice).collect();
         tokio::task::block_in_place(|| self.store.record(version, &frames, &self.state))?;
         self.load_engine(Some(&written))?;
+        // The weights no longer need the undo log (nothing rolls a loaded version back).
+        self.staging_buffers.recycle(written);
         println!("active {} {}", self.state.version(), self.state.digest());
         let digest = self.state.digest().to_bytes();
         feed.send_current(&Message::Active { version, digest })

@@ -14,13 +14,14 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Parser;
 use rayon::prelude::*;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_in_memory};
-use starling_proto::delta::apply::{VersionedWeights, full_digest, scatter};
+use starling_proto::delta::apply::{StagingBuffers, VersionedWeights, full_digest, scatter};
 use starling_proto::delta::codec::value::ulp_step_zigzag;
 use starling_proto::delta::codec::{IndexCodec, ValueCodec};
 use starling_proto::delta::container::read_delta;
@@ -61,6 +62,14 @@ struct Args {
     /// (for profilers).
     #[arg(long)]
     profile_stage: Option<usize>,
+    /// With --profile-stage: pause this long between stagings (untimed), as versions come
+    /// seconds apart in a run; the allocator gives idle memory back meanwhile.
+    #[arg(long, default_value_t = 0)]
+    profile_stage_gap_ms: u64,
+    /// With --profile-stage: hand each staging's vectors to the next (as the actor hands an
+    /// undo log's vectors to the next version's staging).
+    #[arg(long)]
+    profile_stage_recycle: bool,
     /// The codec set the profile modes use: `default` or `v1` (the first release's codecs).
     #[arg(long, default_value = "default")]
     profile_codecs: String,
@@ -128,22 +137,31 @@ fn main() -> Result<()> {
             let delta = read_delta(&bytes, &TrustPolicy::AnySigner)?;
             let w =
                 VersionedWeights::new("bench", old.clone(), 1, hdr.pre_digest.unwrap_or_default());
-            let c = cpu_seconds();
-            let t = Instant::now();
-            for _ in 0..n {
+            let buffers = Arc::new(StagingBuffers::new());
+            let (mut wall, mut cpu) = (0.0, 0.0);
+            for i in 0..n {
+                if i > 0 && args.profile_stage_gap_ms > 0 {
+                    std::thread::sleep(Duration::from_millis(args.profile_stage_gap_ms));
+                }
+                let (c, t) = (cpu_seconds(), Instant::now());
                 let mut st = w.stager();
+                if args.profile_stage_recycle {
+                    st = st.with_buffers(buffers.clone());
+                }
                 for s in &delta.segments {
                     let e = &delta.manifest.manifest.segments[s.seq as usize];
                     st.stage_segment(s, e.hash, e.frame_len, w.weights())?;
                 }
                 st.stage_manifest(delta.manifest.clone())?;
-                std::hint::black_box(st.seal(&TrustPolicy::AnySigner)?);
+                let sealed = std::hint::black_box(st.seal(&TrustPolicy::AnySigner)?);
+                (wall, cpu) = (wall + t.elapsed().as_secs_f64(), cpu + cpu_seconds() - c);
+                if args.profile_stage_recycle {
+                    buffers.recycle_sealed(sealed);
+                }
             }
             println!(
-                "{n} stagings of {} changes, {:.3} s, {:.3} CPU s",
+                "{n} stagings of {} changes, {wall:.3} s, {cpu:.3} CPU s",
                 delta.manifest.manifest.total_changes(),
-                t.elapsed().as_secs_f64(),
-                cpu_seconds() - c
             );
         }
         return Ok(());

@@ -408,3 +408,77 @@ fn a_change_computed_from_two_checkpoints_is_what_a_commit_writes() {
         Some(0)
     );
 }
+
+/// `model` with every element whose index is `step` mod `every` moved by one ULP step.
+fn stepped(model: &Model, step: usize, every: usize) -> Model {
+    model
+        .iter()
+        .map(|(name, t)| {
+            let t = t
+                .iter()
+                .enumerate()
+                .map(|(i, &v)| {
+                    if i % every == step % every {
+                        v.wrapping_add(1)
+                    } else {
+                        v
+                    }
+                })
+                .collect();
+            (name.clone(), t)
+        })
+        .collect()
+}
+
+#[test]
+fn staging_into_an_earlier_undo_logs_vectors_writes_what_fresh_staging_writes() {
+    use starling_proto::delta::apply::StagingBuffers;
+    use std::sync::Arc;
+    // Versions 1 → 5 at densities that rise and fall, so recycled vectors are sometimes too
+    // small (they grow) and sometimes more than needed. One copy of the weights stages into
+    // the previous undo log's vectors, another into fresh ones.
+    let (m0, _) = sample_pair();
+    let mut models = vec![m0];
+    for (k, every) in [11usize, 3, 29, 2].into_iter().enumerate() {
+        let next = stepped(&models[k], k, every);
+        models.push(next);
+    }
+    let d0 = full_digest("m", &models[0], &names(&models[0]));
+    let mut recycled = VersionedWeights::new("m", models[0].clone(), 1, d0);
+    let mut fresh = VersionedWeights::new("m", models[0].clone(), 1, d0);
+    let buffers = Arc::new(StagingBuffers::new());
+    for k in 0..models.len() - 1 {
+        let (bytes, _) = encode(&models[k], &models[k + 1], small_cfg(), None, 1 + k as u64);
+        let delta = read_delta(&bytes, &TrustPolicy::AnySigner).expect("reads");
+        let held = buffers.bytes();
+        let mut logs = Vec::new();
+        for (w, pool) in [(&mut recycled, Some(&buffers)), (&mut fresh, None)] {
+            let mut st = w.stager();
+            if let Some(b) = pool {
+                st = st.with_buffers(b.clone());
+            }
+            for s in &delta.segments {
+                let e = &delta.manifest.manifest.segments[s.seq as usize];
+                st.stage_segment(s, e.hash, e.frame_len, w.weights())
+                    .expect("stages");
+            }
+            st.stage_manifest(delta.manifest.clone()).expect("manifest");
+            let log = w
+                .commit(st.seal(&TrustPolicy::AnySigner).expect("seals"))
+                .expect("commits");
+            assert_eq!(w.weights(), &models[k + 1], "version {}", k + 2);
+            logs.push(log);
+        }
+        if k > 0 {
+            assert!(
+                buffers.bytes() < held,
+                "staging took the vectors held ({} of {held} bytes left)",
+                buffers.bytes()
+            );
+        }
+        assert_eq!(recycled.digest(), fresh.digest());
+        assert_eq!(written_by_tensor(&logs[0]), written_by_tensor(&logs[1]));
+        buffers.recycle(logs.swap_remove(0));
+        assert!(buffers.bytes() > 0, "the undo log's vectors are held");
+    }
+}

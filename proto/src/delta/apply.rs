@@ -12,6 +12,7 @@
 //! semantics), and a commit against any other base is refused with both versions named.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use rayon::prelude::*;
 use thiserror::Error;
@@ -119,12 +120,18 @@ fn stage_part(
     key: &DigestKey,
     p: &EncodedPart,
     range: &[u16],
+    buffers: Option<&StagingBuffers>,
 ) -> Result<(StagedPart, StateDigest), StageError> {
+    // `p.changes` is the sender's word: it only picks among vectors already held.
+    let mut changes = buffers.map_or_else(CompactChanges::default, |b| {
+        b.take(usize::try_from(p.changes).unwrap_or(usize::MAX))
+    });
+    p.decode_changes_compact_into(range, &mut changes)?;
     let CompactChanges {
         positions,
         new,
         old,
-    } = p.decode_changes_compact(range)?;
+    } = changes;
     if positions.len() as u64 != p.changes {
         return Err(DecodeError::malformed(
             "part",
@@ -180,6 +187,7 @@ pub struct Stager {
     delta_id: Option<[u8; 32]>,
     manifest: Option<SignedManifest>,
     segments: BTreeMap<u32, StagedSegment>,
+    buffers: Option<Arc<StagingBuffers>>,
 }
 
 impl Stager {
@@ -193,7 +201,15 @@ impl Stager {
             delta_id: None,
             manifest: None,
             segments: BTreeMap::new(),
+            buffers: None,
         }
+    }
+
+    /// Stages into vectors taken from `buffers` (what an earlier version's undo log handed
+    /// back) before allocating new ones.
+    pub fn with_buffers(mut self, buffers: Arc<StagingBuffers>) -> Self {
+        self.buffers = Some(buffers);
+        self
     }
 
     fn check_delta_id(&mut self, id: [u8; 32]) -> Result<(), StageError> {
@@ -280,12 +296,12 @@ impl Stager {
             };
             ranges.push(&tensor[p.start as usize..end as usize]);
         }
-        let key = &self.key;
+        let (key, buffers) = (&self.key, self.buffers.as_deref());
         let staged: Vec<(StagedPart, StateDigest)> = seg
             .parts
             .par_iter()
             .zip(ranges.into_par_iter())
-            .map(|(p, range)| stage_part(key, p, range))
+            .map(|(p, range)| stage_part(key, p, range, buffers))
             .collect::<Result<_, StageError>>()?;
         let mut parts = Vec::with_capacity(staged.len());
         let mut digest_delta = StateDigest::default();
@@ -422,6 +438,81 @@ pub struct VersionedWeights<W> {
     weights: W,
     version: u64,
     digest: StateDigest,
+}
+
+/// The vectors of staged parts, handed from one version's undo log to the next version's
+/// staging ([`Stager::with_buffers`], [`StagingBuffers::recycle`]).
+///
+/// Without it an undo log is freed once its version is loaded, the allocator returns that
+/// idle memory to the kernel within about a second, and the next version's staging faults
+/// the same amount of fresh, zeroed pages in again: 8 bytes per change, a large share of
+/// staging's time (on a VM whose host takes back freed guest memory, more than the decoding;
+/// `docs/benchmarks.md`). Held here, one version's staging memory waits for the next.
+#[derive(Debug, Default)]
+pub struct StagingBuffers {
+    /// Sets of vectors, empty, by increasing capacity of their positions.
+    free: Mutex<Vec<CompactChanges>>,
+}
+
+impl StagingBuffers {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn free(&self) -> std::sync::MutexGuard<'_, Vec<CompactChanges>> {
+        self.free.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The set whose positions hold `changes` with the least to spare, else the largest
+    /// held (it grows), else new empty vectors.
+    fn take(&self, changes: usize) -> CompactChanges {
+        let mut free = self.free();
+        let fits = free.partition_point(|c| c.positions.capacity() < changes);
+        let at = fits.min(free.len().saturating_sub(1));
+        if free.is_empty() {
+            CompactChanges::default()
+        } else {
+            free.remove(at)
+        }
+    }
+
+    /// Keeps the vectors of `log`'s parts for the next staging, in place of what was held
+    /// (so what stays held is at most one version's staging memory).
+    pub fn recycle(&self, log: UndoLog) {
+        self.keep(log.parts);
+    }
+
+    /// As [`recycle`](Self::recycle), for a sealed delta that will not be committed.
+    pub fn recycle_sealed(&self, sealed: SealedDelta) {
+        self.keep(sealed.parts);
+    }
+
+    fn keep(&self, parts: Vec<StagedPart>) {
+        let mut sets: Vec<CompactChanges> = parts
+            .into_iter()
+            .map(|p| {
+                let mut c = CompactChanges {
+                    positions: p.positions,
+                    new: p.new,
+                    old: p.old,
+                };
+                c.positions.clear();
+                c.new.clear();
+                c.old.clear();
+                c
+            })
+            .collect();
+        sets.sort_by_key(|c| c.positions.capacity());
+        *self.free() = sets;
+    }
+
+    /// Bytes of vector capacity held.
+    pub fn bytes(&self) -> usize {
+        self.free()
+            .iter()
+            .map(|c| 4 * c.positions.capacity() + 2 * (c.new.capacity() + c.old.capacity()))
+            .sum()
+    }
 }
 
 /// What a commit replaced, to restore it if the engine-side update fails.

@@ -431,11 +431,8 @@ impl EncodedPart {
     /// staging keeps — reading each old value once. A dense part's changes are the elements
     /// whose bits differ.
     pub fn decode_changes(&self, base: &[u16]) -> Result<SparseChanges, DecodeError> {
-        let Decoded {
-            positions,
-            new,
-            old,
-        } = self.decode_changes_as::<u64>(base)?;
+        let (mut positions, mut new, mut old) = (Vec::new(), Vec::new(), Vec::new());
+        self.decode_changes_as::<u64>(base, &mut positions, &mut new, &mut old)?;
         Ok(SparseChanges {
             positions,
             new,
@@ -448,21 +445,41 @@ impl EncodedPart {
     /// elements), so a staged change takes 8 bytes (position, old and new bits) instead of 12:
     /// on a version's first staging, faulting in fresh pages is a large share of its time.
     pub fn decode_changes_compact(&self, base: &[u16]) -> Result<CompactChanges, DecodeError> {
-        let Decoded {
-            positions,
-            new,
-            old,
-        } = self.decode_changes_as::<u32>(base)?;
-        Ok(CompactChanges {
-            positions,
-            new,
-            old,
-        })
+        let mut out = CompactChanges::default();
+        self.decode_changes_compact_into(base, &mut out)?;
+        Ok(out)
     }
 
-    /// Positions (as `P`), new bits and old bits of this part's changes.
-    fn decode_changes_as<P: Position>(&self, base: &[u16]) -> Result<Decoded<P>, DecodeError> {
+    /// [`decode_changes_compact`](Self::decode_changes_compact) into `out`'s vectors, cleared
+    /// first and grown only where their capacity falls short: a receiver that hands the
+    /// vectors of one version's undo log to the next version's staging takes no fresh pages
+    /// (`apply::StagingBuffers`). On error `out` holds nothing meaningful.
+    pub fn decode_changes_compact_into(
+        &self,
+        base: &[u16],
+        out: &mut CompactChanges,
+    ) -> Result<(), DecodeError> {
+        let CompactChanges {
+            positions,
+            new,
+            old,
+        } = out;
+        self.decode_changes_as::<u32>(base, positions, new, old)
+    }
+
+    /// Positions (as `P`), new bits and old bits of this part's changes, into these vectors
+    /// (cleared first; their capacity is reused).
+    fn decode_changes_as<P: Position>(
+        &self,
+        base: &[u16],
+        positions: &mut Vec<P>,
+        new: &mut Vec<u16>,
+        old: &mut Vec<u16>,
+    ) -> Result<(), DecodeError> {
         self.check_base(base)?;
+        positions.clear();
+        new.clear();
+        old.clear();
         match &self.payload {
             PartPayload::Sparse {
                 index,
@@ -470,29 +487,32 @@ impl EncodedPart {
                 index_bytes,
                 value_bytes,
             } => {
-                let mut positions = Vec::new();
                 codec::index::decode_into(
                     *index,
                     index_bytes,
                     self.changes,
                     self.len,
                     Some(base),
-                    &mut positions,
-                )?;
-                let old: Vec<u16> = positions
-                    .iter()
-                    .map(|&p| base[Into::<u64>::into(p) as usize])
-                    .collect();
-                let new = codec::value::decode(*value, value_bytes, old.len(), Some(&old))?;
-                Ok(Decoded {
                     positions,
-                    new,
-                    old,
-                })
+                )?;
+                old.extend(
+                    positions
+                        .iter()
+                        .map(|&p| base[Into::<u64>::into(p) as usize]),
+                );
+                let decoded = codec::value::decode(*value, value_bytes, old.len(), Some(old))?;
+                if new.capacity() == 0 {
+                    // Nothing to reuse: keep the decoder's vector rather than copy it.
+                    *new = decoded;
+                } else {
+                    // A recycled vector: copying into it costs less than the fresh pages a
+                    // long-lived new vector takes (the decoder's is freed at once and reused).
+                    new.extend_from_slice(&decoded);
+                }
+                Ok(())
             }
             PartPayload::Dense { codec, bytes } => {
                 let values = codec::dense::decode(*codec, bytes, self.len as usize, Some(base))?;
-                let (mut positions, mut new, mut old) = (Vec::new(), Vec::new(), Vec::new());
                 for (i, (&o, n)) in base.iter().zip(values).enumerate() {
                     if o != n {
                         positions.push(P::at(i as u64));
@@ -500,11 +520,7 @@ impl EncodedPart {
                         old.push(o);
                     }
                 }
-                Ok(Decoded {
-                    positions,
-                    new,
-                    old,
-                })
+                Ok(())
             }
         }
     }
@@ -592,13 +608,6 @@ pub struct SparseChanges {
     pub positions: Vec<u64>,
     pub new: Vec<u16>,
     pub old: Vec<u16>,
-}
-
-/// A part's changes with positions of either width (`EncodedPart::decode_changes_as`).
-struct Decoded<P> {
-    positions: Vec<P>,
-    new: Vec<u16>,
-    old: Vec<u16>,
 }
 
 /// The changes of one part as a receiver stages them
