@@ -68,8 +68,8 @@ pub(crate) struct Pipeline<'a> {
     /// Versions being staged (begun, not yet activated or discarded).
     pub(crate) staging: BTreeMap<u64, Staging>,
     /// The last activated version's undo log's vectors, which the next version stages into:
-    /// freed instead, they would go back to the kernel before the next version arrives and
-    /// staging would fault fresh pages in again (`apply::StagingBuffers`).
+    /// freed instead, whether the next staging gets that memory back or faults fresh pages in
+    /// would be up to the allocator's policy for idle memory (`apply::StagingBuffers`).
     pub(crate) staging_buffers: Arc<StagingBuffers>,
 }
 

@@ -326,21 +326,30 @@ fn commit_refuses_a_sealed_delta_after_the_base_moved() {
     ));
     assert_eq!(moved.weights(), &old, "refused commit wrote nothing");
     // Commit and roll back restores exact bits.
-    let mut st = w.stager();
+    let st = w.stager();
+    let undo = stage_and_commit(&mut w, st, &delta);
+    assert_eq!(w.weights(), &new);
+    assert_eq!(w.version(), 2);
+    w.rollback(undo);
+    assert_eq!(w.weights(), &old);
+    assert_eq!((w.version(), w.digest()), (1, pre));
+}
+
+/// Stages every segment of `delta` and its manifest with `st` (a stager on `w`), seals and
+/// commits it.
+fn stage_and_commit(
+    w: &mut VersionedWeights<Model>,
+    mut st: starling_proto::delta::apply::Stager,
+    delta: &starling_proto::delta::container::Delta,
+) -> starling_proto::delta::apply::UndoLog {
     for s in &delta.segments {
         let e = &delta.manifest.manifest.segments[s.seq as usize];
         st.stage_segment(s, e.hash, e.frame_len, w.weights())
             .expect("stages");
     }
     st.stage_manifest(delta.manifest.clone()).expect("manifest");
-    let undo = w
-        .commit(st.seal(&TrustPolicy::AnySigner).expect("seals"))
-        .expect("commits");
-    assert_eq!(w.weights(), &new);
-    assert_eq!(w.version(), 2);
-    w.rollback(undo);
-    assert_eq!(w.weights(), &old);
-    assert_eq!((w.version(), w.digest()), (1, pre));
+    w.commit(st.seal(&TrustPolicy::AnySigner).expect("seals"))
+        .expect("commits")
 }
 
 /// The written changes of an undo log, gathered per tensor in position order.
@@ -457,15 +466,7 @@ fn staging_into_an_earlier_undo_logs_vectors_writes_what_fresh_staging_writes() 
             if let Some(b) = pool {
                 st = st.with_buffers(b.clone());
             }
-            for s in &delta.segments {
-                let e = &delta.manifest.manifest.segments[s.seq as usize];
-                st.stage_segment(s, e.hash, e.frame_len, w.weights())
-                    .expect("stages");
-            }
-            st.stage_manifest(delta.manifest.clone()).expect("manifest");
-            let log = w
-                .commit(st.seal(&TrustPolicy::AnySigner).expect("seals"))
-                .expect("commits");
+            let log = stage_and_commit(w, st, &delta);
             assert_eq!(w.weights(), &models[k + 1], "version {}", k + 2);
             logs.push(log);
         }

@@ -443,11 +443,12 @@ pub struct VersionedWeights<W> {
 /// The vectors of staged parts, handed from one version's undo log to the next version's
 /// staging ([`Stager::with_buffers`], [`StagingBuffers::recycle`]).
 ///
-/// Without it an undo log is freed once its version is loaded, the allocator returns that
-/// idle memory to the kernel within about a second, and the next version's staging faults
-/// the same amount of fresh, zeroed pages in again: 8 bytes per change, a large share of
-/// staging's time (on a VM whose host takes back freed guest memory, more than the decoding;
-/// `docs/benchmarks.md`). Held here, one version's staging memory waits for the next.
+/// Without it an undo log is freed once its version is loaded, and whether the next version's
+/// staging gets that memory back or faults the same amount of fresh, zeroed pages in (8 bytes
+/// per change, a large share of staging's time; on a VM whose host takes back freed guest
+/// memory, more than the decoding) is up to the allocator: glibc trims idle memory, mimalloc
+/// purges it after about a second in some cases (`docs/benchmarks.md`). Held here, one
+/// version's staging memory waits for the next.
 #[derive(Debug, Default)]
 pub struct StagingBuffers {
     /// Sets of vectors, empty, by increasing capacity of their positions.

@@ -315,15 +315,20 @@ fn rice_gaps(positions: &[u64]) -> Vec<u8> {
                     w.write_wide(x, k);
                 }
             } else {
-                // RICE_ESCAPE ones with no terminator, then the width and the raw bits.
-                w.write((1u64 << RICE_ESCAPE) - 1, RICE_ESCAPE as u32);
-                let width = 64 - x.leading_zeros();
-                w.write(u64::from(width), 7);
-                w.write_wide(x, width);
+                write_rice_escape(&mut w, x);
             }
         }
     }
     w.finish()
+}
+
+/// A gap whose quotient reaches [`RICE_ESCAPE`]: that many ones with no terminator, then its
+/// width (7 bits) and its raw bits.
+fn write_rice_escape(w: &mut BitWriter, x: u64) {
+    w.write((1u64 << RICE_ESCAPE) - 1, RICE_ESCAPE as u32);
+    let width = 64 - x.leading_zeros();
+    w.write(u64::from(width), 7);
+    w.write_wide(x, width);
 }
 
 /// The gap of quotient `q` and low bits `low` under Rice parameter `k`, refused where it
@@ -959,10 +964,7 @@ mod tests {
                     w.write_unary(q);
                     w.write_wide(x, k);
                 } else {
-                    w.write((1u64 << RICE_ESCAPE) - 1, RICE_ESCAPE as u32);
-                    let width = 64 - x.leading_zeros();
-                    w.write(u64::from(width), 7);
-                    w.write_wide(x, width);
+                    write_rice_escape(&mut w, x);
                 }
             }
         }
