@@ -43,7 +43,9 @@
 # during each run ("other load"): 2 shared cores make results noisy.
 #
 # Usage (as root, from anywhere; needs ip and tc (iproute2, installed from Debian's packages
-# when missing), ~8 GB free in --work per actor pair, ~12 GB RAM for the 1.5b preset):
+# when missing); at the 1.5b preset ~12 GB RAM and, in --work, 3.5 GB per checkpoint step
+# (steps 0..W+1 for --warmup W, kept), per handover copy (W+1 per run) and per store snapshot
+# (the hub's and each actor's, removed after each run unless --keep): ~30 GB with --warmup 1):
 #   benches/tbf-bench.sh [--reps 3] [--cases "ct1 ct4 saf4"] [--model 1.5b] [--lr 2e-5]
 #                        [--rate-mbit 1000] [--burst 500kb] [--limit 1250000] [--actors 2]
 #                        [--codecs auto|small|fast] [--handover yes|no] [--warmup 1]
@@ -129,7 +131,9 @@ bin_stamp=$(stat -c '%y' "$release/starling-hub" | cut -d. -f1)
 git_rev=$(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')
 git_dirty=$(git -C "$repo" status --porcelain --untracked-files=no 2>/dev/null | wc -l)
 
-[[ $warmup =~ ^[0-9]+$ ]] || { echo "--warmup takes a count" >&2; exit 2; }
+# Below the hub's default anchor interval and retention (32 versions), so that the catch-up
+# relay fetches deltas rather than restoring an anchor.
+[[ $warmup =~ ^[0-9]+$ ]] && ((warmup <= 30)) || { echo "--warmup takes a count up to 30" >&2; exit 2; }
 # The measured version: after --warmup untimed ones, so that it is staged the way every
 # version of a run is (into the vectors the previous version's undo log left), not the way
 # only the first after a start is.
@@ -185,6 +189,8 @@ teardown() {
     stop_all
     for ns in "$NS_HUB" "$NS_RELAY" "$NS_ACT"; do del_ns "$ns"; done
     if ((keep == 0)); then rm -rf "$run_root"/*/a*-store "$run_root"/*/hub-store "$run_root/bin"; fi
+    # Handover copies a run made and did not publish (it stopped early).
+    rm -f "${ckpt:-/nonexistent}"/handover-*.safetensors
 }
 trap teardown EXIT
 trap 'exit 130' INT TERM
@@ -250,7 +256,7 @@ watcher() { # port paths... : every 0.5 s, stamped `key value` lines for what ch
     # Keys: `up 1` once 127.0.0.1:PORT answers; every unlabelled `starling_*` sample of
     # /metrics; from an actor's /v1/status: staged_version, active_version, source_connected;
     # from a relay's: cached_version, hub_connected. A version's line carries the stamp the
-    # process itself recorded (`staged_at_ms`, `active_at_ms`, `cached_at_ms`; the hub link's
+    # process itself recorded (`newest_staged_at_ms`, `active_at_ms`, `cached_at_ms`; the hub link's
     # `since_ms`), so this loop can poll slowly, off the measured processes' cores, without
     # blurring any figure; other lines carry the time this loop saw them.
     local port=$1 l k v at body path
@@ -409,7 +415,7 @@ run_case() { # case rep
     start_watch hub "$NS_HUB" 9100 /metrics
     wait_for hub "$run/hub.watch" 'up 1$' 600 >/dev/null
     # Only the hub's `up` is read from its watch: polling its long /metrics in bash every
-    # 50 ms for the rest of the run would take CPU from the processes being measured.
+    # 0.5 s for the rest of the run would take CPU from the processes being measured.
     kill_pids "${PIDS[hub-watch]}"
     unset 'PIDS[hub-watch]'
     start relay "$NS_RELAY" "$RELAY" --model-id tiny --listen $RELAY_LAN_IP:7444 \
@@ -449,7 +455,7 @@ run_case() { # case rep
     # (3.5 GB of weights each at 1.5b). `sync` first, so that no writeback of the copy made
     # above runs during the run either.
     sync
-    echo 1 >/proc/sys/vm/drop_caches
+    echo 1 2>/dev/null >/proc/sys/vm/drop_caches || echo "  (could not drop the page cache: measuring anyway)"
     cat "$base_file" "$source" >/dev/null
     wait_quiet "$quiet_wait"
     # The relay's mean control RTT to the hub so far (reported; the ideal uses the stated 1 ms).

@@ -464,21 +464,22 @@ impl StagingBuffers {
         self.free.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The set whose positions hold `changes` with the least to spare, else the largest
-    /// held (it grows), else new empty vectors.
+    /// The set whose positions hold `changes` with the least to spare, else new empty
+    /// vectors (growing a held one would copy its stale bytes; it stays for another part).
     fn take(&self, changes: usize) -> CompactChanges {
         let mut free = self.free();
         let fits = free.partition_point(|c| c.positions.capacity() < changes);
-        let at = fits.min(free.len().saturating_sub(1));
-        if free.is_empty() {
-            CompactChanges::default()
+        if fits < free.len() {
+            free.remove(fits)
         } else {
-            free.remove(at)
+            CompactChanges::default()
         }
     }
 
-    /// Keeps the vectors of `log`'s parts for the next staging, in place of what was held
-    /// (so what stays held is at most one version's staging memory).
+    /// Keeps the vectors of `log`'s parts for the next staging, in place of what was held:
+    /// each at most 1.25× what its part used, so what stays held is about one version's
+    /// staged changes. The next staging takes from it first; a part that none holds gets new
+    /// vectors, and what it does not take stays held until the next `recycle`.
     pub fn recycle(&self, log: UndoLog) {
         self.keep(log.parts);
     }
@@ -497,9 +498,15 @@ impl StagingBuffers {
                     new: p.new,
                     old: p.old,
                 };
+                // What is held tracks what the last version used: a vector that grew for
+                // an earlier, denser version gives the excess back.
+                let keep = c.positions.len() + c.positions.len() / 4;
                 c.positions.clear();
+                c.positions.shrink_to(keep);
                 c.new.clear();
+                c.new.shrink_to(keep);
                 c.old.clear();
+                c.old.shrink_to(keep);
                 c
             })
             .collect();

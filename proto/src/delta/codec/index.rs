@@ -943,7 +943,8 @@ mod tests {
 
     /// The Rice encoder as first written: every gap collected, each candidate parameter
     /// costed in its own pass, the quotient and the low bits written separately. The fused
-    /// encoder must write the same bytes.
+    /// encoder must write the same bytes. Written out in full (its cost and escape too, not
+    /// the encoder's helpers), so that it checks them.
     fn rice_gaps_reference(positions: &[u64]) -> Vec<u8> {
         let xs: Vec<u64> = gaps(positions).collect();
         let mut w = BitWriter::with_capacity(positions.len() + 16);
@@ -955,7 +956,18 @@ mod tests {
                 (mean * std::f64::consts::LN_2).log2().floor().max(0.0) as i64
             };
             let (lo, hi) = (guess.clamp(0, 58) as u32, (guess + 1).min(58) as u32);
-            let cost = |k: u32| block.iter().map(|&x| rice_bits(x, k)).sum::<u64>();
+            let cost = |k: u32| {
+                block
+                    .iter()
+                    .map(|&x| {
+                        if x >> k < RICE_ESCAPE {
+                            (x >> k) + 1 + u64::from(k)
+                        } else {
+                            RICE_ESCAPE + 7 + u64::from(64 - x.leading_zeros())
+                        }
+                    })
+                    .sum::<u64>()
+            };
             let k = (lo..=hi).min_by_key(|&k| cost(k)).unwrap_or(0);
             w.write(u64::from(k), 6);
             for &x in block {
@@ -964,7 +976,10 @@ mod tests {
                     w.write_unary(q);
                     w.write_wide(x, k);
                 } else {
-                    write_rice_escape(&mut w, x);
+                    w.write((1u64 << RICE_ESCAPE) - 1, RICE_ESCAPE as u32);
+                    let width = 64 - x.leading_zeros();
+                    w.write(u64::from(width), 7);
+                    w.write_wide(x, width);
                 }
             }
         }
