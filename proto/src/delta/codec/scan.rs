@@ -35,6 +35,9 @@ const RECENTER_STEPS: usize = 1024;
 const BLOCK: usize = 64;
 /// Countdown blocks between re-choosing the window.
 const RECENTER_BLOCKS: usize = RECENTER_STEPS / 2;
+/// Elements between re-choosing the window (the same stretch in steps and in blocks).
+const RECENTER_ELEMS: usize = RECENTER_STEPS * LANES;
+const _: () = assert!(RECENTER_BLOCKS * BLOCK == RECENTER_ELEMS);
 
 /// The exponent class of a base value (`docs/format.md`), by arithmetic.
 #[inline]
@@ -63,6 +66,14 @@ fn stretch_window(stretch: &[u16]) -> usize {
         hist[usize::from(class_of(b))] += 1;
     }
     best_window(&hist)
+}
+
+/// At the end (`end`, exclusive) of a stretch of [`RECENTER_ELEMS`] elements of which
+/// `outside` fell outside the window: the window for the next stretch, where this stretch's
+/// values lie, when more than 1 in 32 did; else none.
+#[inline(always)]
+fn recentred(base: &[u16], end: usize, outside: usize) -> Option<usize> {
+    (outside * 32 > RECENTER_ELEMS).then(|| stretch_window(&base[end - RECENTER_ELEMS..end]))
 }
 
 /// The window for a range, from the classes of its first elements.
@@ -563,10 +574,9 @@ fn select_ranks_blocks<S: Blocks, const DENSE: bool>(
             events &= events - 1;
         }
         if (s + 1) % RECENTER_BLOCKS == 0 {
-            if outside_n * 32 > RECENTER_BLOCKS * BLOCK {
-                let stretch = &base[(s + 1 - RECENTER_BLOCKS) * BLOCK..i + BLOCK];
+            if let Some(next) = recentred(base, i + BLOCK, outside_n) {
                 cnt[lo..lo + TRACKED].copy_from_slice(&wcnt);
-                lo = stretch_window(stretch);
+                lo = next;
                 wcnt = core::array::from_fn(|t| cnt[lo + t]);
                 wnext = core::array::from_fn(|t| next_rank(lists, cur, lo + t));
                 cls = core::array::from_fn(|t| simd.splat(lo + t));
@@ -592,7 +602,7 @@ mod v3 {
 
     use super::{
         BLOCK, Changes, EXP_CLASSES, LANES, RECENTER_BLOCKS, RECENTER_STEPS, RankOut, TRACKED,
-        above64, countdown_scalar, initial_window, rank_scalar, select64, stretch_window,
+        above64, countdown_scalar, initial_window, rank_scalar, recentred, select64,
     };
 
     #[inline(always)]
@@ -853,15 +863,14 @@ mod v3 {
                 w.fold(simd);
             }
             if (s + 1) % RECENTER_STEPS == 0 {
-                if outside_n * 32 > RECENTER_STEPS * LANES {
-                    // Too many elements fell outside: move the window where this stretch's
-                    // values lie (its folded counts go to `cnt` first).
-                    let lo = stretch_window(&base[(s + 1 - RECENTER_STEPS) * LANES..i + LANES]);
-                    if lo != w.lo {
-                        w.fold(simd);
-                        w.drain(simd, &mut cnt);
-                        w = Window::new(simd, lo);
-                    }
+                // Too many elements fell outside: move the window where this stretch's values
+                // lie (its folded counts go to `cnt` first).
+                if let Some(lo) = recentred(base, i + LANES, outside_n)
+                    && lo != w.lo
+                {
+                    w.fold(simd);
+                    w.drain(simd, &mut cnt);
+                    w = Window::new(simd, lo);
                 }
                 outside_n = 0;
             }
@@ -958,10 +967,9 @@ mod v3 {
                 }
             }
             if (s + 1) % RECENTER_BLOCKS == 0 {
-                if outside_n * 32 > RECENTER_BLOCKS * BLOCK {
-                    let stretch = &base[(s + 1 - RECENTER_BLOCKS) * BLOCK..i + BLOCK];
+                if let Some(next) = recentred(base, i + BLOCK, outside_n) {
                     rem[lo..lo + TRACKED].copy_from_slice(&wrem);
-                    lo = stretch_window(stretch);
+                    lo = next;
                     wrem = core::array::from_fn(|t| rem[lo + t]);
                     cls = core::array::from_fn(|t| splat8(simd, lo + t));
                     lo_v = splat8(simd, lo);
