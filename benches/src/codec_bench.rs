@@ -172,7 +172,7 @@ fn main() -> Result<()> {
         let (old, new) = pair(&spec, lr, args.seed, args.cache_dir.as_deref())?;
         size_rows.push(sizes(lr, &old, &new, &row_lens));
         if !args.sizes_only {
-            speed_rows.push(speeds(lr, &old, &new, args.reps, threads)?);
+            speed_rows.push(speeds(lr, &old, &new, args.reps)?);
         }
     }
     print_sizes(&size_rows);
@@ -600,11 +600,29 @@ fn time<T>(reps: usize, mut f: impl FnMut() -> T) -> f64 {
     )
 }
 
-fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Result<SpeedRow> {
+/// The median time of each of `fs` over `reps` rounds, each round running every `f` in
+/// turn, twice: the first run, untimed, lets the pool it runs on wake and warm up after the
+/// others'.
+fn time_round_robin<T, const N: usize>(reps: usize, fs: [&dyn Fn() -> T; N]) -> [f64; N] {
+    let mut times: [Vec<f64>; N] = core::array::from_fn(|_| Vec::with_capacity(reps));
+    for _ in 0..reps {
+        for (f, t) in fs.iter().zip(&mut times) {
+            std::hint::black_box(f());
+            let start = Instant::now();
+            std::hint::black_box(f());
+            t.push(start.elapsed().as_secs_f64());
+        }
+    }
+    times.map(median)
+}
+
+/// One row of the speed tables. "1T" runs on a pool of one thread; "NT" on the process's
+/// own pool (`RAYON_NUM_THREADS`), which the hub and the actor use too. A second pool of N
+/// threads built here beside it ran encode and staging 5–15% slower than the process's pool
+/// on the 2-vCPU machine of `docs/benchmarks.md` (not explained; `--profile-encode` and
+/// `--profile-stage`, which run on the process's pool alone, agree with the process's pool).
+fn speeds(lr: f32, old: &Model, new: &Model, reps: usize) -> Result<SpeedRow> {
     let one = rayon::ThreadPoolBuilder::new().num_threads(1).build()?;
-    let all = rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()?;
     let ts = flat_pairs(old, new);
     let hdr = header(old);
     let dense_bytes = 2.0 * 2.0 * old.values().map(Vec::len).sum::<usize>() as f64; // both buffers
@@ -654,13 +672,28 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
     let memcpy_src: Vec<u16> = old.values().flatten().copied().collect();
     let mut memcpy_dst = vec![0u16; memcpy_src.len()];
     let memcpy = time(reps, || memcpy_dst.copy_from_slice(&memcpy_src));
-    let compare_1 = one.install(|| time(reps, compare));
-    let encode_1 = one.install(|| time(reps, encode));
-    let encode_1_v1 = one.install(|| time(reps, encode_v1));
-    let encode_1_adaptive = one.install(|| time(reps, encode_adaptive));
-    let sparrow_1 = one.install(|| time(reps, sparrow));
-    let compare_n = all.install(|| time(reps, compare));
-    let encode_n = all.install(|| time(reps, encode));
+    // Round robin, so that a slower minute of a shared machine weighs on every column alike
+    // and the ratios (÷ compare, ÷ SparrowRL, 1T→NT) compare like with like.
+    let [
+        compare_1,
+        encode_1,
+        encode_1_v1,
+        encode_1_adaptive,
+        sparrow_1,
+        compare_n,
+        encode_n,
+    ] = time_round_robin(
+        reps,
+        [
+            &|| one.install(compare),
+            &|| one.install(encode),
+            &|| one.install(encode_v1),
+            &|| one.install(encode_adaptive),
+            &|| one.install(sparrow),
+            &compare,
+            &encode,
+        ],
+    );
 
     // Decode = staging (verify, decode to absolute bits, gather undo log, digest change).
     let (bytes, _) = encode_in_memory(hdr.clone(), EncoderConfig::default(), &ts, None);
@@ -683,11 +716,19 @@ fn speeds(lr: f32, old: &Model, new: &Model, reps: usize, threads: usize) -> Res
     };
     let stage = |w: &VersionedWeights<Model>| stage_delta(&delta, w);
     let w = VersionedWeights::new("bench", old.clone(), 1, pre);
-    let decode_1 = one.install(|| time(reps, || stage(&w).map(|_| ())));
-    let decode_1_v1 = one.install(|| time(reps, || stage_delta(&delta_v1, &w).map(|_| ())));
-    let decode_1_adaptive =
-        one.install(|| time(reps, || stage_delta(&delta_adaptive, &w).map(|_| ())));
-    let decode_n = all.install(|| time(reps, || stage(&w).map(|_| ())));
+    // Each delta stages once before it is timed, so that a refusal fails the bench.
+    stage(&w)?;
+    stage_delta(&delta_v1, &w)?;
+    stage_delta(&delta_adaptive, &w)?;
+    let [decode_1, decode_1_v1, decode_1_adaptive, decode_n] = time_round_robin(
+        reps,
+        [
+            &|| one.install(|| stage(&w).is_ok()),
+            &|| one.install(|| stage_delta(&delta_v1, &w).is_ok()),
+            &|| one.install(|| stage_delta(&delta_adaptive, &w).is_ok()),
+            &|| stage(&w).is_ok(),
+        ],
+    );
     // Commit vs bare scatter of the same pairs, each on a fresh copy of the base.
     let mut commits = Vec::new();
     let mut scatters = Vec::new();
