@@ -69,8 +69,12 @@ pub struct DiffOptions {
     pub version: u64,
     pub created_unix_ms: u64,
     pub encoder: EncoderConfig,
-    /// Elements read per tensor chunk (memory ≈ 4 bytes × this, plus encoder buffers).
-    pub chunk_elems: usize,
+    /// Elements read and encoded per window (a batch of small tensors or a chunk of a large
+    /// one): address space ≈ 4 bytes × this, plus encoder buffers. `None` sizes it to the
+    /// thread pool ([`window_elems`]); tests set it small to exercise chunking. A large
+    /// tensor's parts restart at each window, so a window that is not a whole number of
+    /// parts changes the delta's bytes (never what it decodes to).
+    pub chunk_elems: Option<usize>,
     /// Record each new tensor's BLAKE3 in the manifest (for audits; costs a hash pass).
     pub tensor_hashes: bool,
     pub signing_key: Option<SigningKey>,
@@ -91,7 +95,7 @@ impl DiffOptions {
             version,
             created_unix_ms,
             encoder: EncoderConfig::default(),
-            chunk_elems: 1 << 24,
+            chunk_elems: None,
             tensor_hashes: true,
             signing_key: None,
             pre_digest: None,
@@ -196,6 +200,37 @@ fn flush_batch(
     Ok(())
 }
 
+/// Parts each pool thread gets per window when [`DiffOptions::chunk_elems`] is `None`.
+///
+/// The encoder waits for a window's last part before it reads the next window, so threads
+/// that finish early idle until then: about half a part each. With this many parts per
+/// thread that is a few percent of the window, where a fixed 16 M-element window (four 4 M
+/// parts) left 12 of 16 threads idle on every large tensor.
+pub const WINDOW_PARTS_PER_THREAD: usize = 8;
+
+/// The largest window [`window_elems`] picks (2 GiB of BF16 per checkpoint), so that a
+/// 100-thread hub still releases its mappings as it goes.
+pub const MAX_WINDOW_ELEMS: usize = 1 << 30;
+
+/// The smallest window [`window_elems`] picks: batches of small tensors are worth no less.
+pub const MIN_WINDOW_ELEMS: usize = 1 << 24;
+
+/// Elements per window of a diff on a pool of `threads`, with parts of `part_elems`:
+/// [`WINDOW_PARTS_PER_THREAD`] parts per thread, within [`MIN_WINDOW_ELEMS`] ..=
+/// [`MAX_WINDOW_ELEMS`], and a whole number of parts (at least one).
+///
+/// A large tensor's parts restart at each window, so a whole number of parts keeps the
+/// delta's bytes the same on any pool: the window changes when the work waits, never what
+/// is written.
+pub fn window_elems(threads: usize, part_elems: u64) -> usize {
+    let part = usize::try_from(part_elems).unwrap_or(usize::MAX).max(1);
+    let w = WINDOW_PARTS_PER_THREAD
+        .saturating_mul(threads.max(1))
+        .saturating_mul(part)
+        .clamp(MIN_WINDOW_ELEMS, MAX_WINDOW_ELEMS);
+    (w / part).max(1).saturating_mul(part)
+}
+
 /// Diffs `old` → `new` and streams the frames of the delta into `sink` as they are made
 /// (file header first). `progress` is told the elements scanned so far. Returns the signed
 /// manifest and the bytes written.
@@ -223,7 +258,10 @@ pub fn diff_checkpoints(
     let mut enc = DeltaEncoder::new(header, opts.encoder.clone());
     let mut out = Emitter { sink, written: 0 };
     out.emit(&enc.file_header())?;
-    let chunk = opts.chunk_elems.max(1);
+    let chunk = opts
+        .chunk_elems
+        .unwrap_or_else(|| window_elems(rayon::current_num_threads(), opts.encoder.part_elems))
+        .max(1);
     let mut scanned = 0u64;
     let mut batch: Vec<WholeTensor<'_>> = Vec::new();
     let mut batch_elems = 0usize;
@@ -756,6 +794,69 @@ mod tests {
     }
 
     #[test]
+    fn windows_hold_parts_for_every_thread_within_bounds() {
+        let part = 1 << 22;
+        assert_eq!(window_elems(2, part), 8 * 2 * (1 << 22));
+        assert_eq!(window_elems(16, part), 8 * 16 * (1 << 22));
+        assert_eq!(window_elems(1000, part), MAX_WINDOW_ELEMS);
+        assert_eq!(window_elems(1, 1000), MIN_WINDOW_ELEMS / 1000 * 1000);
+        assert_eq!(window_elems(0, u64::MAX), usize::MAX);
+        assert_eq!(window_elems(3, 3_000_000), 8 * 3 * 3_000_000);
+        assert_eq!(window_elems(1, 1_000_000), 16 * 1_000_000);
+        assert_eq!(window_elems(64, 3_000_000), 357 * 3_000_000);
+    }
+
+    #[test]
+    fn the_delta_is_the_same_bytes_whatever_the_window_and_the_pool() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let old_path = write_checkpoint(dir.path(), "old.safetensors", 0, 0);
+        let new_path = write_checkpoint(dir.path(), "new.safetensors", 5, 7);
+        let (old, new) = (
+            Checkpoint::open(&old_path).expect("old"),
+            Checkpoint::open(&new_path).expect("new"),
+        );
+        let diff = |chunk: Option<usize>, threads: usize| {
+            let mut opts = DiffOptions::new("m", 0, 1, 42);
+            opts.encoder.part_elems = 256;
+            opts.chunk_elems = chunk;
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("pool");
+            let mut bytes = Vec::new();
+            pool.install(|| {
+                diff_checkpoints(
+                    &old,
+                    &new,
+                    &opts,
+                    &mut |b| {
+                        bytes.extend_from_slice(b);
+                        Ok(())
+                    },
+                    &|_| {},
+                )
+            })
+            .expect("diff");
+            bytes
+        };
+        let whole = diff(None, 1);
+        assert!(whole.len() > 200, "the pair differs");
+        assert_ne!(
+            diff(Some(1000), 2),
+            whole,
+            "the check can fail: windows off the part grid cut other parts"
+        );
+        // Parts restart at each window, so any multiple of the part length gives these bytes.
+        for (chunk, threads) in [(None, 3), (Some(256), 1), (Some(512), 3), (Some(2560), 2)] {
+            assert_eq!(
+                diff(chunk, threads),
+                whole,
+                "window {chunk:?} on {threads} threads"
+            );
+        }
+    }
+
+    #[test]
     fn a_diff_told_to_refuse_nonfinite_changes_stops_before_its_manifest() {
         let dir = tempfile::tempdir().expect("tempdir");
         let old_path = write_checkpoint(dir.path(), "old.safetensors", 0, 0);
@@ -780,7 +881,7 @@ mod tests {
         let new = Checkpoint::open(&new_path).expect("new");
 
         let mut opts = DiffOptions::new("m", 0, 1, 42);
-        opts.chunk_elems = 1000;
+        opts.chunk_elems = Some(1000);
         opts.refuse_nonfinite_changes = true;
         let mut kinds = Vec::new();
         let got = diff_checkpoints(
@@ -826,7 +927,7 @@ mod tests {
         );
 
         let mut opts = DiffOptions::new("m", 0, 1, 42);
-        opts.chunk_elems = 1000;
+        opts.chunk_elems = Some(1000);
         let hashed =
             diff_to_file(&old, &new, &dir.path().join("a.sdc"), &opts, &|_| {}).expect("diff");
         opts.pre_digest = Some(checkpoint_digest(&old, "m").expect("digest"));
