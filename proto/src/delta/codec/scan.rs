@@ -20,6 +20,10 @@
 //! the rare very small magnitudes and exact zeros. The diff of the encoder's two ranges is
 //! done in the same pass, so each byte of both checkpoints is read once.
 //!
+//! With AVX-512 BW both scans take blocks of 64 values in one register (the [`Blocks`]
+//! forms): one byte comparison gives a class's lanes as a 64-bit mask, and the encoder adds
+//! each window class's mask population to an exact count instead of keeping accumulators.
+//!
 //! Every result is an exact integer: the vector paths and the scalar reference (used where
 //! AVX2 is missing) agree bit for bit, which the tests check on adversarial bases.
 
@@ -168,12 +172,36 @@ enum Changes<'a> {
 }
 
 fn rank(base: &[u16], changes: Changes<'_>, out: &mut RankOut<'_>) -> [u32; EXP_CLASSES] {
+    rank_at(base, changes, out, Level::best())
+}
+
+/// [`rank`] with `level` (falling back to a narrower one this CPU has; the same result in
+/// every case).
+fn rank_at(
+    base: &[u16],
+    changes: Changes<'_>,
+    out: &mut RankOut<'_>,
+    level: Level,
+) -> [u32; EXP_CLASSES] {
     #[cfg(target_arch = "x86_64")]
-    if let Some(simd) = pulp::x86::V3::try_new() {
-        return simd.vectorize(
-            #[inline(always)]
-            || v3::rank(simd, base, changes, out),
-        );
+    {
+        if level == Level::Avx512
+            && let Some(simd) = pulp::x86::V4::try_new()
+        {
+            let s = v4::Blocks(simd);
+            return simd.vectorize(
+                #[inline(always)]
+                || rank_blocks(s, base, changes, out),
+            );
+        }
+        if level != Level::Scalar
+            && let Some(simd) = pulp::x86::V3::try_new()
+        {
+            return simd.vectorize(
+                #[inline(always)]
+                || v3::rank(simd, base, changes, out),
+            );
+        }
     }
     rank_scalar(base, changes, out, [0; EXP_CLASSES])
 }
@@ -481,6 +509,104 @@ trait Blocks: Copy {
     fn outside(self, v: Self::V, lo: Self::V, k: Self::V) -> u64;
     /// The class bytes, in element order.
     fn bytes(v: Self::V) -> [u8; BLOCK];
+    /// Lanes whose bits differ between `old` and `new`.
+    fn differ(self, old: &[u16; BLOCK], new: &[u16; BLOCK]) -> u64;
+}
+
+/// [`rank`] over blocks of 64 elements, for instruction sets where a class's lanes come out
+/// of one comparison as a 64-bit mask: each window class's count advances by that mask's
+/// population, so the counts are exact at every block boundary and a change's rank is its
+/// class's count plus the lanes of its class below it in the block. (The AVX2 form,
+/// [`v3::rank`], counts into byte accumulators instead, which cost it fewer instructions.)
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn rank_blocks<S: Blocks>(
+    simd: S,
+    base: &[u16],
+    changes: Changes<'_>,
+    out: &mut RankOut<'_>,
+) -> [u32; EXP_CLASSES] {
+    let (blocks, _) = pulp::as_arrays::<BLOCK, u16>(base);
+    let new_blocks = match changes {
+        Changes::Diff(new) => pulp::as_arrays::<BLOCK, u16>(new).0,
+        Changes::At(_) => &[],
+    };
+    // Exact counts of the classes outside the window; the window's live in `wcnt`.
+    let mut cnt = [0u32; EXP_CLASSES];
+    let mut lo = initial_window(base);
+    let mut cls: [S::V; TRACKED] = core::array::from_fn(|t| simd.splat(lo + t));
+    let (mut lo_v, k_v) = (simd.splat(lo), simd.splat(TRACKED));
+    let mut wcnt = [0u32; TRACKED];
+    let mut outside_n = 0usize;
+    let mut at = 0usize;
+    for (s, block) in blocks.iter().enumerate() {
+        let i = s * BLOCK;
+        let v = simd.classes(block);
+        let changed = match changes {
+            Changes::Diff(_) => simd.differ(block, &new_blocks[s]),
+            Changes::At(p) => {
+                let mut m = 0u64;
+                while let Some(&q) = p.get(at) {
+                    let d = q.wrapping_sub(i as u64);
+                    if d >= BLOCK as u64 {
+                        break;
+                    }
+                    m |= 1 << d;
+                    at += 1;
+                }
+                m
+            }
+        };
+        let off = simd.outside(v, lo_v, k_v);
+        if changed != 0 {
+            let bytes = S::bytes(v);
+            let mut m = changed;
+            while m != 0 {
+                let j = m.trailing_zeros();
+                m &= m - 1;
+                let c = usize::from(bytes[j as usize]);
+                let before = (simd.eq(v, simd.splat(c)) & ((1u64 << j) - 1)).count_ones();
+                let t = c.wrapping_sub(lo);
+                let counted = if t < TRACKED { wcnt[t] } else { cnt[c] };
+                out.ranks.push(counted + before);
+                if let Changes::Diff(_) = changes {
+                    let j = j as usize;
+                    out.positions.push((i + j) as u64);
+                    out.old.push(block[j]);
+                    out.new.push(new_blocks[s][j]);
+                }
+            }
+        }
+        for t in 0..TRACKED {
+            wcnt[t] += simd.eq(v, cls[t]).count_ones();
+        }
+        if off != 0 {
+            outside_n += off.count_ones() as usize;
+            let bytes = S::bytes(v);
+            let mut o = off;
+            while o != 0 {
+                let j = o.trailing_zeros();
+                o &= o - 1;
+                cnt[usize::from(bytes[j as usize])] += 1;
+            }
+        }
+        if (s + 1) % RECENTER_BLOCKS == 0 {
+            if let Some(next) = recentred(base, i + BLOCK, outside_n) {
+                cnt[lo..lo + TRACKED].copy_from_slice(&wcnt);
+                lo = next;
+                wcnt.copy_from_slice(&cnt[lo..lo + TRACKED]);
+                cls = core::array::from_fn(|t| simd.splat(lo + t));
+                lo_v = simd.splat(lo);
+            }
+            outside_n = 0;
+        }
+    }
+    cnt[lo..lo + TRACKED].copy_from_slice(&wcnt);
+    if blocks.len() * BLOCK < base.len() {
+        // The last, partial block, one element at a time, continuing the counts.
+        return rank_scalar(base, changes, out, cnt);
+    }
+    cnt
 }
 
 /// [`select_ranks`] over blocks of 64 elements: per window class, one population
@@ -1018,6 +1144,19 @@ mod v3 {
         fn bytes(v: Self::V) -> [u8; BLOCK] {
             pulp::cast(v)
         }
+
+        #[inline(always)]
+        fn differ(self, old: &[u16; BLOCK], new: &[u16; BLOCK]) -> u64 {
+            let (o0, o1) = old.split_at(LANES);
+            let (n0, n1) = new.split_at(LANES);
+            let (oa, ob) = halves(o0);
+            let (na, nb) = halves(n0);
+            let lo = differ(self.0, load(oa), load(ob), load(na), load(nb));
+            let (oa, ob) = halves(o1);
+            let (na, nb) = halves(n1);
+            let hi = differ(self.0, load(oa), load(ob), load(na), load(nb));
+            u64::from(lo) | u64::from(hi) << 32
+        }
     }
 }
 
@@ -1086,6 +1225,16 @@ mod v4 {
         #[inline(always)]
         fn bytes(v: __m512i) -> [u8; BLOCK] {
             pulp::cast(v)
+        }
+
+        #[inline(always)]
+        fn differ(self, old: &[u16; BLOCK], new: &[u16; BLOCK]) -> u64 {
+            let (o, _) = pulp::as_arrays::<32, u16>(old);
+            let (n, _) = pulp::as_arrays::<32, u16>(new);
+            let x = self.0.avx512bw;
+            let lo = x._mm512_cmpneq_epi16_mask(pulp::cast(o[0]), pulp::cast(n[0]));
+            let hi = x._mm512_cmpneq_epi16_mask(pulp::cast(o[1]), pulp::cast(n[1]));
+            u64::from(lo) | u64::from(hi) << 32
         }
     }
 }
@@ -1280,8 +1429,37 @@ mod tests {
             ranks: &mut ranks,
         };
         let totals = rank_scalar(base, Changes::Diff(&new), &mut out, [0; EXP_CLASSES]);
-        assert_eq!((ranks, totals), (want, want_totals));
+        assert_eq!((ranks, totals), (want.clone(), want_totals));
         assert_eq!(p, positions);
+        // The ranking scan at every instruction set, from positions and fused with the diff.
+        for level in [Level::Scalar, Level::Avx2, Level::Avx512] {
+            let (mut p, mut o, mut n, mut ranks) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            let mut out = RankOut {
+                positions: &mut p,
+                old: &mut o,
+                new: &mut n,
+                ranks: &mut ranks,
+            };
+            let totals = rank_at(base, Changes::At(positions), &mut out, level);
+            assert_eq!((&ranks, totals), (&want, want_totals), "{level:?}");
+            ranks.clear();
+            let mut out = RankOut {
+                positions: &mut p,
+                old: &mut o,
+                new: &mut n,
+                ranks: &mut ranks,
+            };
+            let totals = rank_at(base, Changes::Diff(&new), &mut out, level);
+            assert_eq!((&ranks, totals), (&want, want_totals), "{level:?}");
+            assert_eq!(p, positions, "{level:?}");
+            for (k, &q) in p.iter().enumerate() {
+                assert_eq!(
+                    (o[k], n[k]),
+                    (base[q as usize], new[q as usize]),
+                    "{level:?}"
+                );
+            }
+        }
     }
 
     #[test]
