@@ -231,6 +231,50 @@ pub fn window_elems(threads: usize, part_elems: u64) -> usize {
     (w / part).max(1).saturating_mul(part)
 }
 
+/// The windows of one diff, in order. With [`DiffOptions::chunk_elems`] set, all of that
+/// size. Sized to the pool, the first two are [`MIN_WINDOW_ELEMS`] (on the part grid), so
+/// the first segment leaves as soon as with a fixed small window and relays and actors start
+/// on it, and the windows then double up to [`window_elems`], so the threads idle at
+/// fewer window ends once the pipeline runs.
+struct Windows {
+    size: usize,
+    target: usize,
+    done: usize,
+}
+
+impl Windows {
+    fn new(opts: &DiffOptions) -> Self {
+        let (size, target) = match opts.chunk_elems {
+            Some(c) => (c.max(1), c.max(1)),
+            None => {
+                let part = usize::try_from(opts.encoder.part_elems)
+                    .unwrap_or(usize::MAX)
+                    .max(1);
+                let target = window_elems(rayon::current_num_threads(), opts.encoder.part_elems);
+                let first = (MIN_WINDOW_ELEMS / part).max(1).saturating_mul(part);
+                (first.min(target), target)
+            }
+        };
+        Self {
+            size,
+            target,
+            done: 0,
+        }
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    /// After a window: from the third on, twice the last, up to the target.
+    fn advance(&mut self) {
+        self.done += 1;
+        if self.done >= 2 {
+            self.size = self.size.saturating_mul(2).min(self.target);
+        }
+    }
+}
+
 /// Diffs `old` → `new` and streams the frames of the delta into `sink` as they are made
 /// (file header first). `progress` is told the elements scanned so far. Returns the signed
 /// manifest and the bytes written.
@@ -247,6 +291,18 @@ pub fn diff_checkpoints(
     sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
     progress: &dyn Fn(u64),
 ) -> Result<(SignedManifest, u64), DeltaFileError> {
+    diff_in_windows(old, new, opts, Windows::new(opts), sink, progress)
+}
+
+/// [`diff_checkpoints`] with these windows.
+fn diff_in_windows(
+    old: &Checkpoint,
+    new: &Checkpoint,
+    opts: &DiffOptions,
+    mut windows: Windows,
+    sink: &mut dyn FnMut(&[u8]) -> std::io::Result<()>,
+    progress: &dyn Fn(u64),
+) -> Result<(SignedManifest, u64), DeltaFileError> {
     old.check_same_layout(new)?;
     let header = DeltaHeader {
         model_id: opts.model_id.clone(),
@@ -258,16 +314,13 @@ pub fn diff_checkpoints(
     let mut enc = DeltaEncoder::new(header, opts.encoder.clone());
     let mut out = Emitter { sink, written: 0 };
     out.emit(&enc.file_header())?;
-    let chunk = opts
-        .chunk_elems
-        .unwrap_or_else(|| window_elems(rayon::current_num_threads(), opts.encoder.part_elems))
-        .max(1);
     let mut scanned = 0u64;
     let mut batch: Vec<WholeTensor<'_>> = Vec::new();
     let mut batch_elems = 0usize;
     let pair = (old, new);
     for (to, tn) in old.tensors().iter().zip(new.tensors()) {
         let numel = to.numel();
+        let chunk = windows.size();
         if numel <= chunk as u64 {
             let n = numel as usize;
             batch.push(WholeTensor {
@@ -281,17 +334,21 @@ pub fn diff_checkpoints(
             if batch_elems >= chunk {
                 flush_batch(&mut batch, pair, &mut enc, &mut out, opts.tensor_hashes)?;
                 batch_elems = 0;
+                windows.advance();
                 progress(scanned);
             }
             continue;
         }
-        flush_batch(&mut batch, pair, &mut enc, &mut out, opts.tensor_hashes)?;
-        batch_elems = 0;
+        if !batch.is_empty() {
+            flush_batch(&mut batch, pair, &mut enc, &mut out, opts.tensor_hashes)?;
+            batch_elems = 0;
+            windows.advance();
+        }
         enc.begin_tensor(&to.name, &to.shape);
         let mut hasher = opts.tensor_hashes.then(blake3::Hasher::new);
         let mut start = 0u64;
         while start < numel {
-            let n = (numel - start).min(chunk as u64) as usize;
+            let n = (numel - start).min(windows.size() as u64) as usize;
             let a = bf16_range(old, to, start, n)?;
             let b = bf16_range(new, tn, start, n)?;
             let (frames, ()) = rayon::join(
@@ -310,6 +367,7 @@ pub fn diff_checkpoints(
             }
             start += n as u64;
             scanned += n as u64;
+            windows.advance();
             progress(scanned);
         }
         if let Some(h) = hasher {
@@ -806,6 +864,34 @@ mod tests {
         assert_eq!(window_elems(64, 3_000_000), 357 * 3_000_000);
     }
 
+    /// The windows a diff with `opts` gets on a pool of `threads`.
+    fn pool_windows(opts: &DiffOptions, threads: usize) -> Windows {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .expect("pool")
+            .install(|| Windows::new(opts))
+    }
+
+    #[test]
+    fn windows_start_small_and_double_to_the_pools_size() {
+        let mut w = pool_windows(&DiffOptions::new("m", 0, 1, 0), 16);
+        let mut sizes = Vec::new();
+        for _ in 0..8 {
+            sizes.push(w.size() >> 22);
+            w.advance();
+        }
+        // In 4 M-element parts: 4, 4, then doubling to 8 per thread.
+        assert_eq!(sizes, [4, 4, 8, 16, 32, 64, 128, 128]);
+        let mut fixed = DiffOptions::new("m", 0, 1, 0);
+        fixed.chunk_elems = Some(1000);
+        let mut w = Windows::new(&fixed);
+        w.advance();
+        w.advance();
+        w.advance();
+        assert_eq!(w.size(), 1000);
+    }
+
     #[test]
     fn the_delta_is_the_same_bytes_whatever_the_window_and_the_pool() {
         let dir = tempfile::tempdir().expect("tempdir");
@@ -815,20 +901,20 @@ mod tests {
             Checkpoint::open(&old_path).expect("old"),
             Checkpoint::open(&new_path).expect("new"),
         );
-        let diff = |chunk: Option<usize>, threads: usize| {
-            let mut opts = DiffOptions::new("m", 0, 1, 42);
-            opts.encoder.part_elems = 256;
-            opts.chunk_elems = chunk;
+        let mut opts = DiffOptions::new("m", 0, 1, 42);
+        opts.encoder.part_elems = 256;
+        let diff_with = |windows: Windows, threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
                 .build()
                 .expect("pool");
             let mut bytes = Vec::new();
             pool.install(|| {
-                diff_checkpoints(
+                diff_in_windows(
                     &old,
                     &new,
                     &opts,
+                    windows,
                     &mut |b| {
                         bytes.extend_from_slice(b);
                         Ok(())
@@ -838,6 +924,11 @@ mod tests {
             })
             .expect("diff");
             bytes
+        };
+        let diff = |chunk: Option<usize>, threads: usize| {
+            let mut opts = opts.clone();
+            opts.chunk_elems = chunk;
+            diff_with(pool_windows(&opts, threads), threads)
         };
         let whole = diff(None, 1);
         assert!(whole.len() > 200, "the pair differs");
@@ -854,6 +945,13 @@ mod tests {
                 "window {chunk:?} on {threads} threads"
             );
         }
+        // So do windows that grow as the pool-sized ones do, from one part.
+        let growing = Windows {
+            size: 256,
+            target: 2048,
+            done: 0,
+        };
+        assert_eq!(diff_with(growing, 2), whole, "growing windows");
     }
 
     #[test]
