@@ -4,9 +4,10 @@
 # printed mean nothing at these sizes: what is checked is that each command runs to the end
 # and exits 0. About a minute on 2 cores once the release binaries are built.
 #
-# Covered here: codec-bench, benches/memory.sh, ledger-bench (SQLite; its PostgreSQL backend
-# when STARLING_TEST_POSTGRES_URL is set), rollout-bench (makespan), engine-bench, and, as root
-# where network namespaces can be made, benches/tbf-bench.sh (else skipped, saying so).
+# Covered here: codec-bench, benches/memory.sh, benches/diff-scaling.sh, ledger-bench (SQLite;
+# its PostgreSQL backend when STARLING_TEST_POSTGRES_URL is set), rollout-bench (makespan),
+# engine-bench, and, as root where network namespaces can be made, benches/tbf-bench.sh (else
+# skipped, saying so).
 # wan-bench runs only with STARLING_BENCH_SMOKE_WAN=1: when this step was added it did not
 # finish at the tiny preset (its actors connected, no version was published within 5 min;
 # it still waits on the processes' stdout lines rather than their status endpoints), which
@@ -49,6 +50,8 @@ step() { # name command... : runs it with a time limit, prints its tail on failu
 
 step codec-bench "$bin/codec-bench" --model tiny --reps 1 --lrs 1e-4
 step memory-sh env CARGO_TARGET_DIR="$target_dir" benches/memory.sh tiny "$work/memory"
+step diff-scaling benches/diff-scaling.sh --model tiny --threads "2 1" --reps 1 \
+    --hub "$bin/starling-hub" --baseline-hub "$bin/starling-hub" --work "$work/diff"
 step ledger-bench "$bin/ledger-bench" --backend sqlite --jobs 2000 --actors 8 --batch 256
 if [[ -n ${STARLING_TEST_POSTGRES_URL:-} ]]; then
     step ledger-bench-pg "$bin/ledger-bench" --backend postgres --url "$STARLING_TEST_POSTGRES_URL" \
