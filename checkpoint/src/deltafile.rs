@@ -23,6 +23,7 @@ use starling_proto::delta::encode::{
     DeltaEncoder, DeltaHeader, EncoderConfig, NonFiniteChanges, TensorPair,
 };
 use starling_proto::delta::manifest::{Manifest, TrustPolicy, hex};
+use starling_proto::delta::segment::MAX_PART_ELEMS;
 use starling_proto::{DecodeError, delta::manifest::SignedManifest};
 use thiserror::Error;
 
@@ -223,42 +224,67 @@ pub const MIN_WINDOW_ELEMS: usize = 1 << 24;
 /// delta's bytes the same on any pool: the window changes when the work waits, never what
 /// is written.
 pub fn window_elems(threads: usize, part_elems: u64) -> usize {
-    let part = usize::try_from(part_elems).unwrap_or(usize::MAX).max(1);
-    let w = WINDOW_PARTS_PER_THREAD
-        .saturating_mul(threads.max(1))
-        .saturating_mul(part)
-        .clamp(MIN_WINDOW_ELEMS, MAX_WINDOW_ELEMS);
-    (w / part).max(1).saturating_mul(part)
+    Windows::for_pool(threads, part_elems, MIN_WINDOW_ELEMS, MAX_WINDOW_ELEMS).target
+}
+
+/// The encoder's part length for `part_elems` (it clamps it the same way).
+fn part_len(part_elems: u64) -> usize {
+    usize::try_from(part_elems.clamp(1, MAX_PART_ELEMS)).unwrap_or(usize::MAX)
+}
+
+/// `elems` rounded down to a whole number of parts of `part`, at least one.
+fn on_part_grid(elems: usize, part: usize) -> usize {
+    (elems / part).max(1).saturating_mul(part)
 }
 
 /// The windows of one diff, in order. With [`DiffOptions::chunk_elems`] set, all of that
-/// size. Sized to the pool, the first two are [`MIN_WINDOW_ELEMS`] (on the part grid), so
-/// the first segment leaves as soon as with a fixed small window and relays and actors start
-/// on it, and the windows then double up to [`window_elems`], so the threads idle at
-/// fewer window ends once the pipeline runs.
+/// size. Sized to the pool, they start at [`MIN_WINDOW_ELEMS`] (on the part grid), so the
+/// first segment leaves as soon as with a fixed small window and relays and actors start on
+/// it; once two such windows' worth is read they double up to [`window_elems`], so the
+/// threads idle at fewer window ends while the pipeline runs.
 struct Windows {
     size: usize,
     target: usize,
-    done: usize,
+    /// Elements read after which the windows start to grow.
+    grow_after: usize,
+    read: usize,
 }
 
 impl Windows {
     fn new(opts: &DiffOptions) -> Self {
-        let (size, target) = match opts.chunk_elems {
-            Some(c) => (c.max(1), c.max(1)),
-            None => {
-                let part = usize::try_from(opts.encoder.part_elems)
-                    .unwrap_or(usize::MAX)
-                    .max(1);
-                let target = window_elems(rayon::current_num_threads(), opts.encoder.part_elems);
-                let first = (MIN_WINDOW_ELEMS / part).max(1).saturating_mul(part);
-                (first.min(target), target)
-            }
-        };
+        match opts.chunk_elems {
+            Some(c) => Self {
+                size: c.max(1),
+                target: c.max(1),
+                grow_after: 0,
+                read: 0,
+            },
+            None => Self::for_pool(
+                rayon::current_num_threads(),
+                opts.encoder.part_elems,
+                MIN_WINDOW_ELEMS,
+                MAX_WINDOW_ELEMS,
+            ),
+        }
+    }
+
+    /// Windows for a pool of `threads` and parts of `part_elems`, from `min` (and at least one
+    /// part) growing to [`WINDOW_PARTS_PER_THREAD`] parts per thread within `min ..= max`.
+    fn for_pool(threads: usize, part_elems: u64, min: usize, max: usize) -> Self {
+        let part = part_len(part_elems);
+        let target = on_part_grid(
+            WINDOW_PARTS_PER_THREAD
+                .saturating_mul(threads.max(1))
+                .saturating_mul(part)
+                .clamp(min, max),
+            part,
+        );
+        let first = on_part_grid(min, part).min(target);
         Self {
-            size,
+            size: first,
             target,
-            done: 0,
+            grow_after: first.saturating_mul(2),
+            read: 0,
         }
     }
 
@@ -266,10 +292,11 @@ impl Windows {
         self.size
     }
 
-    /// After a window: from the third on, twice the last, up to the target.
-    fn advance(&mut self) {
-        self.done += 1;
-        if self.done >= 2 {
+    /// After a window of `elems` elements: once `grow_after` are read, the next window is
+    /// twice this one, up to the target.
+    fn advance(&mut self, elems: usize) {
+        self.read = self.read.saturating_add(elems);
+        if self.read >= self.grow_after {
             self.size = self.size.saturating_mul(2).min(self.target);
         }
     }
@@ -333,16 +360,16 @@ fn diff_in_windows(
             scanned += numel;
             if batch_elems >= chunk {
                 flush_batch(&mut batch, pair, &mut enc, &mut out, opts.tensor_hashes)?;
+                windows.advance(batch_elems);
                 batch_elems = 0;
-                windows.advance();
                 progress(scanned);
             }
             continue;
         }
         if !batch.is_empty() {
             flush_batch(&mut batch, pair, &mut enc, &mut out, opts.tensor_hashes)?;
+            windows.advance(batch_elems);
             batch_elems = 0;
-            windows.advance();
         }
         enc.begin_tensor(&to.name, &to.shape);
         let mut hasher = opts.tensor_hashes.then(blake3::Hasher::new);
@@ -367,7 +394,7 @@ fn diff_in_windows(
             }
             start += n as u64;
             scanned += n as u64;
-            windows.advance();
+            windows.advance(n);
             progress(scanned);
         }
         if let Some(h) = hasher {
@@ -858,7 +885,8 @@ mod tests {
         assert_eq!(window_elems(16, part), 8 * 16 * (1 << 22));
         assert_eq!(window_elems(1000, part), MAX_WINDOW_ELEMS);
         assert_eq!(window_elems(1, 1000), MIN_WINDOW_ELEMS / 1000 * 1000);
-        assert_eq!(window_elems(0, u64::MAX), usize::MAX);
+        // Parts as long as the encoder makes them (it clamps to MAX_PART_ELEMS).
+        assert_eq!(window_elems(0, u64::MAX), 8 * MAX_PART_ELEMS as usize);
         assert_eq!(window_elems(3, 3_000_000), 8 * 3 * 3_000_000);
         assert_eq!(window_elems(1, 1_000_000), 16 * 1_000_000);
         assert_eq!(window_elems(64, 3_000_000), 357 * 3_000_000);
@@ -879,16 +907,21 @@ mod tests {
         let mut sizes = Vec::new();
         for _ in 0..8 {
             sizes.push(w.size() >> 22);
-            w.advance();
+            w.advance(w.size());
         }
         // In 4 M-element parts: 4, 4, then doubling to 8 per thread.
         assert_eq!(sizes, [4, 4, 8, 16, 32, 64, 128, 128]);
+        // Small batches read first do not use up the small windows.
+        let mut w = pool_windows(&DiffOptions::new("m", 0, 1, 0), 16);
+        w.advance(1000);
+        w.advance(1000);
+        assert_eq!(w.size(), MIN_WINDOW_ELEMS);
         let mut fixed = DiffOptions::new("m", 0, 1, 0);
         fixed.chunk_elems = Some(1000);
         let mut w = Windows::new(&fixed);
-        w.advance();
-        w.advance();
-        w.advance();
+        for _ in 0..3 {
+            w.advance(1000);
+        }
         assert_eq!(w.size(), 1000);
     }
 
@@ -945,13 +978,15 @@ mod tests {
                 "window {chunk:?} on {threads} threads"
             );
         }
-        // So do windows that grow as the pool-sized ones do, from one part.
-        let growing = Windows {
-            size: 256,
-            target: 2048,
-            done: 0,
-        };
-        assert_eq!(diff_with(growing, 2), whole, "growing windows");
+        // So do pool-sized windows small enough to grow within this pair, on any pool.
+        for threads in [1, 2, 3] {
+            let windows = Windows::for_pool(threads, 256, 256, MAX_WINDOW_ELEMS);
+            assert_eq!(
+                diff_with(windows, threads),
+                whole,
+                "growing windows on {threads} threads"
+            );
+        }
     }
 
     #[test]
