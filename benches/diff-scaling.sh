@@ -3,9 +3,10 @@
 # (the same `bench gen` presets as tbf-bench), run on 1..N rayon threads, optionally beside a
 # second hub binary (the same pair, alternated run by run, so the two see the same machine).
 #
-# Every run must produce the same delta: the script checks that each run's manifest post
-# digest and delta size equal the first run's (a thread count or a binary that changes
-# what is written fails the bench). It prints one line per run and, per binary and thread
+# Every run must produce the same delta: the script checks that each run's size, segment
+# count, change count and post digest equal the first run's (a thread count or a binary that
+# changes how the delta is laid out fails the bench; the bytes themselves differ between runs
+# only because a delta's id includes its creation time). It prints one line per run and, per binary and thread
 # count, the median of the diff's own time (the CLI's "seconds": reading, diffing, encoding
 # and writing the .sdc, its fsync included) and its speed-up over one thread.
 #
@@ -16,7 +17,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-model=1.5b lr=2e-5 threads="$(nproc) 2 1" reps=2 hub="" baseline="" work=/var/tmp/starling-diff-scaling
+model=1.5b lr=2e-5 threads=$(printf '%s\n' "$(nproc)" 2 1 | sort -nru | tr '\n' ' ') reps=2 hub="" baseline="" work=/var/tmp/starling-diff-scaling
 while (($#)); do
     case $1 in
     --model) model=$2; shift 2 ;;
@@ -39,7 +40,8 @@ mkdir -p "$work"
 pair=$work/$model-lr$lr
 if [[ ! -f $pair/step-0001.safetensors ]]; then
     rm -rf "$pair.tmp"
-    "$hub" bench gen --model "$model" --steps 1 --lr "$lr" -o "$pair.tmp" >"$work/gen.log" 2>&1
+    "$hub" bench gen --model "$model" --steps 1 --lr "$lr" -o "$pair.tmp" >"$work/gen.log" 2>&1 ||
+        { tail -n 20 "$work/gen.log" >&2; exit 1; }
     mv "$pair.tmp" "$pair"
 fi
 # Both checkpoints in the page cache, so that no run reads them from disk.
@@ -60,15 +62,15 @@ for rep in $(seq "$reps"); do
         for h in "${hubs[@]}"; do
             out=$(RAYON_NUM_THREADS=$t "${bin[$h]}" delta diff --no-tensor-hashes --json \
                 --out "$work/delta.sdc" "$pair/step-0000.safetensors" "$pair/step-0001.safetensors")
-            read -r secs digest bytes < <(python3 -c '
+            read -r secs digest bytes layout < <(python3 -c '
 import json, sys
 d = json.loads(sys.argv[1])
-print(d["seconds"], d["post_digest"], d["delta_bytes"])' "$out")
+print(d["seconds"], d["post_digest"], d["delta_bytes"], "%s/%s" % (d["segments"], d["changes"]))' "$out")
             rm -f "$work/delta.sdc"
             if [[ -z $ref ]]; then
-                ref="$digest $bytes"
-            elif [[ "$digest $bytes" != "$ref" ]]; then
-                echo "run $rep, $t threads, $h: post digest and size $digest $bytes differ from $ref" >&2
+                ref="$digest $bytes $layout"
+            elif [[ "$digest $bytes $layout" != "$ref" ]]; then
+                echo "run $rep, $t threads, $h: delta $digest $bytes $layout differs from $ref" >&2
                 exit 1
             fi
             echo "$rep $t $h $secs ${digest:0:16} $bytes" | tee -a "$results"
