@@ -208,6 +208,23 @@ fn rank_at(
     rank_scalar(base, changes, out, [0; EXP_CLASSES])
 }
 
+/// The positions among `p[*at..]` within `lanes` (at most 64) elements from `start`, as a lane
+/// mask; `*at` moves past them.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn lanes_at(p: &[u64], at: &mut usize, start: usize, lanes: usize) -> u64 {
+    let mut m = 0u64;
+    while let Some(&q) = p.get(*at) {
+        let d = q.wrapping_sub(start as u64);
+        if d >= lanes as u64 {
+            break;
+        }
+        m |= 1 << d;
+        *at += 1;
+    }
+    m
+}
+
 /// The reference ranking scan, one element at a time, continuing from counts `cnt`.
 fn rank_scalar(
     base: &[u16],
@@ -546,18 +563,7 @@ fn rank_blocks<S: Blocks>(
         let v = simd.classes(block);
         let changed = match changes {
             Changes::Diff(_) => simd.differ(block, &new_blocks[s]),
-            Changes::At(p) => {
-                let mut m = 0u64;
-                while let Some(&q) = p.get(at) {
-                    let d = q.wrapping_sub(i as u64);
-                    if d >= BLOCK as u64 {
-                        break;
-                    }
-                    m |= 1 << d;
-                    at += 1;
-                }
-                m
-            }
+            Changes::At(p) => lanes_at(p, &mut at, i, BLOCK),
         };
         let off = simd.outside(v, lo_v, k_v);
         // The class bytes are stored where a block needs them, in each branch: computed once
@@ -936,18 +942,8 @@ mod v3 {
                     let (na, nb) = halves(&new[i..i + LANES]);
                     differ(simd, oa, ob, load(na), load(nb))
                 }
-                Changes::At(p) => {
-                    let mut m = 0u32;
-                    while let Some(&q) = p.get(at) {
-                        let d = q.wrapping_sub(i as u64);
-                        if d >= LANES as u64 {
-                            break;
-                        }
-                        m |= 1 << d;
-                        at += 1;
-                    }
-                    m
-                }
+                // A step's 32 lanes: the mask fits in the low half.
+                Changes::At(p) => super::lanes_at(p, &mut at, i, LANES) as u32,
             };
             let off = outside(simd, v, w.lo_v, w.k_v);
             if changed | off != 0 {
