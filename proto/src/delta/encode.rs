@@ -322,8 +322,11 @@ impl DeltaEncoder {
             .enumerate()
             .flat_map(|(wi, w)| (0..w.old.len().div_ceil(part)).map(move |pi| (wi, pi)))
             .collect();
+        // One part per task: rayon's adaptive splitting otherwise leaves runs of parts that
+        // one thread works through while the others, with nothing left to steal, idle.
         let results: Vec<PartOutcome> = jobs
             .par_iter()
+            .with_max_len(1)
             .map(|&(wi, pi)| {
                 let w = &work[wi];
                 let lo = pi * part;
