@@ -928,12 +928,7 @@ mod tests {
     #[test]
     fn the_delta_is_the_same_bytes_whatever_the_window_and_the_pool() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let old_path = write_checkpoint(dir.path(), "old.safetensors", 0, 0);
-        let new_path = write_checkpoint(dir.path(), "new.safetensors", 5, 7);
-        let (old, new) = (
-            Checkpoint::open(&old_path).expect("old"),
-            Checkpoint::open(&new_path).expect("new"),
-        );
+        let (old, new) = open_pair(dir.path(), 7);
         let mut opts = DiffOptions::new("m", 0, 1, 42);
         opts.encoder.part_elems = 256;
         let diff_with = |windows: Windows, threads: usize| {
@@ -987,6 +982,17 @@ mod tests {
                 "growing windows on {threads} threads"
             );
         }
+    }
+
+    /// An unchanged base and a step from it (seed 5, every `changed_every`-th element
+    /// changed), written with [`write_checkpoint`] into `dir` and opened.
+    fn open_pair(dir: &Path, changed_every: usize) -> (Checkpoint, Checkpoint) {
+        let old = write_checkpoint(dir, "old.safetensors", 0, 0);
+        let new = write_checkpoint(dir, "new.safetensors", 5, changed_every);
+        (
+            Checkpoint::open(&old).expect("old"),
+            Checkpoint::open(&new).expect("new"),
+        )
     }
 
     #[test]
@@ -1047,12 +1053,7 @@ mod tests {
     #[test]
     fn mapped_diff_with_a_known_base_digest_equals_the_hashing_diff_and_applies_exactly() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let old_path = write_checkpoint(dir.path(), "old.safetensors", 0, 0);
-        let new_path = write_checkpoint(dir.path(), "new.safetensors", 5, 17);
-        let (old, new) = (
-            Checkpoint::open(&old_path).expect("old"),
-            Checkpoint::open(&new_path).expect("new"),
-        );
+        let (old, new) = open_pair(dir.path(), 17);
         let base = old.tensors().iter().find(|t| t.name == "b.big").expect("b");
         assert!(
             old.bf16_range(base, 10, 100).is_some(),
