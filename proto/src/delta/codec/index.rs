@@ -860,6 +860,25 @@ mod tests {
         }
     }
 
+    /// The table-driven decoder reads a class's gaps through the packed slot map from
+    /// `PACKED_MIN_GAPS` (256) gaps and through the byte map below (a class with `n` changes
+    /// has `n + 1` gaps): parts with classes on both sides of that line, and right at it,
+    /// decode in one stream.
+    #[test]
+    fn exp_class_gaps_rans_mixes_both_slot_maps() {
+        // 1.0 (class 27) for the first 3000 elements, 0.5 (class 26) for the next 1000.
+        let base: Vec<u16> = (0..4000)
+            .map(|i| if i < 3000 { 0x3F80 } else { 0x3F00 })
+            .collect();
+        for (many, few) in [(700u64, 40u64), (255, 254), (256, 3)] {
+            let positions: Vec<u64> = (0..many)
+                .map(|i| i * 3000 / many)
+                .chain((0..few).map(|i| 3000 + i * 1000 / few))
+                .collect();
+            round_trip_with(IndexCodec::ExpClassGapsRans, &positions, &base);
+        }
+    }
+
     fn exp_class_gaps_edge_cases_with(c: IndexCodec) {
         let base = weight_like_base(1, 4096);
         // None changed, all changed, one element, first and last only.
