@@ -198,6 +198,7 @@ fn get_gap(
 /// ([`Table::fill_packed_slots`]: one load fewer per gap, 140 ns more to fill); fewer, through
 /// the byte map.
 const PACKED_MIN_GAPS: u64 = 256;
+const _: () = assert!(SYMBOLS <= super::rans::MAX_PACKED_SYMBOLS);
 
 /// Decodes a class's `n` gaps (`symbol` gives each gap's symbol) and appends the ranks of its
 /// changes (all but the last gap's) to `ranks`; returns the class's element count.

@@ -870,7 +870,10 @@ mod tests {
         let base: Vec<u16> = (0..4000)
             .map(|i| if i < 3000 { 0x3F80 } else { 0x3F00 })
             .collect();
-        for (many, few) in [(700u64, 40u64), (255, 254), (256, 3)] {
+        // (changes in class 27, changes in class 26; class 26 decodes first): a byte-map class
+        // then a packed one; a packed one then a byte-map one; both packed (one map refilled);
+        // 256 gaps (packed) beside 255 (byte map); a class far over the line beside a tiny one.
+        for (many, few) in [(700u64, 40u64), (40, 600), (600, 300), (255, 254), (256, 3)] {
             let positions: Vec<u64> = (0..many)
                 .map(|i| i * 3000 / many)
                 .chain((0..few).map(|i| 3000 + i * 1000 / few))
@@ -929,22 +932,34 @@ mod tests {
         let positions: Vec<u64> = (0..3000u64)
             .filter(|i| i.is_multiple_of(37) || i.is_multiple_of(41))
             .collect();
-        let enc = encode(c, &positions, 3000, 1, &base);
+        refuse_damage(c, &positions, &base);
+        // Three classes of about 1000 elements and every third element changed: each class
+        // has over 256 gaps, so the table-driven codec decodes them through its packed map.
+        let few_classes: Vec<u16> = base
+            .iter()
+            .map(|&b| (b & 0x807F) | (120 + (b >> 7) % 3) << 7)
+            .collect();
+        let dense: Vec<u64> = (0..3000u64).filter(|i| i.is_multiple_of(3)).collect();
+        refuse_damage(c, &dense, &few_classes);
+    }
+
+    fn refuse_damage(c: IndexCodec, positions: &[u64], base: &[u16]) {
+        let enc = encode(c, positions, 3000, 1, base);
         let n = positions.len() as u64;
         for cut in 0..enc.len() {
             assert!(
-                decode(c, &enc[..cut], n, 3000, Some(&base)).is_err(),
+                decode(c, &enc[..cut], n, 3000, Some(base)).is_err(),
                 "{}: cut at {cut}",
                 c.name()
             );
         }
         let mut padded = enc.clone();
         padded.extend_from_slice(&[0, 0]);
-        assert!(decode(c, &padded, n, 3000, Some(&base)).is_err());
+        assert!(decode(c, &padded, n, 3000, Some(base)).is_err());
         for i in 0..enc.len() * 8 {
             let mut b = enc.clone();
             b[i / 8] ^= 1 << (i % 8);
-            if let Ok(p) = decode(c, &b, n, 3000, Some(&base)) {
+            if let Ok(p) = decode(c, &b, n, 3000, Some(base)) {
                 assert_eq!(p.len() as u64, n);
                 assert!(p.windows(2).all(|w| w[0] < w[1]) && p.iter().all(|&x| x < 3000));
             }
