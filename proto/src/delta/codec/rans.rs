@@ -169,10 +169,11 @@ impl Table {
     }
 
     /// The packed slot map for decoding: for every slot in `[0, M)`, its symbol's start
-    /// (bits 0–11), number (bits 12–18) and frequency (bits 19–31, up to `M`). A symbol decoded through
-    /// it costs one load on the state's dependency chain instead of two (the symbol, then its
-    /// frequency and start), 0.5–0.6 ns on the development machine; filling its 16 KB costs
-    /// about 140 ns more than the byte map's 4 KB, so it pays from a few hundred symbols.
+    /// (bits 0–11), number (bits 12–18) and frequency (bits 19–31, up to `M`). A symbol
+    /// decoded through it costs one load on the state's dependency chain instead of two (the
+    /// symbol, then its frequency and start): about 1 ns per gap on the development machine
+    /// (staging at 5% density took 0.96× the time). Filling its 16 KB costs about 140 ns more
+    /// than the byte map's 4 KB, so it pays from a few hundred symbols.
     ///
     /// # Panics
     /// With more than [`MAX_PACKED_SYMBOLS`] symbols (a caller error: alphabets are fixed and
@@ -576,8 +577,9 @@ mod tests {
             t.fill_slots(&mut byte);
             t.fill_packed_slots(&mut packed);
             for slot in 0..M {
-                for high in [1u32, 0xFFF, 0xF_FFFF] {
-                    let x = (high << TABLE_LOG | slot).max(L);
+                // States from the lowest a decoder holds (2¹⁶) to near the top.
+                for high in [L >> TABLE_LOG, 0xFFF, 0xF_FFFF] {
+                    let x = high << TABLE_LOG | slot;
                     let mut payload = x.to_le_bytes().to_vec();
                     payload.extend_from_slice(&[0x34, 0x12]);
                     let mut a = RansDecoder::new(&payload, "t").expect("state");
