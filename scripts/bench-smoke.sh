@@ -6,12 +6,9 @@
 #
 # Covered here: codec-bench, benches/memory.sh, benches/diff-scaling.sh, ledger-bench (SQLite;
 # its PostgreSQL backend when STARLING_TEST_POSTGRES_URL is set), rollout-bench (makespan),
-# engine-bench, and, as root where network namespaces can be made, benches/tbf-bench.sh (else
-# skipped, saying so).
-# wan-bench runs only with STARLING_BENCH_SMOKE_WAN=1: when this step was added it did not
-# finish at the tiny preset (its actors connected, no version was published within 5 min;
-# it still waits on the processes' stdout lines rather than their status endpoints), which
-# is to be fixed before it joins CI. Covered elsewhere: `starling demo` (starling/tests/demo.rs), fault-soak's
+# engine-bench, wan-bench (cut-through and store-and-forward over one emulated link), and, as
+# root where network namespaces can be made, benches/tbf-bench.sh (else skipped, saying so).
+# Covered elsewhere: `starling demo` (starling/tests/demo.rs), fault-soak's
 # harness (tests), the vLLM bench's code path (integrations/vllm/run_tests.sh). Not run: the
 # `starling model bench` line, which needs a downloaded model (scripts/fetch-model.sh).
 #
@@ -60,11 +57,8 @@ fi
 step rollout-bench "$bin/rollout-bench" --run makespan --groups 4 --warmup 1 --batches 1 \
     --max-new-tokens 8
 step engine-bench "$bin/engine-bench" --threads 1 --new 4
-if [[ ${STARLING_BENCH_SMOKE_WAN:-0} == 1 ]]; then
-    step wan-bench "$bin/wan-bench" --model tiny --links 100:10:0 --modes ct4 --work "$work/wan"
-else
-    echo "== bench smoke: wan-bench SKIPPED (STARLING_BENCH_SMOKE_WAN=1 runs it; see the header)"
-fi
+step wan-bench "$bin/wan-bench" --model tiny --links 100:10:0.1 --modes ct4,saf4 \
+    --work "$work/wan"
 if [[ $(id -u) -eq 0 ]] && ip netns add "sbs-probe-$$" 2>/dev/null; then
     ip netns del "sbs-probe-$$"
     step tbf-bench env CARGO_TARGET_DIR="$target_dir" "$repo/benches/tbf-bench.sh" --model tiny \

@@ -253,6 +253,9 @@ async fn build(hub: &Hub) -> anyhow::Result<Value> {
         "checkpoint_bytes": hub.checkpoint_bytes,
         // Whether the next publish checks only its changed elements for NaN and ±Inf.
         "newest_version_finite": hub.newest_finite.load(std::sync::atomic::Ordering::Acquire),
+        // The newest version with a full-checkpoint anchor (null until the first is written).
+        "newest_anchor": starling_transport::fanout::AnchorSource::newest(&*hub.anchors)
+            .map(|(_, seal)| seal.version),
         "codecs": hub.codecs.lock().unwrap_or_else(std::sync::PoisonError::into_inner).status(),
         "versions": board.versions(&actor_regions, hub.checkpoint_bytes),
         "regions": regions_json,

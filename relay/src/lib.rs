@@ -462,7 +462,10 @@ impl Shell for Relay<'_> {
         match n {
             // Every byte is in (whole-version verification and caching follow): the moment
             // benchmarks take as the end of the WAN transfer.
-            Notice::Received { version } => println!("received {version}"),
+            Notice::Received { version } => {
+                self.status.received(version);
+                println!("received {version}");
+            }
             Notice::NothingToOffer { after, .. } if self.anchors.is_none() => bail!(
                 "the hub no longer retains version {} and this relay has no disk cache to \
                  restore an anchor into: start it with --cache DIR",

@@ -39,6 +39,9 @@ struct Inner {
     rtt: Option<Duration>,
     /// The newest version verified and cached here, and when (Unix ms).
     cached: Option<(u64, u64)>,
+    /// The newest version whose every byte arrived here (before its verification), and when
+    /// (Unix ms): the end of its WAN transfer.
+    received: Option<(u64, u64)>,
     subscribers: BTreeMap<String, Subscriber>,
 }
 
@@ -80,6 +83,14 @@ impl RelayStatus {
         let mut i = self.inner();
         if i.cached.is_none_or(|(v, _)| v < version) {
             i.cached = Some((version, now_ms()));
+        }
+    }
+
+    /// Every byte of `version` arrived now (its verification and caching follow).
+    pub(crate) fn received(&self, version: u64) {
+        let mut i = self.inner();
+        if i.received.is_none_or(|(v, _)| v < version) {
+            i.received = Some((version, now_ms()));
         }
     }
 
@@ -129,6 +140,9 @@ impl RelayStatus {
             // from its disk cache at start), and when.
             "cached_version": i.cached.map(|(v, _)| v),
             "cached_at_ms": i.cached.map(|(_, at)| at),
+            // The newest version received whole from upstream, before its verification.
+            "received_version": i.received.map(|(v, _)| v),
+            "received_at_ms": i.received.map(|(_, at)| at),
             "subscribers": subscribers,
         })
     }

@@ -102,6 +102,8 @@ fn the_dashboard_shows_what_the_status_says_and_every_exporter_is_valid() {
     // The status, from outside: the region, its relay and actors, the version's propagation.
     assert_eq!(status["role"], "hub");
     assert_eq!(status["version"], 1);
+    // The seed's full-checkpoint anchor, written in the background after the start.
+    status_until(tb, "the seed's anchor", |s| s["newest_anchor"] == 0);
     let regions = status["regions"].as_array().expect("regions");
     assert_eq!(regions.len(), 1, "{status}");
     assert_eq!(regions[0]["region"], "eu");
@@ -158,6 +160,13 @@ fn the_dashboard_shows_what_the_status_says_and_every_exporter_is_valid() {
     };
     assert_eq!(relay["cached_version"], 1, "{relay}");
     within_run(&relay, &relay["cached_at_ms"]);
+    // Received whole, then verified and cached.
+    assert_eq!(relay["received_version"], 1, "{relay}");
+    within_run(&relay, &relay["received_at_ms"]);
+    assert!(
+        relay["received_at_ms"].as_u64() <= relay["cached_at_ms"].as_u64(),
+        "{relay}"
+    );
     for (name, http) in &c.actor_http {
         let a: Value = serde_json::from_str(&http_get(http, "/v1/status")).expect("json");
         assert_eq!(a["name"], name.as_str());

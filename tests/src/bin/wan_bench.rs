@@ -3,13 +3,18 @@
 //!
 //! Modes: cut-through with 4 stripes (the default), cut-through with 1 stream, and
 //! store-and-forward with 4 stripes (the hub offers the version once its file is durable).
-//! Per run it records, from the processes' own output: the first segment encoded (hub),
-//! the version received whole and then cached (verified) on the relay, the last actor staged
-//! and active, and the relay's control-stream round trips (`Ping`/`Pong` every 20 ms) while
-//! the transfer runs; the bytes the hub sent over the WAN (its `/metrics`); the packets the
-//! emulated link dropped (random loss vs. queue overflow); and the CPU time of every process
-//! in the delivery window (`/proc/PID/stat`), which shows when the 2-core machine rather than
-//! the link is the bottleneck.
+//! Per run it records the moments each process stamped itself, read from its `/v1/status`
+//! (`docs/observability.md`) once it is there, never from log text: the first segment
+//! encoded (the hub's `first_segment_at_ms`), the version received whole and then cached
+//! (verified) on the relay (`received_at_ms`, `cached_at_ms`), the last actor staged and active
+//! (`newest_staged_at_ms`, `active_at_ms`). Besides: the relay's control-stream round trips
+//! (`Ping`/`Pong` every 20 ms, which `--print-rtt` prints) while the transfer runs; the bytes
+//! the hub sent over the WAN (its `/metrics`); the packets the emulated link dropped (random
+//! loss vs. queue overflow, from `starling-netem`'s counters); and the CPU time of every
+//! process in the delivery window (`/proc/PID/stat`, sampled every 50 ms and interpolated at
+//! the stamps), which shows when the 2-core machine rather than the link is the bottleneck.
+//! Before the clock starts it waits, through the same endpoints, for the actors to run
+//! version 0 and the hub to be at rest (`newest_anchor`, `newest_version_finite`).
 //!
 //! - **delivery / ideal** = (last actor staged − first segment encoded) ÷ (delta bytes ÷ link
 //!   rate + RTT): the issue's cut-through target is ≤ 1.15.
@@ -28,15 +33,18 @@
 //! `cargo build --release --workspace && target/release/wan-bench --help`
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use serde_json::Value;
 use starling_checkpoint::deltafile::delta_file_name;
 use starling_checkpoint::workload::{ModelSpec, TrainConfig, generate_to_dir};
 use starling_proto::delta::container::{FILE_HEADER_LEN, TRAILER_FRAME_LEN};
-use starling_tests::{Testbed, metric};
+use starling_tests::{Testbed, http_get, metric};
 
 #[derive(Parser, Debug)]
 #[command(about = "Delta delivery over an emulated WAN link (hub → netem → relay → actor)")]
@@ -139,7 +147,12 @@ fn main() -> Result<()> {
             };
             let r = run(&steps, l, stripes, cut, ceiling, args.segment_kib)?;
             let ideal = r.delta as f64 * 8.0 / (l.mbit as f64 * 1e6) + l.rtt_ms as f64 / 1e3;
-            let goodput = r.delta as f64 * 8.0 / r.wan_s;
+            // No figure where the transfer ended within the stamps' millisecond (tiny runs).
+            let goodput = if r.wan_s > 0.0 {
+                r.delta as f64 * 8.0 / r.wan_s
+            } else {
+                f64::NAN
+            };
             let wire = r.delta as f64 * 8.0 / (l.mbit as f64 * 1e6);
             let pipelined = r.encode_span_s.max(wire) + l.rtt_ms as f64 / 1e3;
             println!(
@@ -183,7 +196,8 @@ struct RunResult {
     encode_s: f64,
     /// Seconds from the first segment encoded to the delta durable (the encoder's span).
     encode_span_s: f64,
-    /// Seconds from the moment the hub starts sending to relay cached.
+    /// Seconds from the moment the hub starts sending (cut-through: its first segment;
+    /// store-and-forward: the version published) to the relay's last byte received.
     wan_s: f64,
     cached_s: f64,
     staged_s: f64,
@@ -231,14 +245,20 @@ fn link_drops(out: &mpsc::Receiver<String>) -> (u64, u64) {
     drops
 }
 
-/// User + system CPU seconds used so far by every process of the test bed.
-fn cpu_seconds(tb: &Testbed) -> f64 {
+/// The number after `name` in a `starling-netem` counter line (0 when absent).
+fn counter(line: &str, name: &str) -> u64 {
+    line.split_once(name)
+        .and_then(|(_, rest)| rest.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+/// User + system CPU seconds used so far by the processes `pids`.
+fn cpu_seconds(pids: &[u32]) -> f64 {
     // Clock ticks are 1/100 s on Linux (USER_HZ); utime and stime are fields 14 and 15.
     const TICKS: f64 = 100.0;
-    tb.procs
-        .0
-        .iter()
-        .filter_map(|c| std::fs::read_to_string(format!("/proc/{}/stat", c.id())).ok())
+    pids.iter()
+        .filter_map(|pid| std::fs::read_to_string(format!("/proc/{pid}/stat")).ok())
         .filter_map(|stat| {
             // The command name (field 2) may hold spaces: count fields after its ')'.
             let rest = &stat[stat.rfind(')')? + 2..];
@@ -248,20 +268,110 @@ fn cpu_seconds(tb: &Testbed) -> f64 {
         .sum()
 }
 
-/// The number after `name` in a `starling-netem` counter line (0 when absent).
-fn counter(line: &str, name: &str) -> u64 {
-    line.split_once(name)
-        .and_then(|(_, rest)| rest.split(|c: char| !c.is_ascii_digit()).next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
+/// Samples the CPU time of a set of processes every [`CPU_SAMPLE`], stamped in Unix ms, so
+/// that the CPU used between two moments the processes stamped themselves (read afterwards
+/// from their status) can be interpolated. Reading `/proc` costs next to nothing, where
+/// polling the processes' status that often would load them.
+struct CpuSampler {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(u64, f64)>>,
 }
 
-/// Timestamps every line of a process's output as it arrives.
-fn stamped(rx: mpsc::Receiver<String>) -> mpsc::Receiver<(Instant, String)> {
+const CPU_SAMPLE: Duration = Duration::from_millis(50);
+
+impl CpuSampler {
+    fn start(pids: Vec<u32>) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut samples = Vec::new();
+            while !flag.load(Ordering::Relaxed) {
+                samples.push((unix_ms(), cpu_seconds(&pids)));
+                std::thread::sleep(CPU_SAMPLE);
+            }
+            samples.push((unix_ms(), cpu_seconds(&pids)));
+            samples
+        });
+        CpuSampler { stop, thread }
+    }
+
+    /// Stops sampling; the CPU seconds used between Unix ms `from` and `to`.
+    fn between(self, from: u64, to: u64) -> Result<f64> {
+        self.stop.store(true, Ordering::Relaxed);
+        let samples = self
+            .thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("CPU sampler panicked"))?;
+        Ok(interpolate(&samples, to) - interpolate(&samples, from))
+    }
+}
+
+/// The cumulative CPU seconds at Unix ms `at`, linear between the samples around it (the
+/// first or last sample outside them).
+fn interpolate(samples: &[(u64, f64)], at: u64) -> f64 {
+    let after = samples.partition_point(|&(t, _)| t < at);
+    match (
+        after.checked_sub(1).and_then(|i| samples.get(i)),
+        samples.get(after),
+    ) {
+        (Some(&(t0, c0)), Some(&(t1, c1))) if t1 > t0 => {
+            c0 + (c1 - c0) * (at - t0) as f64 / (t1 - t0) as f64
+        }
+        (_, Some(&(_, c))) | (Some(&(_, c)), None) => c,
+        (None, None) => 0.0,
+    }
+}
+
+/// Wall-clock now in Unix ms: the clock the processes stamp their own events with.
+fn unix_ms() -> u64 {
+    starling_telemetry::unix_ms()
+}
+
+/// A process's `/v1/status`.
+fn status(http: &str) -> Result<Value> {
+    serde_json::from_str(&http_get(http, "/v1/status"))
+        .with_context(|| format!("status of {http} is not JSON"))
+}
+
+/// Polls `probe` every [`POLL`] until it gives a value (or `dl` passes).
+fn poll<T>(what: &str, dl: Instant, mut probe: impl FnMut() -> Result<Option<T>>) -> Result<T> {
+    loop {
+        if let Some(v) = probe()? {
+            return Ok(v);
+        }
+        if Instant::now() >= dl {
+            bail!("timed out waiting for {what}");
+        }
+        std::thread::sleep(POLL);
+    }
+}
+
+/// How often the harness reads a status while it waits. Every time it reports comes from the
+/// processes' own stamps, so this sets only how soon it notices, not what it measures.
+const POLL: Duration = Duration::from_millis(100);
+
+/// `field` of `v` as a u64, once it is at least `version`.
+fn reached(v: &Value, field: &str, version: u64) -> bool {
+    v[field].as_u64().is_some_and(|x| x >= version)
+}
+
+/// `field` of a status as a Unix ms stamp.
+fn stamp(v: &Value, field: &str) -> Result<u64> {
+    v[field]
+        .as_u64()
+        .with_context(|| format!("status without {field}: {v}"))
+}
+
+/// Collects the `rtt-us MICROS` lines a relay prints (`--print-rtt`), each stamped in Unix ms
+/// as it arrives.
+fn rtt_lines(rx: mpsc::Receiver<String>) -> mpsc::Receiver<(u64, f64)> {
     let (tx, out) = mpsc::channel();
     std::thread::spawn(move || {
         for line in rx {
-            if tx.send((Instant::now(), line)).is_err() {
+            if let Some(us) = line.strip_prefix("rtt-us ")
+                && let Ok(us) = us.parse::<f64>()
+                && tx.send((unix_ms(), us / 1e3)).is_err()
+            {
                 break;
             }
         }
@@ -269,14 +379,30 @@ fn stamped(rx: mpsc::Receiver<String>) -> mpsc::Receiver<(Instant, String)> {
     out
 }
 
-fn until(rx: &mpsc::Receiver<(Instant, String)>, what: &str, dl: Instant) -> Result<Instant> {
+/// The round trips (ms) stamped within `[from, to]`.
+fn rtts_within(rx: &mpsc::Receiver<(u64, f64)>, from: u64, to: u64) -> Vec<f64> {
+    rx.try_iter()
+        .filter(|&(t, _)| (from..=to).contains(&t))
+        .map(|(_, ms)| ms)
+        .collect()
+}
+
+/// Starts an actor with a status endpoint; returns its HTTP address and its stdout, which
+/// the caller keeps open for the run (an actor whose stdout closes stops on its next line).
+fn actor_with_status(
+    tb: &mut Testbed,
+    name: &str,
+    relay: &str,
+    dl: Instant,
+) -> Result<(String, mpsc::Receiver<String>)> {
+    let out = tb.actor_with(name, &[relay.to_owned()], &["--http", "127.0.0.1:0"]);
     loop {
         let left = dl.saturating_duration_since(Instant::now());
-        let (t, line) = rx
+        let line = out
             .recv_timeout(left)
-            .with_context(|| format!("waiting for {what:?}"))?;
-        if line.starts_with(what) {
-            return Ok(t);
+            .with_context(|| format!("waiting for actor {name} to serve its status"))?;
+        if let Some(http) = line.strip_prefix("http on ") {
+            return Ok((http.to_owned(), out));
         }
     }
 }
@@ -330,67 +456,93 @@ fn run(
         "--ping-ms",
         "20",
         "--print-rtt",
+        "--http",
+        "127.0.0.1:0",
     ];
-    let (raddr, rout) = tb.relay_behind_link("r", &netem, &relay_args);
-    let rout = stamped(rout);
-    let actors: Vec<_> = ["a1", "a2"]
-        .iter()
-        .map(|a| stamped(tb.actor(a, &[format!("r@{raddr}")])))
-        .collect();
     let dl = Instant::now() + Duration::from_secs(900);
+    let (raddr, rout) = tb.relay_behind_link("r", &netem, &relay_args);
+    let relay_http = tb
+        .relay_http
+        .get("r")
+        .context("relay r serves no status")?
+        .clone();
+    let rtts = rtt_lines(rout);
+    let relay = format!("r@{raddr}");
+    let (actors, _actor_out): (Vec<String>, Vec<_>) = ["a1", "a2"]
+        .iter()
+        .map(|a| actor_with_status(&mut tb, a, &relay, dl))
+        .collect::<Result<Vec<_>>>()?
+        .into_iter()
+        .unzip();
     for a in &actors {
-        until(a, "active 0 ", dl)?;
+        poll("an actor active at version 0", dl, || {
+            Ok(reached(&status(a)?, "active_version", 0).then_some(()))
+        })?;
     }
-    let hub_out = std::mem::replace(&mut tb.hub_out, mpsc::channel().1);
-    let hub_out = stamped(hub_out);
-    // A steady-state publish: the hub's background start-up work (the initial anchor, a full
-    // checkpoint copy, and the initial snapshot's digest) is done before the clock starts.
-    let mut waiting = vec!["anchor 0", "base-digest 0"];
-    while !waiting.is_empty() {
-        let left = dl.saturating_duration_since(Instant::now());
-        let (_, line) = hub_out
-            .recv_timeout(left)
-            .with_context(|| format!("waiting for {waiting:?}"))?;
-        waiting.retain(|w| line != *w);
-    }
-    let t0 = Instant::now();
+    // A steady-state publish: the hub's background start-up work (the seed's anchor, a full
+    // checkpoint copy, and the scan that finds the newest version finite) is done before the
+    // clock starts.
+    poll(
+        "the hub at rest (anchor 0 written, version 0 known finite)",
+        dl,
+        || {
+            let s = tb.hub_status();
+            Ok(
+                (s["newest_anchor"].as_u64() == Some(0) && s["newest_version_finite"] == true)
+                    .then_some(()),
+            )
+        },
+    )?;
+    let pids: Vec<u32> = tb.procs.0.iter().map(|c| c.id()).collect();
+    let cpu = CpuSampler::start(pids);
+    let t0 = unix_ms();
     let publisher = {
         let (hub, cluster, step) = (tb.hub_addr.clone(), tb.cluster.clone(), steps[1].clone());
         std::thread::spawn(move || {
             starling_tests::publish_to(&hub, &cluster, &step);
-            Instant::now()
+            unix_ms()
         })
     };
-    let first = until(&hub_out, "first-segment 1", dl)?;
-    let cpu_at_first = cpu_seconds(&tb);
-    // Relay output until cached: the control round trips seen meanwhile.
-    let mut rtts = Vec::new();
-    let mut received = None;
-    let cached = loop {
-        let left = dl.saturating_duration_since(Instant::now());
-        let (t, line) = rout.recv_timeout(left).context("waiting for cached 1")?;
-        if let Some(us) = line.strip_prefix("rtt-us ") {
-            if t >= first {
-                rtts.push(us.parse::<f64>().unwrap_or(f64::NAN) / 1e3);
-            }
-        } else if line == "received 1" {
-            received = Some(t);
-        } else if line == "cached 1" {
-            break t;
-        }
-    };
+    let relay_done = poll("relay r cached version 1", dl, || {
+        let s = status(&relay_http)?;
+        Ok(reached(&s, "cached_version", 1).then_some(s))
+    })?;
+    let mut staged = Vec::new();
+    for a in &actors {
+        let s = poll("an actor staged version 1", dl, || {
+            let s = status(a)?;
+            Ok(reached(&s, "newest_staged_version", 1).then_some(s))
+        })?;
+        staged.push(stamp(&s, "newest_staged_at_ms")?);
+    }
+    let mut active = Vec::new();
+    for a in &actors {
+        let s = poll("an actor active at version 1", dl, || {
+            let s = status(a)?;
+            Ok(reached(&s, "active_version", 1).then_some(s))
+        })?;
+        active.push(stamp(&s, "active_at_ms")?);
+    }
     let published = publisher
         .join()
         .map_err(|_| anyhow::anyhow!("publish thread panicked"))?;
-    let mut staged = first;
-    let mut active = first;
-    for a in &actors {
-        staged = staged.max(until(a, "staged 1", dl)?);
-    }
-    let cpu_in_window = cpu_seconds(&tb) - cpu_at_first;
-    for a in &actors {
-        active = active.max(until(a, "active 1 ", dl)?);
-    }
+    // The hub serves its status from a cache refreshed at most every `STATUS_TTL`: poll.
+    let v1 = poll("version 1 in the hub's status", dl, || {
+        let hub = tb.hub_status();
+        Ok(hub["versions"]
+            .as_array()
+            .and_then(|vs| vs.iter().find(|v| v["version"] == 1))
+            .cloned())
+    })?;
+    let first = stamp(&v1, "first_segment_at_ms")?;
+    // When the hub recorded the version published: its delta file durable, its frames
+    // offered (store-and-forward starts sending then), the ledger written.
+    let hub_published = stamp(&v1, "published_at_ms")?;
+    let cached = stamp(&relay_done, "cached_at_ms")?;
+    let received = stamp(&relay_done, "received_at_ms")?;
+    let staged = staged.into_iter().max().unwrap_or(first);
+    let active = active.into_iter().max().unwrap_or(first);
+    let cpu_in_window = cpu.between(first, staged)?;
     let file = std::fs::metadata(tb.root.join("hub-store/deltas").join(delta_file_name(1)))?.len();
     let delta = file - (FILE_HEADER_LEN + TRAILER_FRAME_LEN) as u64;
     let wan_bytes = metric(
@@ -400,22 +552,24 @@ fn run(
     .context("hub metrics: bytes sent to the relay")?;
     // The link's counters for the hub → relay direction, as of about now.
     let drops = link_drops(&tb.links_out[0]);
+    let rtt_ms = percentiles(rtts_within(&rtts, first, cached));
     let catchup = catch_up(&mut tb, &netem, &relay_args, dl)?;
-    let send_start = if cut { first } else { published };
+    let send_start = if cut { first } else { hub_published };
+    let secs = |from: u64, to: u64| to.saturating_sub(from) as f64 / 1e3;
     Ok(RunResult {
         delta,
         wan_bytes,
-        encode_s: (published - t0).as_secs_f64(),
-        encode_span_s: published.saturating_duration_since(first).as_secs_f64(),
-        wan_s: (received.unwrap_or(cached) - send_start).as_secs_f64(),
-        cached_s: (cached - first).as_secs_f64(),
-        staged_s: (staged - first).as_secs_f64(),
-        active_s: (active - first).as_secs_f64(),
-        rtt_ms: percentiles(rtts),
+        encode_s: secs(t0, published),
+        encode_span_s: secs(first, hub_published),
+        wan_s: secs(send_start, received),
+        cached_s: secs(first, cached),
+        staged_s: secs(first, staged),
+        active_s: secs(first, active),
+        rtt_ms,
         drops,
         cpu_busy: cpu_in_window
             / (std::thread::available_parallelism().map_or(1, |n| n.get()) as f64
-                * (staged - first).as_secs_f64()),
+                * secs(first, staged)),
         catchup,
     })
 }
@@ -428,26 +582,24 @@ fn catch_up(
     relay_args: &[&str],
     dl: Instant,
 ) -> Result<Transfer> {
-    let start = Instant::now();
+    let start = unix_ms();
     let (_, out) = tb.relay_behind_link("r2", netem, relay_args);
-    let out = stamped(out);
-    let mut rtts = Vec::new();
-    let received = loop {
-        let left = dl.saturating_duration_since(Instant::now());
-        let (t, line) = out
-            .recv_timeout(left)
-            .context("catch-up: waiting for received 1")?;
-        if let Some(us) = line.strip_prefix("rtt-us ") {
-            rtts.push(us.parse::<f64>().unwrap_or(f64::NAN) / 1e3);
-        } else if line == "received 1" {
-            break t;
-        }
-    };
+    let http = tb
+        .relay_http
+        .get("r2")
+        .context("relay r2 serves no status")?
+        .clone();
+    let rtts = rtt_lines(out);
+    let done = poll("catch-up relay r2 received version 1", dl, || {
+        let s = status(&http)?;
+        Ok(reached(&s, "received_version", 1).then_some(s))
+    })?;
+    let received = stamp(&done, "received_at_ms")?;
     // One more stats interval of the link (500 ms), so its counters cover the transfer.
     std::thread::sleep(Duration::from_millis(600));
     Ok(Transfer {
-        wan_s: (received - start).as_secs_f64(),
-        rtt_ms: percentiles(rtts),
+        wan_s: received.saturating_sub(start) as f64 / 1e3,
+        rtt_ms: percentiles(rtts_within(&rtts, start, received)),
         drops: link_drops(&tb.links_out[1]),
     })
 }
