@@ -156,6 +156,7 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
     let endpoint = server_endpoint(&creds, cfg.listen, &cfg.link).context("listen")?;
     let addr = endpoint.local_addr().context("local address")?;
     let codec_policy = cfg.codecs;
+    let cut_through = cfg.cut_through;
     let hub = Arc::new(Hub {
         state: Mutex::new(State {
             version: resumed.version,
@@ -189,6 +190,7 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
         codecs: Arc::new(std::sync::Mutex::new(crate::codecs::Chooser::new(
             codec_policy,
             rayon_threads(),
+            cut_through,
         ))),
     });
     hub.spawn_until_stopped(crate::jobs::run_scheduler(
