@@ -74,6 +74,10 @@ struct Args {
     /// Segment size at the hub.
     #[arg(long, default_value_t = 2048)]
     segment_kib: usize,
+    /// The hub's codec policy (`--codecs`): auto (its default) chooses per version by the
+    /// links; fast or small pins a set. The table says which set each run used.
+    #[arg(long, default_value = "auto")]
+    codecs: String,
 }
 
 struct Link {
@@ -130,9 +134,11 @@ fn main() -> Result<()> {
         args.lr
     );
     println!(
-        "| link (rate, RTT, loss) | mode | delta MB | WAN bytes / delta | hub encode s | first segment → relay cached s | **goodput / link** | first segment → last actor staged s | **delivery / ideal** | delivery / (max(encode, wire) + RTT) | control RTT p50 / p99 / max ms (link RTT) | WAN packets dropped: random / queue | CPU busy, first segment → staged | last active s | full checkpoint at this goodput s | catch-up, machine otherwise idle: goodput / link | catch-up control RTT p50 / p99 / max ms | catch-up drops: random / queue |"
+        "| link (rate, RTT, loss) | mode | codecs (hub's choice) | delta MB | WAN bytes / delta | hub encode s | first segment → relay cached s | **goodput / link** | first segment → last actor staged s | **delivery / ideal** | delivery / (max(encode, wire) + RTT) | control RTT p50 / p99 / max ms (link RTT) | WAN packets dropped: random / queue | CPU busy, first segment → staged | last active s | full checkpoint at this goodput s | catch-up, machine otherwise idle: goodput / link | catch-up control RTT p50 / p99 / max ms | catch-up drops: random / queue |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    // The hub's reason for each run's codec set, printed under the table.
+    let mut why = Vec::new();
     for l in &links {
         for mode in &args.modes {
             let (base, ceiling) = match mode.strip_suffix("-bbr") {
@@ -145,7 +151,15 @@ fn main() -> Result<()> {
                 "saf4" => ("4", false),
                 other => bail!("unknown mode {other:?} (ct4, ct1, saf4, each optionally -bbr)"),
             };
-            let r = run(&steps, l, stripes, cut, ceiling, args.segment_kib)?;
+            let r = run(
+                &steps,
+                l,
+                stripes,
+                cut,
+                ceiling,
+                args.segment_kib,
+                &args.codecs,
+            )?;
             let ideal = r.delta as f64 * 8.0 / (l.mbit as f64 * 1e6) + l.rtt_ms as f64 / 1e3;
             // No figure where the transfer ended within the stamps' millisecond (tiny runs).
             let goodput = if r.wan_s > 0.0 {
@@ -156,10 +170,11 @@ fn main() -> Result<()> {
             let wire = r.delta as f64 * 8.0 / (l.mbit as f64 * 1e6);
             let pipelined = r.encode_span_s.max(wire) + l.rtt_ms as f64 / 1e3;
             println!(
-                "| {} Mbit/s, {} ms, {}% | {mode} | {:.1} | {:.3} | {:.2} | {:.2} | **{:.0}%** | {:.2} | **{:.2}** | {:.2} | {:.0} / {:.0} / {:.0} ({}) | {} / {} | {:.0}% | {:.2} | {:.0} | **{:.0}%** | {:.0} / {:.0} / {:.0} | {} / {} |",
+                "| {} Mbit/s, {} ms, {}% | {mode} | {} | {:.1} | {:.3} | {:.2} | {:.2} | **{:.0}%** | {:.2} | **{:.2}** | {:.2} | {:.0} / {:.0} / {:.0} ({}) | {} / {} | {:.0}% | {:.2} | {:.0} | **{:.0}%** | {:.0} / {:.0} / {:.0} | {} / {} |",
                 l.mbit,
                 l.rtt_ms,
                 l.loss,
+                r.codecs,
                 r.delta as f64 / 1e6,
                 r.wan_bytes / r.delta as f64,
                 r.encode_s,
@@ -184,12 +199,24 @@ fn main() -> Result<()> {
                 r.catchup.drops.0,
                 r.catchup.drops.1,
             );
+            why.push(format!(
+                "- {} Mbit/s, {} ms, {}%, {mode}: {}",
+                l.mbit, l.rtt_ms, l.loss, r.why
+            ));
         }
+    }
+    println!("\nThe hub's codec choice per run (`/v1/status` `codecs.why`):");
+    for w in why {
+        println!("{w}");
     }
     Ok(())
 }
 
 struct RunResult {
+    /// The codec set the hub used (`/v1/status` `codecs.chosen`), with its policy.
+    codecs: String,
+    /// Why (`codecs.why`).
+    why: String,
     /// Frame bytes of the delta (what crosses the wire, without file header and trailer).
     delta: u64,
     wan_bytes: f64,
@@ -414,10 +441,18 @@ fn run(
     cut: bool,
     ceiling: bool,
     segment_kib: usize,
+    codecs: &str,
 ) -> Result<RunResult> {
     let dir = tempfile::tempdir_in("/var/tmp")?;
     let seg = segment_kib.to_string();
-    let mut hub_args = vec!["--stripes", stripes, "--segment-kib", &seg];
+    let mut hub_args = vec![
+        "--stripes",
+        stripes,
+        "--segment-kib",
+        &seg,
+        "--codecs",
+        codecs,
+    ];
     if !ceiling {
         hub_args.push("--no-link-ceiling");
     }
@@ -527,12 +562,14 @@ fn run(
         .join()
         .map_err(|_| anyhow::anyhow!("publish thread panicked"))?;
     // The hub serves its status from a cache refreshed at most every `STATUS_TTL`: poll.
-    let v1 = poll("version 1 in the hub's status", dl, || {
+    let (v1, chosen, why) = poll("version 1 in the hub's status", dl, || {
         let hub = tb.hub_status();
+        let text = |v: &Value| v.as_str().unwrap_or("?").to_owned();
+        let (chosen, why) = (text(&hub["codecs"]["chosen"]), text(&hub["codecs"]["why"]));
         Ok(hub["versions"]
             .as_array()
             .and_then(|vs| vs.iter().find(|v| v["version"] == 1))
-            .cloned())
+            .map(|v| (v.clone(), chosen, why)))
     })?;
     let first = stamp(&v1, "first_segment_at_ms")?;
     // When the hub recorded the version published: its delta file durable, its frames
@@ -557,6 +594,8 @@ fn run(
     let send_start = if cut { first } else { hub_published };
     let secs = |from: u64, to: u64| to.saturating_sub(from) as f64 / 1e3;
     Ok(RunResult {
+        codecs: format!("{chosen} ({codecs})"),
+        why,
         delta,
         wan_bytes,
         encode_s: secs(t0, published),
