@@ -15,7 +15,8 @@
 //! - how fast the hub's whole encodes ran against that single-core sample (its parallel
 //!   speed-up and its share of a busy machine), measured on every publish;
 //!
-//! and takes the set whose predicted latency is smallest for the slowest region. Staging is
+//! and takes the set whose predicted latency is smallest for the slowest region (the small set
+//! only where it wins clearly: `SMALL_MUST_WIN_BY`). Staging is
 //! the actors' decode of every change on one core at the hub's measured speed (the hub
 //! cannot measure the actors' CPUs; an actor with more cores stages faster, which only
 //! favours `small` more). With cut-through (the default) a version's segments go out as they
@@ -96,6 +97,16 @@ impl CodecSet {
 const SAMPLE_ELEMS: usize = 1 << 22;
 /// Times each set is run on the sample; the fastest counts.
 const SAMPLE_PASSES: usize = 2;
+
+/// `auto` takes the small set only where its predicted latency is at most this share of the
+/// fast set's. The model is kinder to the small set than delivery is: it takes the overlap of
+/// encode, wire and staging as perfect, and the encoder's speed from a sample on an idle
+/// core, while a slower encoder also leaves the sender short of data, which on a long lossy
+/// link costs goodput. Measured (`docs/benchmarks.md`, "Delta delivery over emulated WAN
+/// links"): at 300 Mbit/s, 150 ms, 0.5% loss the small set was predicted 0.91× the fast set's
+/// time and took 2.4–2.8× as long; at 50 and 100 Mbit/s it was predicted 0.70× and took
+/// 0.72–0.83×.
+const SMALL_MUST_WIN_BY: f64 = 0.85;
 
 /// Weight of a new observation in the running figures.
 const EMA: f64 = 0.5;
@@ -339,10 +350,13 @@ impl Chooser {
                 }
             })
             .collect();
-        let best = estimates
-            .iter()
-            .min_by(|a, b| a.latency_s.total_cmp(&b.latency_s))
-            .map_or(CodecSet::Small, |e| e.set);
+        let latency = |set: CodecSet| estimates[set.index()].latency_s;
+        // The small set only where it clearly wins: see `SMALL_MUST_WIN_BY`.
+        let best = if latency(CodecSet::Small) <= SMALL_MUST_WIN_BY * latency(CodecSet::Fast) {
+            CodecSet::Small
+        } else {
+            CodecSet::Fast
+        };
         let set = match self.policy {
             CodecPolicy::Fast => CodecSet::Fast,
             CodecPolicy::Small => CodecSet::Small,
@@ -467,11 +481,19 @@ fn explain(
         _ => "no measured sample: prior costs".to_owned(),
     };
     match policy {
-        CodecPolicy::Auto => format!(
-            "auto: {} predicts the earliest delivery ({}; {link}; {basis})",
-            set.name(),
-            each.join("; ")
-        ),
+        CodecPolicy::Auto => {
+            let small = estimates[CodecSet::Small.index()].latency_s;
+            let fast = estimates[CodecSet::Fast.index()].latency_s;
+            let reason = if set == CodecSet::Fast && small < fast {
+                format!(
+                    "fast: small predicts only {:.2}× its time, above the {SMALL_MUST_WIN_BY} it must win by",
+                    small / fast
+                )
+            } else {
+                format!("{} predicts the earliest delivery", set.name())
+            };
+            format!("auto: {reason} ({}; {link}; {basis})", each.join("; "))
+        }
         p => format!(
             "pinned by --codecs {} (predicted: {}; {link}; {basis})",
             p.name(),
@@ -566,6 +588,36 @@ mod tests {
         assert!(saf.why.contains(" + max(wire "), "{}", saf.why);
         let serial = |e: &Estimate| e.encode_s.max(e.wire_s) + e.stage_s;
         assert!(serial(&ct.estimates[1]) < serial(&ct.estimates[0]));
+    }
+
+    #[test]
+    fn the_small_set_must_win_clearly() {
+        let s = sample(100_000);
+        let elements = 2_000_000_000;
+        let mut c = Chooser::new(CodecPolicy::Auto, 1, true);
+        // Small 3.34 s (its staging), fast 458 Mbit / rate: at 130 Mbit/s fast is 3.52 s, so
+        // small predicts 0.95× the time, not enough; at 110 Mbit/s (4.16 s), 0.80×, enough.
+        let d = c.decide(1, elements, Some(&s), &link(130, 1));
+        let ratio = d.estimates[0].latency_s / d.estimates[1].latency_s;
+        assert!(
+            ratio > SMALL_MUST_WIN_BY && ratio < 1.0,
+            "{ratio}: {}",
+            d.why
+        );
+        assert_eq!(d.set, CodecSet::Fast, "{}", d.why);
+        assert!(
+            d.why.starts_with("auto: fast: small predicts only 0.9"),
+            "{}",
+            d.why
+        );
+        let d = c.decide(2, elements, Some(&s), &link(110, 1));
+        assert!(d.estimates[0].latency_s <= SMALL_MUST_WIN_BY * d.estimates[1].latency_s);
+        assert_eq!(d.set, CodecSet::Small, "{}", d.why);
+        assert!(
+            d.why.starts_with("auto: small predicts the earliest"),
+            "{}",
+            d.why
+        );
     }
 
     #[test]
