@@ -9,8 +9,8 @@
 # without retention), rollout-bench (makespan), engine-bench, wan-bench (cut-through and
 # store-and-forward over one emulated link), as root where network namespaces can be made
 # benches/tbf-bench.sh (else skipped, saying so), and, where the real model can be fetched,
-# `starling model bench` and scripts/real-run.sh (one mode, two steps, a few minutes: most of
-# it the vLLM server's start). Covered elsewhere: `starling demo` (starling/tests/demo.rs),
+# `starling model bench` and scripts/real-run.sh (one mode, three steps, a few minutes: most
+# of it the vLLM server's start). Covered elsewhere: `starling demo` (starling/tests/demo.rs),
 # fault-soak's harness (tests), the vLLM bench's code path (integrations/vllm/run_tests.sh).
 #
 # Usage: scripts/bench-smoke.sh [--only NAME[,NAME...]]   (names as printed by `== NAME`)
@@ -32,19 +32,24 @@ cargo build --release --workspace --bins -q
 work=$(mktemp -d /var/tmp/starling-bench-smoke.XXXXXX)
 trap 'rm -rf "$work"' EXIT
 
-step() { # name command... : runs it with a time limit (LIMIT seconds, default 300), prints
-    # its tail on failure
+step() { # name command... : runs it with a time limit (300 s; step_for's), prints its tail
+    # on failure
     local name=$1 t0=$SECONDS rc=0
     shift
     [[ -z $only || $only == *",$name,"* ]] || return 0
     echo "== bench smoke: $name"
-    timeout "${LIMIT:-300}" "$@" >"$work/$name.log" 2>&1 || rc=$?
+    timeout "${step_limit:-300}" "$@" >"$work/$name.log" 2>&1 || rc=$?
     if ((rc != 0)); then
         echo "bench smoke $name failed (exit $rc): $*" >&2
         tail -n 40 "$work/$name.log" >&2
         exit 1
     fi
     echo "   ok in $((SECONDS - t0)) s"
+}
+step_for() { # seconds name command... : step with another time limit
+    local step_limit=$1
+    shift
+    step "$@"
 }
 
 step codec-bench "$bin/codec-bench" --model tiny --reps 1 --lrs 1e-4
@@ -87,8 +92,9 @@ if [[ -z $only || $only == *,model-bench,* || $only == *,real-run,* ]]; then
         exit 1
     else
         step model-bench "$bin/starling" model bench --model "$model" --batch 2 --new 4
-        # One mode, two steps over the quick links: the vLLM server's start is most of it.
-        LIMIT=900 step real-run scripts/real-run.sh "$work/real" --fast-links --steps 2 \
+        # One mode, three steps (the summary's steady state starts at the third) over the
+        # quick links: the vLLM server's start is most of it.
+        step_for 900 real-run scripts/real-run.sh "$work/real" --fast-links --steps 3 \
             --modes delta
     fi
 fi

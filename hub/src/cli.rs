@@ -191,8 +191,9 @@ pub enum Command {
         /// Which codecs versions are encoded with: `small` (the smallest deltas), `fast` (the
         /// first release's codecs: ~1.5× the bytes, several times less CPU to encode and
         /// stage) or `auto` (per version, the set predicted to reach the slowest region's
-        /// actors first, from the stated links and the encoder's measured speed; what was
-        /// chosen and why is in `/v1/status` and on the dashboard).
+        /// actors first, from the stated links and the encoder's measured speed, the small
+        /// set only where it is predicted to win by 15%; what was chosen and why is in
+        /// `/v1/status` and on the dashboard).
         #[arg(long, value_enum, default_value_t = crate::codecs::CodecPolicy::Auto, env = "STARLING_HUB_CODECS")]
         codecs: crate::codecs::CodecPolicy,
         /// Rewards by services, and retention of delivered results.

@@ -89,7 +89,7 @@ impl RelayStatus {
     /// Every byte of `version` arrived now (its verification and caching follow).
     pub(crate) fn received(&self, version: u64) {
         let mut i = self.inner();
-        if i.received.is_none_or(|(v, _)| v < version) {
+        if i.received.is_none_or(|(v, _)| v <= version) {
             i.received = Some((version, now_ms()));
         }
     }

@@ -22,8 +22,10 @@
 //!   when the encoder is slower than the link (it is on a 2-core machine shared by every
 //!   process).
 //! - **goodput** = delta bytes ÷ (relay received − hub started sending), as a share of the link
-//!   rate: for store-and-forward the hub starts sending when `publish` returns; with
-//!   cut-through the sending is paced by the encoder, so goodput is not the link's figure.
+//!   rate: for store-and-forward the hub's `published_at_ms`, stamped once its delta file is
+//!   durable, its frames offered and the ledger written (sending starts a few ms before it,
+//!   so the figure is slightly high); with cut-through the first segment, and the sending is
+//!   paced by the encoder, so goodput is not the link's figure.
 //! - **full checkpoint** = the dense BF16 bytes at the measured goodput.
 //! - **catch-up**: after the actors are active, a second relay behind an identical link
 //!   fetches the same version from the hub's memory with no encoder and no staging actors
@@ -221,7 +223,8 @@ struct RunResult {
     delta: u64,
     wan_bytes: f64,
     encode_s: f64,
-    /// Seconds from the first segment encoded to the delta durable (the encoder's span).
+    /// Seconds from the first segment encoded to the hub's `published_at_ms` (the encoder's
+    /// span, with the delta file's seal and the ledger write).
     encode_span_s: f64,
     /// Seconds from the moment the hub starts sending (cut-through: its first segment;
     /// store-and-forward: the version published) to the relay's last byte received.
@@ -301,7 +304,7 @@ fn cpu_seconds(pids: &[u32]) -> f64 {
 /// polling the processes' status that often would load them.
 struct CpuSampler {
     stop: Arc<AtomicBool>,
-    thread: std::thread::JoinHandle<Vec<(u64, f64)>>,
+    thread: Option<std::thread::JoinHandle<Vec<(u64, f64)>>>,
 }
 
 const CPU_SAMPLE: Duration = Duration::from_millis(50);
@@ -319,17 +322,29 @@ impl CpuSampler {
             samples.push((unix_ms(), cpu_seconds(&pids)));
             samples
         });
-        CpuSampler { stop, thread }
+        CpuSampler {
+            stop,
+            thread: Some(thread),
+        }
     }
 
     /// Stops sampling; the CPU seconds used between Unix ms `from` and `to`.
-    fn between(self, from: u64, to: u64) -> Result<f64> {
+    fn between(mut self, from: u64, to: u64) -> Result<f64> {
         self.stop.store(true, Ordering::Relaxed);
         let samples = self
             .thread
+            .take()
+            .context("CPU sampler already stopped")?
             .join()
             .map_err(|_| anyhow::anyhow!("CPU sampler panicked"))?;
         Ok(interpolate(&samples, to) - interpolate(&samples, from))
+    }
+}
+
+impl Drop for CpuSampler {
+    /// A run that ends early (an error before `between`) stops the sampling thread too.
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
     }
 }
 
@@ -531,14 +546,21 @@ fn run(
     let pids: Vec<u32> = tb.procs.0.iter().map(|c| c.id()).collect();
     let cpu = CpuSampler::start(pids);
     let t0 = unix_ms();
-    let publisher = {
+    // The publish's outcome: when it returned, or that it failed (its panic is on stderr),
+    // which ends the waits below at once instead of at the deadline.
+    let (published_tx, published_rx) = mpsc::channel();
+    {
         let (hub, cluster, step) = (tb.hub_addr.clone(), tb.cluster.clone(), steps[1].clone());
         std::thread::spawn(move || {
-            starling_tests::publish_to(&hub, &cluster, &step);
-            unix_ms()
-        })
-    };
+            let done = std::panic::catch_unwind(|| {
+                starling_tests::publish_to(&hub, &cluster, &step);
+            });
+            let _ = published_tx.send(done.is_ok().then(unix_ms));
+        });
+    }
+    let mut published = None;
     let relay_done = poll("relay r cached version 1", dl, || {
+        publish_outcome(&published_rx, &mut published)?;
         let s = status(&relay_http)?;
         Ok(reached(&s, "cached_version", 1).then_some(s))
     })?;
@@ -558,9 +580,13 @@ fn run(
         })?;
         active.push(stamp(&s, "active_at_ms")?);
     }
-    let published = publisher
-        .join()
-        .map_err(|_| anyhow::anyhow!("publish thread panicked"))?;
+    let published = match published {
+        Some(t) => t,
+        None => published_rx
+            .recv_timeout(dl.saturating_duration_since(Instant::now()))
+            .context("waiting for the publish to return")?
+            .context("the publish failed (its panic is above)")?,
+    };
     // The hub serves its status from a cache refreshed at most every `STATUS_TTL`: poll.
     let (v1, chosen, why) = poll("version 1 in the hub's status", dl, || {
         let hub = tb.hub_status();
@@ -590,27 +616,55 @@ fn run(
     // The link's counters for the hub → relay direction, as of about now.
     let drops = link_drops(&tb.links_out[0]);
     let rtt_ms = percentiles(rtts_within(&rtts, first, cached));
-    let catchup = catch_up(&mut tb, &netem, &relay_args, dl)?;
+    let (catchup, catchup_rtts) = catch_up(&mut tb, &netem, &relay_args, dl)?;
     let send_start = if cut { first } else { hub_published };
-    let secs = |from: u64, to: u64| to.saturating_sub(from) as f64 / 1e3;
-    Ok(RunResult {
+    let window = secs(first, staged)?;
+    let result = RunResult {
         codecs: format!("{chosen} ({codecs})"),
         why,
         delta,
         wan_bytes,
-        encode_s: secs(t0, published),
-        encode_span_s: secs(first, hub_published),
-        wan_s: secs(send_start, received),
-        cached_s: secs(first, cached),
-        staged_s: secs(first, staged),
-        active_s: secs(first, active),
+        encode_s: secs(t0, published)?,
+        encode_span_s: secs(first, hub_published)?,
+        // Store-and-forward starts sending a few ms before `published_at_ms`: at the tiny
+        // preset the whole transfer can end before it.
+        wan_s: secs(send_start, received).unwrap_or(0.0),
+        cached_s: secs(first, cached)?,
+        staged_s: window,
+        active_s: secs(first, active)?,
         rtt_ms,
         drops,
-        cpu_busy: cpu_in_window
-            / (std::thread::available_parallelism().map_or(1, |n| n.get()) as f64
-                * secs(first, staged)),
+        cpu_busy: if window > 0.0 {
+            cpu_in_window
+                / (std::thread::available_parallelism().map_or(1, |n| n.get()) as f64 * window)
+        } else {
+            f64::NAN
+        },
         catchup,
-    })
+    };
+    // The processes go first: each prints to a pipe read by a thread these receivers feed,
+    // and a process whose stdout reader is gone stops on its next line.
+    drop(tb);
+    drop((rtts, catchup_rtts, _actor_out));
+    Ok(result)
+}
+
+/// Seconds from Unix ms `from` to `to`; an error where `to` is earlier (stamps out of order
+/// would otherwise print as a plausible zero).
+fn secs(from: u64, to: u64) -> Result<f64> {
+    to.checked_sub(from)
+        .map(|ms| ms as f64 / 1e3)
+        .with_context(|| format!("stamp {to} is before {from}"))
+}
+
+/// Takes the publish's outcome once it is there: its return time, or an error if it failed.
+fn publish_outcome(rx: &mpsc::Receiver<Option<u64>>, published: &mut Option<u64>) -> Result<()> {
+    if published.is_none()
+        && let Ok(outcome) = rx.try_recv()
+    {
+        *published = Some(outcome.context("the publish failed (its panic is above)")?);
+    }
+    Ok(())
 }
 
 /// Starts a second relay (`r2`) behind a link like the first one's and lets it fetch the
@@ -620,7 +674,7 @@ fn catch_up(
     netem: &[&str],
     relay_args: &[&str],
     dl: Instant,
-) -> Result<Transfer> {
+) -> Result<(Transfer, mpsc::Receiver<(u64, f64)>)> {
     let start = unix_ms();
     let (_, out) = tb.relay_behind_link("r2", netem, relay_args);
     let http = tb
@@ -636,9 +690,32 @@ fn catch_up(
     let received = stamp(&done, "received_at_ms")?;
     // One more stats interval of the link (500 ms), so its counters cover the transfer.
     std::thread::sleep(Duration::from_millis(600));
-    Ok(Transfer {
-        wan_s: received.saturating_sub(start) as f64 / 1e3,
+    let transfer = Transfer {
+        wan_s: secs(start, received)?,
         rtt_ms: percentiles(rtts_within(&rtts, start, received)),
         drops: link_drops(&tb.links_out[1]),
-    })
+    };
+    Ok((transfer, rtts))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_time_is_interpolated_between_samples_and_held_outside_them() {
+        let samples = [(1_000, 2.0), (1_050, 2.5), (1_100, 2.5), (1_200, 4.5)];
+        assert_eq!(interpolate(&samples, 1_025), 2.25);
+        assert_eq!(interpolate(&samples, 1_050), 2.5);
+        assert_eq!(interpolate(&samples, 1_150), 3.5);
+        assert_eq!(interpolate(&samples, 900), 2.0);
+        assert_eq!(interpolate(&samples, 1_300), 4.5);
+        assert_eq!(interpolate(&[], 1_000), 0.0);
+    }
+
+    #[test]
+    fn stamps_out_of_order_are_an_error_not_a_zero() {
+        assert_eq!(secs(1_000, 3_500).ok(), Some(2.5));
+        assert!(secs(3_500, 1_000).is_err());
+    }
 }
