@@ -404,9 +404,12 @@ fn stamp(v: &Value, field: &str) -> Result<u64> {
         .with_context(|| format!("status without {field}: {v}"))
 }
 
+/// Control round trips in ms, each stamped in Unix ms as it arrived.
+type Rtts = mpsc::Receiver<(u64, f64)>;
+
 /// Collects the `rtt-us MICROS` lines a relay prints (`--print-rtt`), each stamped in Unix ms
 /// as it arrives.
-fn rtt_lines(rx: mpsc::Receiver<String>) -> mpsc::Receiver<(u64, f64)> {
+fn rtt_lines(rx: mpsc::Receiver<String>) -> Rtts {
     let (tx, out) = mpsc::channel();
     std::thread::spawn(move || {
         for line in rx {
@@ -422,11 +425,28 @@ fn rtt_lines(rx: mpsc::Receiver<String>) -> mpsc::Receiver<(u64, f64)> {
 }
 
 /// The round trips (ms) stamped within `[from, to]`.
-fn rtts_within(rx: &mpsc::Receiver<(u64, f64)>, from: u64, to: u64) -> Vec<f64> {
+fn rtts_within(rx: &Rtts, from: u64, to: u64) -> Vec<f64> {
     rx.try_iter()
         .filter(|&(t, _)| (from..=to).contains(&t))
         .map(|(_, ms)| ms)
         .collect()
+}
+
+/// A relay behind an emulated link (`relay_args` include `--http` and `--print-rtt`): its
+/// QUIC address, its status address, and its control round trips as they arrive.
+fn relay_with_status(
+    tb: &mut Testbed,
+    name: &str,
+    netem: &[&str],
+    relay_args: &[&str],
+) -> Result<(String, String, Rtts)> {
+    let (addr, out) = tb.relay_behind_link(name, netem, relay_args);
+    let http = tb
+        .relay_http
+        .get(name)
+        .with_context(|| format!("relay {name} serves no status"))?
+        .clone();
+    Ok((addr, http, rtt_lines(out)))
 }
 
 /// Starts an actor with a status endpoint; returns its HTTP address and its stdout, which
@@ -510,13 +530,7 @@ fn run(
         "127.0.0.1:0",
     ];
     let dl = Instant::now() + Duration::from_secs(900);
-    let (raddr, rout) = tb.relay_behind_link("r", &netem, &relay_args);
-    let relay_http = tb
-        .relay_http
-        .get("r")
-        .context("relay r serves no status")?
-        .clone();
-    let rtts = rtt_lines(rout);
+    let (raddr, relay_http, rtts) = relay_with_status(&mut tb, "r", &netem, &relay_args)?;
     let relay = format!("r@{raddr}");
     let (actors, _actor_out): (Vec<String>, Vec<_>) = ["a1", "a2"]
         .iter()
@@ -674,15 +688,9 @@ fn catch_up(
     netem: &[&str],
     relay_args: &[&str],
     dl: Instant,
-) -> Result<(Transfer, mpsc::Receiver<(u64, f64)>)> {
+) -> Result<(Transfer, Rtts)> {
     let start = unix_ms();
-    let (_, out) = tb.relay_behind_link("r2", netem, relay_args);
-    let http = tb
-        .relay_http
-        .get("r2")
-        .context("relay r2 serves no status")?
-        .clone();
-    let rtts = rtt_lines(out);
+    let (_, http, rtts) = relay_with_status(tb, "r2", netem, relay_args)?;
     let done = poll("catch-up relay r2 received version 1", dl, || {
         let s = status(&http)?;
         Ok(reached(&s, "received_version", 1).then_some(s))
