@@ -51,13 +51,14 @@
 #                        [--codecs auto|small|fast] [--handover yes|no] [--warmup 1]
 #                        [--hub-args "EXTRA SERVE ARGS"] (e.g. "--tensor-hashes", for A/B runs)
 #                        [--work /var/tmp/starling-tbf-bench]
-#                        [--quiet-wait 180] [--keep]
+#                        [--quiet-wait 180] [--keep] [--no-build]
 # (1.5b at lr 1e-5 gives an 86 MB delta; 0.5b ~32 MB.) A full default run takes ~15-20 min;
 # `.ci/run` runs it once at the tiny preset (`--model tiny --reps 1 --cases ct4 --quiet-wait 0`)
 # so that a change that breaks it fails CI.
-# Binaries are taken from cargo's target directory (CARGO_TARGET_DIR, else target/) release
-# build (built with `cargo build --release --bins` if missing) and copied into the work
-# directory, so a concurrent rebuild cannot change them mid-run. Checkpoints are generated once
+# Binaries are built first (`cargo build --release --bins`: nothing to do when they are fresh)
+# in cargo's target directory as cargo resolves it, so a run never measures a stale build, and
+# copied into the work directory, so a concurrent rebuild cannot change them mid-run
+# (`--no-build` takes the binaries there as they are, for a pinned A/B build). Checkpoints are generated once
 # (`starling-hub bench gen`) and reused.
 # Per-run logs (stdout/stderr of every process with $EPOCHREALTIME stamps, wire/CPU samples,
 # a `top` snapshot mid-transfer) stay in WORK/run-PID/ (stores are deleted unless --keep).
@@ -81,6 +82,7 @@ codecs=auto
 handover=yes
 warmup=1
 hub_args=""
+build=1
 while (($#)); do
     case $1 in
     --reps) reps=$2; shift 2 ;;
@@ -93,6 +95,7 @@ while (($#)); do
     --actors) actors=$2; shift 2 ;;
     --work) work=$2; shift 2 ;;
     --keep) keep=1; shift ;;
+    --no-build) build=0; shift ;;
     --quiet-wait) quiet_wait=$2; shift 2 ;;
     --codecs) codecs=$2; shift 2 ;;
     --handover) handover=$2; shift 2 ;;
@@ -116,11 +119,16 @@ exec 9>"$work/.lock"
 flock -n 9 || { echo "another tbf-bench holds $work/.lock" >&2; exit 1; }
 
 # ---------------------------------------------------------------- binaries and checkpoints
-release=${CARGO_TARGET_DIR:-$repo/target}/release
-[[ $release = /* ]] || release=$repo/$release
-if ! [[ -x $release/starling-hub && -x $release/starling-relay && -x $release/starling-actor ]]; then
-    (cd "$repo" && cargo build --release --bins)
+# Once stale binaries of an old checkout ran here, against the sources' docs: build (or check)
+# what the sources say, where cargo puts it (CARGO_TARGET_DIR, a config's target-dir, target/).
+release=$(cd "$repo" && cargo metadata --format-version 1 --no-deps |
+    python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')/release
+if ((build)); then
+    (cd "$repo" && cargo build --release --bins -q)
 fi
+for b in starling-hub starling-relay starling-actor; do
+    [[ -x $release/$b ]] || { echo "no $release/$b (run without --no-build)" >&2; exit 1; }
+done
 run_root=$work/run-$$
 mkdir -p "$run_root/bin"
 for b in starling-hub starling-relay starling-actor; do
