@@ -31,7 +31,7 @@ use starling_checkpoint::deltafile::Model;
 use starling_proto::delta::anchor::AnchorSeal;
 use starling_proto::delta::apply::{Stager, StagingBuffers, UndoLog, VersionedWeights};
 use starling_proto::delta::manifest::TrustPolicy;
-use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, Role as MsgRole, StagingReport};
 use starling_telemetry::Metrics;
 use starling_transport::drive::Shell;
 use starling_transport::endpoint::EndpointError;
@@ -46,10 +46,12 @@ use crate::status::ActorStatus;
 use crate::store::{Layout, Store};
 use crate::worker::PipelineStatus;
 
-/// A version being staged: its stager and its frames' wire bytes (for the journal).
+/// A version being staged: its stager, its frames' wire bytes (for the journal) and the wall
+/// time spent staging them (reported to the hub: [`StagingReport`]).
 pub(crate) struct Staging {
     stager: Stager,
     raw: Vec<Vec<u8>>,
+    busy: Duration,
 }
 
 /// The weight pipeline: the active weights, the store and the engine.
@@ -101,6 +103,7 @@ impl Shell for Pipeline<'_> {
             Staging {
                 stager,
                 raw: Vec::new(),
+                busy: Duration::ZERO,
             },
         );
         true
@@ -113,8 +116,10 @@ impl Shell for Pipeline<'_> {
             return true;
         };
         let weights = self.state.weights();
+        let t = Instant::now();
         let staged =
             tokio::task::block_in_place(|| s.stager.stage_frame(frame.as_frame(), weights));
+        s.busy += t.elapsed();
         s.raw.push(frame.bytes);
         if let Err(e) = staged {
             let e = starling_process::error_chain(&e);
@@ -141,6 +146,13 @@ impl Shell for Pipeline<'_> {
         let Some(s) = self.staging.remove(&version) else {
             return Ok(Some(false));
         };
+        // Every frame is staged by now (the core may say a version is here before its last
+        // frame is staged).
+        let report = StagingReport {
+            version,
+            changes: s.stager.changes(),
+            busy_ns: u64::try_from(s.busy.as_nanos()).unwrap_or(u64::MAX),
+        };
         let (trust, state) = (self.trust, &mut self.state);
         let committed = tokio::task::block_in_place(|| -> Result<_> {
             let sealed = s.stager.seal(trust)?;
@@ -155,6 +167,7 @@ impl Shell for Pipeline<'_> {
                 return Ok(Some(false));
             }
         };
+        self.status.send_modify(|s| s.staging = Some(report));
         self.metrics.observe_transfer(started.elapsed());
         self.metrics.observe_apply(apply);
         self.metrics.set_active(version);

@@ -87,6 +87,13 @@ impl ActorStatus {
             // The newest version staged at all, and when: kept once it is active.
             "newest_staged_version": p.newest_staged.map(|(v, _)| v),
             "newest_staged_at_ms": p.newest_staged.map(|(_, at)| at),
+            // How long staging the newest active version took here (reported to the hub).
+            "staging": p.staging.map(|r| json!({
+                "version": r.version,
+                "changes": r.changes,
+                "busy_ms": r.busy_ns as f64 / 1e6,
+                "ns_per_change": r.seconds_per_change().map(|s| s * 1e9),
+            })),
             "source": source.map(|s| json!({"name": s.name, "kind": s.kind, "connected": s.connected})),
             "engine": self.engine,
             // What the engine proves it holds; null while it is fenced (it then takes no work).

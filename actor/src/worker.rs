@@ -42,7 +42,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use quinn::{ClientConfig, Endpoint, SendStream};
-use starling_proto::protocol::msg::{MAX_MESSAGE_BODY, Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_proto::protocol::msg::{
+    MAX_MESSAGE_BODY, Message, PROTOCOL_VERSION, Role as MsgRole, StagingReport,
+};
 use starling_proto::protocol::rollout::{JobResult, JobSpec, Verdict, split_for_messages};
 use starling_telemetry::Metrics;
 use starling_transport::endpoint::connect_with;
@@ -71,6 +73,9 @@ pub struct PipelineStatus {
     pub active_at_ms: Option<u64>,
     /// The newest version staged so far and when (Unix ms); kept after it becomes active.
     pub newest_staged: Option<(u64, u64)>,
+    /// How long staging the newest version activated here took (sent to the hub once per
+    /// version as `StagingTime`: its codec choice predicts staging from the slowest actor's).
+    pub staging: Option<StagingReport>,
 }
 
 impl PipelineStatus {
@@ -427,6 +432,7 @@ async fn heartbeat(
 ) {
     let mut timer = tokio::time::interval(Duration::from_secs(1));
     let mut watching = true;
+    let mut reported = None;
     loop {
         // Every second, and at once when the pipeline stages or activates a version: the
         // hub decides who is eligible for a batch from the last heartbeat, and a view up to a
@@ -440,10 +446,24 @@ async fn heartbeat(
             }
         }
         let active = engine.fingerprint().map(|f| (f.version, f.digest));
-        let staged = status.borrow().staged;
-        let m = Message::Heartbeat { active, staged };
-        if send(&mut *tx.lock().await, &m).await.is_err() {
-            return;
+        let (staged, staging) = {
+            let s = status.borrow();
+            (s.staged, s.staging)
+        };
+        // Each version's staging time once per connection (this task lives as long as it),
+        // ahead of the heartbeat that says the version is active: a hub that sees it active
+        // has its report.
+        let mut messages = Vec::with_capacity(2);
+        if let Some(report) = staging.filter(|r| Some(r.version) != reported) {
+            reported = Some(report.version);
+            messages.push(Message::StagingTime { report });
+        }
+        messages.push(Message::Heartbeat { active, staged });
+        let mut tx = tx.lock().await;
+        for m in &messages {
+            if send(&mut tx, m).await.is_err() {
+                return;
+            }
         }
     }
 }

@@ -16,10 +16,12 @@
 //!   speed-up and its share of a busy machine), measured on every publish;
 //!
 //! and takes the set whose predicted latency is smallest for the slowest region (the small set
-//! only where it wins clearly: `SMALL_MUST_WIN_BY`). Staging is
-//! the actors' decode of every change on one core at the hub's measured speed (the hub
-//! cannot measure the actors' CPUs; an actor with more cores stages faster, which only
-//! favours `small` more). With cut-through (the default) a version's segments go out as they
+//! only where it wins clearly: `SMALL_MUST_WIN_BY`). Staging is what the slowest actor
+//! reported in its heartbeats: the wall time its staging of a recent version took per change,
+//! on its own cores (`StagingReport`), carried over to the other set by the sample's ratio of
+//! the two sets' decode times. Before any actor with a worker has reported (and for actors
+//! without one, which send no heartbeats) it is the decode of every change on one core at the
+//! hub's measured speed. With cut-through (the default) a version's segments go out as they
 //! are encoded and actors stage them as they arrive, so encoder, link and staging work at
 //! once and the slowest of them sets the pace: `max(encode, wire, staging)`. With
 //! `--store-and-forward` the hub sends only once the whole delta is durable, so the encode
@@ -37,6 +39,7 @@ use serde_json::{Value, json};
 use starling_checkpoint::safetensors::{Checkpoint, SourceDtype, TensorInfo};
 use starling_proto::delta::diff::{RangeDiff, diff_range_into, diff_range_ranked_into};
 use starling_proto::delta::segment::{CodecChoice, EncodedPart};
+use starling_proto::protocol::msg::StagingReport;
 use starling_transport::link::LinkProfile;
 
 /// What the operator asked for.
@@ -111,6 +114,14 @@ const SMALL_MUST_WIN_BY: f64 = 0.85;
 
 /// Weight of a new observation in the running figures.
 const EMA: f64 = 0.5;
+
+/// How many recent versions' codec sets the chooser remembers: a staging report of an older
+/// version (or of one this hub did not choose) is not used.
+const RECENT_VERSIONS: usize = 16;
+
+/// The most actors whose staging reports are kept (a worker connection per actor is bounded
+/// by the hub's limits; this bounds the map whatever they are).
+const MAX_REPORTS: usize = 4096;
 
 /// One set's cost on the sample, one core.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -238,6 +249,20 @@ pub struct Decision {
     pub estimates: Vec<Estimate>,
     /// The slowest link the estimates assumed (`None`: no link known, a LAN).
     pub slowest: Option<PeerLink>,
+    /// The actor report staging was predicted from (`None`: the hub's sample, one core).
+    pub staging_from: Option<ReportedStaging>,
+}
+
+/// The slowest actor's staging report, as the estimates used it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReportedStaging {
+    pub actor: String,
+    pub report: StagingReport,
+    /// The set the reported version was encoded with.
+    pub set: CodecSet,
+    /// Seconds per change for each set (the reported one as measured, the other scaled by
+    /// the decode times' ratio).
+    pub per_change_s: [f64; 2],
 }
 
 /// Costs assumed before anything was measured (codec-bench on the 2-vCPU development
@@ -262,6 +287,10 @@ pub struct Chooser {
     /// Whether segments go out as they are encoded (the hub's default), so that encode, wire
     /// and staging overlap.
     cut_through: bool,
+    /// The set each of the last `RECENT_VERSIONS` decisions chose.
+    sets: std::collections::BTreeMap<u64, CodecSet>,
+    /// Each actor's newest staging report.
+    reports: std::collections::BTreeMap<String, StagingReport>,
 }
 
 impl Chooser {
@@ -274,7 +303,51 @@ impl Chooser {
             observed: None,
             threads: encode_threads.max(1),
             cut_through,
+            sets: Default::default(),
+            reports: Default::default(),
         }
+    }
+
+    /// An actor's heartbeat carried a staging report. Reports of a version older than the
+    /// chooser remembers are dropped as they come (a later heartbeat brings a newer one).
+    pub fn report_staging(&mut self, actor: &str, report: StagingReport) {
+        let known = self.sets.contains_key(&report.version);
+        if !known || (self.reports.len() >= MAX_REPORTS && !self.reports.contains_key(actor)) {
+            return;
+        }
+        self.reports.insert(actor.to_owned(), report);
+    }
+
+    /// The actor is gone: its report no longer describes anyone who stages.
+    pub fn forget_actor(&mut self, actor: &str) {
+        self.reports.remove(actor);
+    }
+
+    /// The slowest actor by its staging report of a version whose set is known, its figure
+    /// carried to both sets by `decode_s` (seconds per change of each set, from the sample or
+    /// the priors).
+    fn slowest_reported(&self, decode_s: [f64; 2]) -> Option<ReportedStaging> {
+        self.reports
+            .iter()
+            .filter_map(|(actor, r)| {
+                let set = *self.sets.get(&r.version)?;
+                let measured = r.seconds_per_change()?;
+                let own = decode_s[set.index()];
+                let per_change_s = std::array::from_fn(|i| {
+                    if i == set.index() || own <= 0.0 {
+                        measured
+                    } else {
+                        measured * decode_s[i] / own
+                    }
+                });
+                Some(ReportedStaging {
+                    actor: actor.clone(),
+                    report: *r,
+                    set,
+                    per_change_s,
+                })
+            })
+            .max_by(|a, b| a.per_change_s[0].total_cmp(&b.per_change_s[0]))
     }
 
     pub fn policy(&self) -> CodecPolicy {
@@ -307,6 +380,11 @@ impl Chooser {
                     link: LinkProfile::LAN,
                 })
             });
+        let measured_decode = |i: usize| match sample.filter(|s| s.changes > 0) {
+            Some(s) => s.costs[i].decode_s / s.changes as f64,
+            None => PRIOR_DECODE_NS_PER_CHANGE[i] * 1e-9,
+        };
+        let staging_from = self.slowest_reported([measured_decode(0), measured_decode(1)]);
         let estimates: Vec<Estimate> = CodecSet::ALL
             .into_iter()
             .map(|set| {
@@ -335,7 +413,10 @@ impl Chooser {
                 let wire_s = slowest.as_ref().map_or(0.0, |l| {
                     bytes * 8.0 / l.link.rate_bps.max(1) as f64 + l.link.rtt.as_secs_f64()
                 });
-                let stage_s = decode_per_change_s * changes;
+                let stage_s = staging_from
+                    .as_ref()
+                    .map_or(decode_per_change_s, |r| r.per_change_s[i])
+                    * changes;
                 let latency_s = if self.cut_through {
                     encode_s.max(wire_s).max(stage_s)
                 } else {
@@ -369,14 +450,22 @@ impl Chooser {
             &estimates,
             slowest.as_ref(),
             sample,
+            staging_from.as_ref(),
             self.cut_through,
         );
+        self.sets.insert(version, set);
+        while self.sets.len() > RECENT_VERSIONS {
+            self.sets.pop_first();
+        }
+        let sets = &self.sets;
+        self.reports.retain(|_, r| sets.contains_key(&r.version));
         let d = Decision {
             version,
             set,
             why,
             estimates,
             slowest,
+            staging_from,
         };
         self.last = Some(d.clone());
         d
@@ -423,6 +512,15 @@ impl Chooser {
                 "rtt_ms": l.link.rtt.as_secs_f64() * 1e3,
             })),
             "estimates": d.estimates.iter().map(Estimate::json).collect::<Vec<_>>(),
+            // Whose staging the estimates assumed: an actor's report, or the hub's sample.
+            "staging_from": d.staging_from.as_ref().map(|r| json!({
+                "actor": r.actor,
+                "version": r.report.version,
+                "set": r.set.name(),
+                "changes": r.report.changes,
+                "busy_ms": r.report.busy_ns as f64 / 1e6,
+                "ns_per_change": CodecSet::ALL.iter().map(|s| (s.name(), (r.per_change_s[s.index()] * 1e10).round() / 10.0)).collect::<std::collections::BTreeMap<_, _>>(),
+            })),
             "encode_speedup": CodecSet::ALL.iter().map(|s| (s.name(), self.speedup[s.index()])).collect::<std::collections::BTreeMap<_, _>>(),
             "last_encode": self.observed.map(|(s, w, c)| json!({
                 "set": s.name(), "wall_s": round3(w), "changes": c,
@@ -437,6 +535,7 @@ fn explain(
     estimates: &[Estimate],
     slowest: Option<&PeerLink>,
     sample: Option<&Sample>,
+    staging_from: Option<&ReportedStaging>,
     cut_through: bool,
 ) -> String {
     let link = slowest.map_or_else(
@@ -480,6 +579,16 @@ fn explain(
             100.0 * s.changes as f64 / s.elements as f64
         ),
         _ => "no measured sample: prior costs".to_owned(),
+    };
+    let basis = match staging_from {
+        Some(r) => format!(
+            "{basis}; staging as the slowest actor, {}, reported it: version {} ({}) {:.1} ns per change",
+            r.actor,
+            r.report.version,
+            r.set.name(),
+            r.per_change_s[r.set.index()] * 1e9
+        ),
+        None => format!("{basis}; staging on one core at the hub's speed (no actor report)"),
     };
     match policy {
         CodecPolicy::Auto => {
@@ -619,6 +728,71 @@ mod tests {
             "{}",
             d.why
         );
+    }
+
+    #[test]
+    fn the_slowest_actors_staging_report_replaces_the_one_core_estimate() {
+        let s = sample(100_000);
+        let elements = 2_000_000_000;
+        let l = link(1000, 1);
+        let mut c = Chooser::new(CodecPolicy::Auto, 16, true);
+        // No report yet: staging on one core at the sample's speed (small 3.3 s, fast 1.2 s)
+        // outweighs small's 0.15 s less on the wire.
+        let d = c.decide(1, elements, Some(&s), &l);
+        assert_eq!((d.set, d.staging_from.as_ref()), (CodecSet::Fast, None));
+        assert!(d.why.contains("(no actor report)"), "{}", d.why);
+        let report = |version, ns_per_change: u64| StagingReport {
+            version,
+            changes: 1_000_000,
+            busy_ns: ns_per_change * 1_000_000,
+        };
+        // A report of a version the chooser did not decide is not used.
+        c.report_staging("a0", report(99, 1000));
+        // An actor that staged version 1 (fast) at 2.5 ns per change, 10× the sample's one
+        // core: small's staging scales by the sample's decode ratio (70/25) to 7 ns, 0.33 s,
+        // below its wire time; small now wins.
+        c.report_staging(
+            "a1",
+            StagingReport {
+                busy_ns: 2_500_000,
+                ..report(1, 0)
+            },
+        );
+        let d = c.decide(2, elements, Some(&s), &l);
+        let from = d.staging_from.clone().expect("a report");
+        assert_eq!((from.actor.as_str(), from.set), ("a1", CodecSet::Fast));
+        assert!((from.per_change_s[1] - 2.5e-9).abs() < 1e-15);
+        assert!((from.per_change_s[0] - 7e-9).abs() < 1e-15);
+        let changes = 0.1 / 4.194304 * elements as f64;
+        assert!((d.estimates[0].stage_s - 7e-9 * changes).abs() < 1e-6);
+        assert_eq!(d.set, CodecSet::Small, "{}", d.why);
+        assert!(
+            d.why
+                .contains("slowest actor, a1, reported it: version 1 (fast) 2.5 ns"),
+            "{}",
+            d.why
+        );
+        // A slower actor (version 2, small, 50 ns per change: 2.4 s) sets the pace.
+        c.report_staging("a2", report(2, 50));
+        let d = c.decide(3, elements, Some(&s), &l);
+        assert_eq!(
+            d.staging_from.as_ref().map(|r| r.actor.as_str()),
+            Some("a2")
+        );
+        assert_eq!(d.set, CodecSet::Fast, "{}", d.why);
+        let st = c.status();
+        assert_eq!(st["staging_from"]["actor"], "a2");
+        assert_eq!(st["staging_from"]["set"], "small");
+        assert_eq!(st["staging_from"]["ns_per_change"]["small"], 50.0);
+        // Gone: the next decision goes by the actors still here.
+        c.forget_actor("a2");
+        let d = c.decide(4, elements, Some(&s), &l);
+        assert_eq!(d.staging_from.map(|r| r.actor), Some("a1".to_owned()));
+        // Reports of versions older than the chooser remembers are dropped.
+        for v in 5..5 + RECENT_VERSIONS as u64 {
+            c.decide(v, elements, Some(&s), &l);
+        }
+        assert!(c.decide(100, elements, Some(&s), &l).staging_from.is_none());
     }
 
     #[test]

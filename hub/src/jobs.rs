@@ -1,8 +1,8 @@
 //! Rollout work on the hub: the actors' job connections and the scheduler loop.
 //!
 //! An actor opens a connection of its own to the hub for work (the data subscription goes
-//! through its region's relay), says `Work`, and then sends `Heartbeat`, `Claim`, `Progress`
-//! and `Submit`; the hub answers `Claim` with `Jobs` and `Submit` with `Verdicts`. Every
+//! through its region's relay), says `Work`, and then sends `Heartbeat`, `StagingTime` (to
+//! the codec chooser), `Claim`, `Progress` and `Submit`; the hub answers `Claim` with `Jobs` and `Submit` with `Verdicts`. Every
 //! decision is the ledger's: registration (each connection is a ledger session), heartbeats
 //! (which drive eligibility), leases sized to the job and extended by progress, and
 //! exactly-once acceptance under the batch's staleness bound. When the connection ends — the
@@ -65,6 +65,8 @@ pub(crate) struct WorkerContext {
     pub(crate) limits: WorkerLimits,
     /// Woken when results were stored waiting for their reward service.
     pub(crate) scorer: Arc<Notify>,
+    /// The codec chooser, which predicts staging from the actors' heartbeats.
+    pub(crate) codecs: Arc<std::sync::Mutex<crate::codecs::Chooser>>,
     /// The actor's connection: its round-trip time measures the actor's latency apart from
     /// its rate (`starling_ledger::schedule::learn`).
     pub(crate) conn: quinn::Connection,
@@ -135,6 +137,10 @@ pub(crate) async fn serve_worker(
     }
     cx.board
         .worker_disconnected(&name, why.as_deref(), now_ms());
+    cx.codecs
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .forget_actor(&name);
     release(&cx, &actor, session).await;
     served
 }
@@ -172,7 +178,8 @@ async fn release(cx: &WorkerContext, actor: &ActorId, session: Session) {
 /// The rate bucket a message draws from.
 fn kind_of(m: &Message) -> Option<Kind> {
     match m {
-        Message::Heartbeat { .. } => Some(Kind::Heartbeat),
+        // One per staged version: it shares the heartbeats' budget.
+        Message::Heartbeat { .. } | Message::StagingTime { .. } => Some(Kind::Heartbeat),
         Message::Progress { .. } => Some(Kind::Progress),
         Message::Claim { .. } => Some(Kind::Claim),
         Message::Submit { .. } => Some(Kind::Submit),
@@ -226,6 +233,13 @@ async fn work(
                 }
                 None
             }
+            Message::StagingTime { report } => {
+                cx.codecs
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .report_staging(actor.as_str(), report);
+                None
+            }
             Message::Heartbeat { active, staged } => {
                 cx.board
                     .heartbeat(actor.as_str(), active.map(|(v, _)| v), staged, now_ms());
@@ -248,7 +262,7 @@ async fn work(
             other => Some(Message::Refuse {
                 reason: RefuseReason::Protocol,
                 detail: format!(
-                    "a worker may send Heartbeat, Claim, Progress or Submit, not {other:?}"
+                    "a worker may send Heartbeat, StagingTime, Claim, Progress or Submit, not {other:?}"
                 ),
             }),
         };

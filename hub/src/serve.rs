@@ -358,6 +358,7 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
                     connections: hub.workers.clone(),
                     limits: hub.cfg.worker_limits,
                     scorer: hub.scorer_wake.clone(),
+                    codecs: hub.codecs.clone(),
                     conn: conn.clone(),
                 },
                 a.control,

@@ -40,7 +40,7 @@ fn cluster() -> Cluster {
         ("trainer", "t1"),
     ];
     let hub_args = ["--log-format", "json"];
-    let mut tb = Testbed::with_model("tiny", 1e-4, 3, 5, &peers, &[], &hub_args);
+    let mut tb = Testbed::with_model("tiny", 1e-4, 4, 5, &peers, &[], &hub_args);
     let (addr, relay_out) = tb.relay_with("eu", &["--http", "127.0.0.1:0"]);
     let relay_http = tb.relay_http["eu"].clone();
     let mut actors = Vec::new();
@@ -177,12 +177,72 @@ fn the_dashboard_shows_what_the_status_says_and_every_exporter_is_valid() {
         within_run(&a, &a["newest_staged_at_ms"]);
         assert_eq!(a["source"]["kind"], "relay", "{a}");
         assert_eq!(a["worker_connected"], true, "{a}");
+        // How long staging version 1 took here, which the actor reports to the hub.
+        let st = &a["staging"];
+        assert_eq!(st["version"], 1, "{a}");
+        assert!(st["changes"].as_u64().is_some_and(|c| c > 0), "{a}");
+        assert!(st["busy_ms"].as_f64().is_some_and(|b| b > 0.0), "{a}");
+        assert!(st["ns_per_change"].as_f64().is_some_and(|n| n > 0.0), "{a}");
     }
 
     each_component_counts_what_it_did(&c);
     promtool_checks_every_exporter(&c);
     dashboard_follows_the_status(tb);
+    the_codec_choice_stages_as_the_slowest_actor_reported(&c);
     hub_logs_are_json_lines(tb);
+}
+
+/// Each actor reports how long its staging of a version took (`StagingTime`); the next
+/// version's codec choice predicts staging from the slowest actor's report, and says whose.
+fn the_codec_choice_stages_as_the_slowest_actor_reported(c: &Cluster) {
+    let tb = &c.tb;
+    let current = tb.hub_status()["version"].as_u64().expect("version");
+    // The slower actor's figure for the version they all hold, as each reports it itself.
+    let reported: Vec<(String, f64)> = c
+        .actor_http
+        .iter()
+        .map(|(name, http)| {
+            let a: Value = serde_json::from_str(&http_get(http, "/v1/status")).expect("json");
+            assert_eq!(a["staging"]["version"], current, "{a}");
+            (
+                name.clone(),
+                a["staging"]["ns_per_change"]
+                    .as_f64()
+                    .expect("ns per change"),
+            )
+        })
+        .collect();
+    let (slowest, ns) = reported
+        .iter()
+        .max_by(|a, b| a.1.total_cmp(&b.1))
+        .cloned()
+        .expect("actors");
+    let next = current as usize + 1;
+    assert!(next < tb.steps.len(), "the test bed holds version {next}");
+    tb.publish(next);
+    let status = status_until(tb, "the next version active everywhere", |s| {
+        all_active(s, next as u64, 2)
+    });
+    let codecs = &status["codecs"];
+    let from = &codecs["staging_from"];
+    assert_eq!(
+        from["actor"],
+        slowest.as_str(),
+        "{codecs}; reported {reported:?}"
+    );
+    assert_eq!(from["version"], current, "{codecs}");
+    let set = from["set"].as_str().expect("set");
+    let hub_ns = from["ns_per_change"][set].as_f64().expect("ns per change");
+    assert!(
+        (hub_ns - ns).abs() <= 0.1,
+        "{codecs}; reported {reported:?}"
+    );
+    assert!(
+        codecs["why"]
+            .as_str()
+            .is_some_and(|w| w.contains(&format!("slowest actor, {slowest}, reported it"))),
+        "{codecs}"
+    );
 }
 
 /// With version 1 active everywhere, each component's `/metrics` counts what it did itself:
@@ -324,7 +384,7 @@ fn dashboard_follows_the_status(tb: &Testbed) {
 }
 
 /// Every line the hub logged (stderr, `--log-format json`) is a JSON object with a level and
-/// a message; the publish of version 1 is there, inside its `publish` span.
+/// a message; the publishes (of versions 1 to 3) are there, inside their `publish` spans.
 fn hub_logs_are_json_lines(tb: &Testbed) {
     let lines: Vec<String> = tb.hub_log.try_iter().collect();
     assert!(!lines.is_empty(), "the hub logged nothing");
@@ -339,7 +399,9 @@ fn hub_logs_are_json_lines(tb: &Testbed) {
         assert!(v["fields"]["message"].is_string(), "{line}");
         if v["fields"]["message"] == "published" && v["span"]["name"] == "publish" {
             assert!(
-                v["span"]["version"] == 1 || v["span"]["version"] == 2,
+                v["span"]["version"]
+                    .as_u64()
+                    .is_some_and(|v| (1..=3).contains(&v)),
                 "{line}"
             );
             assert!(v["fields"]["bytes"].is_u64(), "{line}");

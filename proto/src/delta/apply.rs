@@ -328,6 +328,11 @@ impl Stager {
         Ok(())
     }
 
+    /// Changed elements in the segments staged so far.
+    pub fn changes(&self) -> u64 {
+        self.segments.values().map(|s| s.changes).sum()
+    }
+
     /// Segments the manifest names that are not staged yet.
     pub fn missing(&self) -> Vec<u32> {
         self.manifest

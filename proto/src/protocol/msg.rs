@@ -8,8 +8,8 @@
 //! messages carry no hash of their own.
 //!
 //! Besides distribution, the same framing carries the rollout job protocol between the hub
-//! and an actor's worker connection (`Work`, `Heartbeat`, `Claim`, `Jobs`, `Progress`,
-//! `Submit`, `Verdicts`; `docs/api.md`); their payloads are the types of
+//! and an actor's worker connection (`Work`, `Heartbeat`, `StagingTime`, `Claim`, `Jobs`,
+//! `Progress`, `Submit`, `Verdicts`; `docs/api.md`); their payloads are the types of
 //! [`crate::protocol::rollout`], which keep their own invariants at decode.
 
 use crate::delta::segment::MAX_NAME_LEN;
@@ -17,8 +17,10 @@ use crate::error::DecodeError;
 use crate::protocol::rollout::{JobResult, JobSpec, MAX_JOBS_PER_MESSAGE, Verdict};
 use crate::wire::{Reader, put_bytes, put_varint, varint_len};
 
-/// Protocol version spoken by this build (in `Hello`).
-pub const PROTOCOL_VERSION: u16 = 2;
+/// Protocol version spoken by this build (in `Hello`; a server refuses a peer of another
+/// version at admission, naming both). 3: an actor's worker sends `StagingTime`, which a hub
+/// of version 2 would answer by dropping the connection.
+pub const PROTOCOL_VERSION: u16 = 3;
 /// The largest control message body accepted: 16 MiB.
 ///
 /// A `Submit` carries whole groups with every token and log-probability (about 7 bytes a
@@ -68,7 +70,24 @@ pub enum RefuseReason {
 }
 
 /// The message type ids `check` knows.
-const KNOWN_TYPES: std::ops::RangeInclusive<u8> = 1..=24;
+const KNOWN_TYPES: std::ops::RangeInclusive<u8> = 1..=25;
+
+/// How long an actor's staging of one version took: `busy_ns` nanoseconds of wall time in its
+/// staging calls (decode, verify and the undo log, on as many of its cores as staging uses)
+/// for `changes` changed elements. Time spent waiting on the wire is not in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StagingReport {
+    pub version: u64,
+    pub changes: u64,
+    pub busy_ns: u64,
+}
+
+impl StagingReport {
+    /// Staging seconds per changed element, where the version had changes.
+    pub fn seconds_per_change(&self) -> Option<f64> {
+        (self.changes > 0).then(|| self.busy_ns as f64 * 1e-9 / self.changes as f64)
+    }
+}
 
 /// One control message.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -206,6 +225,12 @@ pub enum Message {
     Progress {
         jobs: Vec<(u64, u64)>,
     },
+    /// Actor → hub, once per version it staged (and again on a new worker connection): how
+    /// long staging took. The hub's codec choice predicts staging from the slowest actor's
+    /// report (`starling-hub`'s `codecs`); no answer.
+    StagingTime {
+        report: StagingReport,
+    },
 }
 
 impl Message {
@@ -237,6 +262,7 @@ impl Message {
             Self::Submit { .. } => 21,
             Self::Verdicts { .. } => 22,
             Self::Progress { .. } => 23,
+            Self::StagingTime { .. } => 25,
         }
     }
 
@@ -367,6 +393,11 @@ impl Message {
                     put_varint(out, *job);
                     put_varint(out, *tokens);
                 }
+            }
+            Self::StagingTime { report } => {
+                put_varint(out, report.version);
+                put_varint(out, report.changes);
+                put_varint(out, report.busy_ns);
             }
         }
     }
@@ -539,6 +570,13 @@ impl Message {
                 verdicts: read_list(&mut r, "verdict count", |r| {
                     Ok((r.varint("job id")?, Verdict::read(r)?))
                 })?,
+            },
+            25 => Self::StagingTime {
+                report: StagingReport {
+                    version: r.varint("staged version")?,
+                    changes: r.varint("staged changes")?,
+                    busy_ns: r.varint("staging time")?,
+                },
             },
             23 => Self::Progress {
                 jobs: read_list(&mut r, "progress count", |r| {
@@ -840,6 +878,13 @@ mod tests {
             },
             Message::Claim { max: 4 },
             Message::Progress { jobs: vec![] },
+            Message::StagingTime {
+                report: StagingReport {
+                    version: 7,
+                    changes: 1 << 40,
+                    busy_ns: u64::MAX,
+                },
+            },
             Message::Progress {
                 jobs: vec![(1, 0), (u64::MAX, 1 << 40)],
             },
@@ -1009,6 +1054,16 @@ mod tests {
             jobs: vec![(7, 300), (9, 0)],
         };
         assert_eq!(encoded(&m), [23, 6, 2, 7, 0xac, 0x02, 9, 0]);
+
+        // Version 300 staged: 5 changes in 1000 ns.
+        let m = Message::StagingTime {
+            report: StagingReport {
+                version: 300,
+                changes: 5,
+                busy_ns: 1000,
+            },
+        };
+        assert_eq!(encoded(&m), [25, 5, 0xac, 0x02, 5, 0xe8, 0x07]);
         let m = Message::Refuse {
             reason: RefuseReason::RateLimited,
             detail: "hb".into(),
