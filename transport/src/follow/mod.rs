@@ -797,14 +797,16 @@ impl<F> Follower<F> {
             return;
         }
         p.held += bytes;
+        match &mut p.stage {
+            Stage::Buffering(frames) => frames.push(frame),
+            Stage::Staging => self.out.push_back(Action::Stage { version, frame }),
+        }
+        // After the last frame's `Stage`: a receiver that stages as frames come has staged
+        // every frame when it hears the version is here (its `staged` stamp means that).
         if p.reception.complete() && !p.said_received {
             p.said_received = true;
             self.out
                 .push_back(Action::Notice(Notice::Received { version }));
-        }
-        match &mut p.stage {
-            Stage::Buffering(frames) => frames.push(frame),
-            Stage::Staging => self.out.push_back(Action::Stage { version, frame }),
         }
     }
 
