@@ -15,6 +15,8 @@
 //! - a version is begun (staged on top of its base) only when its base is active, and
 //!   activated only in order, whole (every segment and the manifest staged, nothing that
 //!   failed) and committed;
+//! - a version said to be here (`Notice::Received`) while it is being staged has every frame
+//!   staged;
 //! - what an actor holds of versions in flight stays within its bounds;
 //! - while a region's relay is up and caught up (and the actor did not just lose it), no
 //!   version published [`GRACE`] later crosses the WAN to that region more than once;
@@ -796,6 +798,20 @@ impl Sim {
                     PROBE_TIMEOUT
                 };
                 self.push(d, Ev::Probed { node, inc, server });
+            }
+            // A version said to be here while it is being staged has every frame staged:
+            // the actor's `staged` stamp and its staging report rest on that.
+            Action::Notice(Notice::Received { version }) => {
+                let n = &self.nodes[node];
+                let segments = self.p.segments[version as usize];
+                let Some(area) = n.areas.get(&version) else {
+                    return;
+                };
+                let whole = area.manifest && area.segs.len() == segments as usize;
+                if !whole && area.delta_id == delta_id(version, false) {
+                    let detail = format!("{}: {version} with {area:?}", n.name);
+                    return self.fail("said here before staged", detail);
+                }
             }
             Action::Notice(_) => {}
             Action::GiveUp(e) => {
