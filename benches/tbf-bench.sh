@@ -58,7 +58,8 @@
 # Binaries are built first (`cargo build --release --bins`: nothing to do when they are fresh)
 # in cargo's target directory as cargo resolves it, so a run never measures a stale build, and
 # copied into the work directory, so a concurrent rebuild cannot change them mid-run
-# (`--no-build` takes the binaries there as they are, for a pinned A/B build). Checkpoints are generated once
+# (`--no-build` runs no cargo and takes the binaries in CARGO_TARGET_DIR, else target/, as
+# they are: for a pinned A/B build). Checkpoints are generated once
 # (`starling-hub bench gen`) and reused.
 # Per-run logs (stdout/stderr of every process with $EPOCHREALTIME stamps, wire/CPU samples,
 # a `top` snapshot mid-transfer) stay in WORK/run-PID/ (stores are deleted unless --keep).
@@ -121,10 +122,14 @@ flock -n 9 || { echo "another tbf-bench holds $work/.lock" >&2; exit 1; }
 # ---------------------------------------------------------------- binaries and checkpoints
 # Once stale binaries of an old checkout ran here, against the sources' docs: build (or check)
 # what the sources say, where cargo puts it (CARGO_TARGET_DIR, a config's target-dir, target/).
-release=$(cd "$repo" && cargo metadata --format-version 1 --no-deps |
-    python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')/release
 if ((build)); then
+    release=$(cd "$repo" && cargo metadata --format-version 1 --no-deps |
+        python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')/release
     (cd "$repo" && cargo build --release --bins -q)
+else
+    # No cargo at all (under sudo it may not be on PATH): CARGO_TARGET_DIR, else target/.
+    release=${CARGO_TARGET_DIR:-$repo/target}/release
+    [[ $release = /* ]] || release=$repo/$release
 fi
 for b in starling-hub starling-relay starling-actor; do
     [[ -x $release/$b ]] || { echo "no $release/$b (run without --no-build)" >&2; exit 1; }

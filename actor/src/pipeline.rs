@@ -146,8 +146,8 @@ impl Shell for Pipeline<'_> {
         let Some(s) = self.staging.remove(&version) else {
             return Ok(Some(false));
         };
-        // Every frame is staged by now (the core may say a version is here before its last
-        // frame is staged).
+        // Every frame is staged by now (a version buffered while its base was not active was
+        // said to be here before any of its frames was staged).
         let report = StagingReport {
             version,
             changes: s.stager.changes(),

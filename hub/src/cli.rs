@@ -142,7 +142,7 @@ pub enum Command {
         /// (an actor that heartbeats but never claims holds up nobody).
         #[arg(long, default_value_t = 10.0)]
         claim_timeout: f64,
-        /// Most Heartbeat (and, separately, Progress) messages per second one actor's worker
+        /// Most Heartbeat (and, separately, StagingTime and Progress) messages per second one actor's worker
         /// connection may send; beyond it the connection is refused (RateLimited) and closed.
         #[arg(long, default_value_t = 20.0)]
         actor_heartbeat_rate: f64,

@@ -119,6 +119,11 @@ const EMA: f64 = 0.5;
 /// version (or of one this hub did not choose) is not used.
 const RECENT_VERSIONS: usize = 16;
 
+/// A report is taken within this factor of the sample's one-core figure either way: an actor
+/// with 100 times a core's speed, or a hundredth of it, is beyond any machine a report could
+/// honestly describe, and one broken (or hostile) actor's figure must not pin the choice.
+const REPORT_WITHIN: f64 = 100.0;
+
 /// The most actors whose staging reports are kept (a worker connection per actor is bounded
 /// by the hub's limits; this bounds the map whatever they are).
 const MAX_REPORTS: usize = 4096;
@@ -263,6 +268,9 @@ pub struct ReportedStaging {
     /// Seconds per change for each set (the reported one as measured, the other scaled by
     /// the decode times' ratio).
     pub per_change_s: [f64; 2],
+    /// Whether the measured figure was outside `REPORT_WITHIN` of the sample's and taken at
+    /// that bound.
+    pub clamped: bool,
 }
 
 /// Costs assumed before anything was measured (codec-bench on the 2-vCPU development
@@ -310,9 +318,11 @@ impl Chooser {
 
     /// An actor's heartbeat carried a staging report. Reports of a version older than the
     /// chooser remembers are dropped as they come (a later heartbeat brings a newer one).
+    /// A version without changes says nothing of speed and leaves the actor's last report.
     pub fn report_staging(&mut self, actor: &str, report: StagingReport) {
         let known = self.sets.contains_key(&report.version);
-        if !known || (self.reports.len() >= MAX_REPORTS && !self.reports.contains_key(actor)) {
+        let full = self.reports.len() >= MAX_REPORTS && !self.reports.contains_key(actor);
+        if !known || full || report.changes == 0 {
             return;
         }
         self.reports.insert(actor.to_owned(), report);
@@ -323,6 +333,13 @@ impl Chooser {
         self.reports.remove(actor);
     }
 
+    /// `version` was sent as a full checkpoint (`--full-broadcast`), not with the set decided:
+    /// reports of it describe neither set.
+    pub fn sent_dense(&mut self, version: u64) {
+        self.sets.remove(&version);
+        self.reports.retain(|_, r| r.version != version);
+    }
+
     /// The slowest actor by its staging report of a version whose set is known, its figure
     /// carried to both sets by `decode_s` (seconds per change of each set, from the sample or
     /// the priors).
@@ -331,8 +348,13 @@ impl Chooser {
             .iter()
             .filter_map(|(actor, r)| {
                 let set = *self.sets.get(&r.version)?;
-                let measured = r.seconds_per_change()?;
                 let own = decode_s[set.index()];
+                let reported = r.seconds_per_change()?;
+                let measured = if own > 0.0 {
+                    reported.clamp(own / REPORT_WITHIN, own * REPORT_WITHIN)
+                } else {
+                    reported
+                };
                 let per_change_s = std::array::from_fn(|i| {
                     if i == set.index() || own <= 0.0 {
                         measured
@@ -345,6 +367,7 @@ impl Chooser {
                     report: *r,
                     set,
                     per_change_s,
+                    clamped: measured != reported,
                 })
             })
             .max_by(|a, b| a.per_change_s[0].total_cmp(&b.per_change_s[0]))
@@ -520,6 +543,7 @@ impl Chooser {
                 "changes": r.report.changes,
                 "busy_ms": r.report.busy_ns as f64 / 1e6,
                 "ns_per_change": CodecSet::ALL.iter().map(|s| (s.name(), (r.per_change_s[s.index()] * 1e10).round() / 10.0)).collect::<std::collections::BTreeMap<_, _>>(),
+                "clamped": r.clamped,
             })),
             "encode_speedup": CodecSet::ALL.iter().map(|s| (s.name(), self.speedup[s.index()])).collect::<std::collections::BTreeMap<_, _>>(),
             "last_encode": self.observed.map(|(s, w, c)| json!({
@@ -582,11 +606,19 @@ fn explain(
     };
     let basis = match staging_from {
         Some(r) => format!(
-            "{basis}; staging as the slowest actor, {}, reported it: version {} ({}) {:.1} ns per change",
+            "{basis}; staging as the slowest actor, {}, reported it: version {} ({}) {:.1} ns per change{}",
             r.actor,
             r.report.version,
             r.set.name(),
-            r.per_change_s[r.set.index()] * 1e9
+            r.per_change_s[r.set.index()] * 1e9,
+            if r.clamped {
+                format!(
+                    ", taken at the bound of {REPORT_WITHIN}× the sample's (it reported {:.1})",
+                    r.report.seconds_per_change().unwrap_or(0.0) * 1e9
+                )
+            } else {
+                String::new()
+            }
         ),
         None => format!("{basis}; staging on one core at the hub's speed (no actor report)"),
     };
@@ -793,6 +825,48 @@ mod tests {
             c.decide(v, elements, Some(&s), &l);
         }
         assert!(c.decide(100, elements, Some(&s), &l).staging_from.is_none());
+    }
+
+    #[test]
+    fn an_outlandish_report_is_bounded_and_an_empty_one_keeps_the_last() {
+        let s = sample(100_000);
+        let (elements, l) = (2_000_000_000, link(1000, 1));
+        let mut c = Chooser::new(CodecPolicy::Auto, 16, true);
+        c.decide(1, elements, Some(&s), &l);
+        let good = StagingReport {
+            version: 1,
+            changes: 1_000_000,
+            busy_ns: 30_000_000,
+        };
+        c.report_staging("a1", good);
+        // No changes: nothing said of speed; the last report stands.
+        c.report_staging("a1", StagingReport { changes: 0, ..good });
+        let d = c.decide(2, elements, Some(&s), &l);
+        assert_eq!(d.staging_from.map(|r| r.report), Some(good));
+        // A broken actor's 1.8e10 s per change is taken at 100× the sample's 25 ns.
+        let wild = StagingReport {
+            version: 2,
+            changes: 1,
+            busy_ns: u64::MAX,
+        };
+        c.report_staging("broken", wild);
+        let d = c.decide(3, elements, Some(&s), &l);
+        let from = d.staging_from.clone().expect("a report");
+        assert_eq!((from.actor.as_str(), from.clamped), ("broken", true));
+        assert!((from.per_change_s[1] - 2.5e-6).abs() < 1e-12, "{from:?}");
+        assert!(
+            d.why.contains("taken at the bound of 100× the sample's"),
+            "{}",
+            d.why
+        );
+        assert!(d.estimates.iter().all(|e| e.latency_s.is_finite()));
+        // A version sent as a full checkpoint: its reports describe no set.
+        c.report_staging("broken", StagingReport { version: 3, ..good });
+        c.sent_dense(3);
+        c.forget_actor("broken");
+        c.report_staging("a2", StagingReport { version: 3, ..good });
+        let d = c.decide(4, elements, Some(&s), &l);
+        assert_eq!(d.staging_from.map(|r| r.actor), Some("a1".to_owned()));
     }
 
     #[test]

@@ -89,7 +89,7 @@ pub(crate) async fn serve_worker(
     label: String,
 ) -> Result<()> {
     let actor = ActorId::new(name.clone()).context("actor name")?;
-    let Some((_slot, alone)) = cx.connections.open(&name) else {
+    let Some((slot, alone)) = cx.connections.open(&name) else {
         cx.metrics.worker_refused("connections");
         let detail = format!(
             "{name} already holds {} worker connections, the most one certificate may hold: \
@@ -137,10 +137,14 @@ pub(crate) async fn serve_worker(
     }
     cx.board
         .worker_disconnected(&name, why.as_deref(), now_ms());
-    cx.codecs
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .forget_actor(&name);
+    // Its report describes it while any connection of it lives (a reconnect overlaps the
+    // connection it replaces, and sends its report once, at its start).
+    if slot.alone() {
+        cx.codecs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .forget_actor(&name);
+    }
     release(&cx, &actor, session).await;
     served
 }
@@ -178,8 +182,9 @@ async fn release(cx: &WorkerContext, actor: &ActorId, session: Session) {
 /// The rate bucket a message draws from.
 fn kind_of(m: &Message) -> Option<Kind> {
     match m {
-        // One per staged version: it shares the heartbeats' budget.
-        Message::Heartbeat { .. } | Message::StagingTime { .. } => Some(Kind::Heartbeat),
+        Message::Heartbeat { .. } => Some(Kind::Heartbeat),
+        // At most one per heartbeat (an actor sends its newest version's when it heartbeats).
+        Message::StagingTime { .. } => Some(Kind::StagingTime),
         Message::Progress { .. } => Some(Kind::Progress),
         Message::Claim { .. } => Some(Kind::Claim),
         Message::Submit { .. } => Some(Kind::Submit),

@@ -18,7 +18,8 @@ use std::time::Instant;
 /// The bounds, from `starling-hub serve`'s flags.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct WorkerLimits {
-    /// `Heartbeat`s per second, and separately `Progress` reports per second.
+    /// `Heartbeat`s per second, and separately `StagingTime` and `Progress` reports per
+    /// second.
     pub heartbeats_per_s: f64,
     /// `Submit`s per second, and separately `Claim`s per second.
     pub submits_per_s: f64,
@@ -40,6 +41,7 @@ impl Default for WorkerLimits {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
     Heartbeat,
+    StagingTime,
     Progress,
     Claim,
     Submit,
@@ -50,6 +52,7 @@ impl Kind {
     pub(crate) fn code(self) -> &'static str {
         match self {
             Kind::Heartbeat => "heartbeat_rate",
+            Kind::StagingTime => "staging_time_rate",
             Kind::Progress => "progress_rate",
             Kind::Claim => "claim_rate",
             Kind::Submit => "submit_rate",
@@ -59,6 +62,7 @@ impl Kind {
     fn name(self) -> &'static str {
         match self {
             Kind::Heartbeat => "heartbeats",
+            Kind::StagingTime => "staging reports",
             Kind::Progress => "progress reports",
             Kind::Claim => "claims",
             Kind::Submit => "submits",
@@ -109,7 +113,7 @@ pub(crate) struct Limited {
 /// The rate buckets of one worker connection.
 #[derive(Debug)]
 pub(crate) struct RateLimiter {
-    buckets: [(Kind, Bucket); 4],
+    buckets: [(Kind, Bucket); 5],
 }
 
 impl RateLimiter {
@@ -118,6 +122,7 @@ impl RateLimiter {
         RateLimiter {
             buckets: [
                 (Kind::Heartbeat, Bucket::new(h, now)),
+                (Kind::StagingTime, Bucket::new(h, now)),
                 (Kind::Progress, Bucket::new(h, now)),
                 (Kind::Claim, Bucket::new(s, now)),
                 (Kind::Submit, Bucket::new(s, now)),
@@ -172,6 +177,18 @@ impl Drop for ConnectionSlot {
                 live.remove(&self.name);
             }
         }
+    }
+}
+
+impl ConnectionSlot {
+    /// Whether this is its name's only live connection now.
+    pub(crate) fn alone(&self) -> bool {
+        let live = self
+            .owner
+            .live
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        live.get(&self.name).is_none_or(|&n| n <= 1)
     }
 }
 

@@ -324,6 +324,11 @@ async fn publish_locked(
         tracing::info!(codecs = decision.set.name(), "{}", decision.why);
         if !full_broadcast {
             opts.encoder.choice = decision.set.choice();
+        } else {
+            codecs
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .sent_dense(version);
         }
         let encode_started = std::time::Instant::now();
         let mut file =

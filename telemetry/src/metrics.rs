@@ -394,7 +394,7 @@ impl Metrics {
     }
 
     /// A worker connection closed for a limit it reached, by reason (a fixed set:
-    /// `heartbeat_rate`, `progress_rate`, `claim_rate`, `submit_rate`, `connections`).
+    /// `heartbeat_rate`, `staging_time_rate`, `progress_rate`, `claim_rate`, `submit_rate`, `connections`).
     pub fn worker_refused(&self, reason: &str) {
         self.inner
             .worker_refusals

@@ -73,8 +73,9 @@ pub enum RefuseReason {
 const KNOWN_TYPES: std::ops::RangeInclusive<u8> = 1..=25;
 
 /// How long an actor's staging of one version took: `busy_ns` nanoseconds of wall time in its
-/// staging calls (decode, verify and the undo log, on as many of its cores as staging uses)
-/// for `changes` changed elements. Time spent waiting on the wire is not in it.
+/// staging calls (decoding against the base, the digest updates and the undo log, on as many
+/// of its cores as staging uses) for `changes` changed elements. Time spent waiting on the
+/// wire is not in it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StagingReport {
     pub version: u64,

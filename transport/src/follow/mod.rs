@@ -963,15 +963,19 @@ impl<F> Follower<F> {
             self.forget(version);
             return;
         }
-        // What was queued for it behind the frame that failed is moot: its other frames, and
-        // an activation asked for when its last frame came in.
-        let before = self.out.len();
+        // What was queued for it behind the frame that failed is moot: its other frames, the
+        // notice that it is here (it is said again once it is here again), and an activation
+        // asked for when its last frame came in.
+        let queued_activation = self
+            .out
+            .iter()
+            .any(|a| matches!(a, Action::Activate { version: v, .. } if *v == version));
         self.out.retain(|a| {
             !matches!(a, Action::Stage { version: v, .. } | Action::Activate { version: v, .. }
-                if *v == version)
+                | Action::Notice(Notice::Received { version: v }) if *v == version)
         });
         if self.activating == Some(version) {
-            if self.out.len() == before {
+            if !queued_activation {
                 // The shell took the activation already: its ActivationFailed starts over.
                 return;
             }

@@ -16,7 +16,7 @@
 //!   activated only in order, whole (every segment and the manifest staged, nothing that
 //!   failed) and committed;
 //! - a version said to be here (`Notice::Received`) while it is being staged has every frame
-//!   staged;
+//!   staged, and none is said to be here after one of its frames failed to stage;
 //! - what an actor holds of versions in flight stays within its bounds;
 //! - while a region's relay is up and caught up (and the actor did not just lose it), no
 //!   version published [`GRACE`] later crosses the WAN to that region more than once;
@@ -803,14 +803,18 @@ impl Sim {
             // the actor's `staged` stamp and its staging report rest on that.
             Action::Notice(Notice::Received { version }) => {
                 let n = &self.nodes[node];
-                let segments = self.p.segments[version as usize];
+                if n.failed.contains(&version) {
+                    let detail = format!("{}: {version}, whose staging failed", n.name);
+                    return self.fail("said here after a frame failed", detail);
+                }
                 let Some(area) = n.areas.get(&version) else {
                     return;
                 };
+                let segments = self.p.segments.get(version as usize).copied().unwrap_or(0);
                 let whole = area.manifest && area.segs.len() == segments as usize;
                 if !whole && area.delta_id == delta_id(version, false) {
                     let detail = format!("{}: {version} with {area:?}", n.name);
-                    return self.fail("said here before staged", detail);
+                    self.fail("said here before staged", detail);
                 }
             }
             Action::Notice(_) => {}
