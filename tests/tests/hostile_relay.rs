@@ -216,7 +216,7 @@ fn actors_drop_a_hostile_relay_keep_their_memory_bounded_and_take_versions_from_
         "the actor kept reading the flood ({offered} of {flood_bytes} bytes)"
     );
     // Its peak is within two versions' worth of the control's, plus allocator noise (arenas
-    // and thread stacks: the three actors' peaks differ by up to 16 MB here without a flood).
+    // and thread stacks: the three actors' peaks differed by up to 14 MiB here without the flood).
     let bound_kib = 2 * cap / 1024 + 32 * 1024;
     let grew = flood_peak.saturating_sub(control_peak);
     eprintln!(
