@@ -66,7 +66,8 @@ use crate::engine::{Engine, JobProgress};
 pub struct PipelineStatus {
     /// The version committed and handed to the engine, with its digest.
     pub active: Option<(u64, [u8; 16])>,
-    /// The newest version received completely and verified, not yet active.
+    /// The newest version received completely and staged on its base, not yet active (its
+    /// seal is checked at commit).
     pub staged: Option<u64>,
     /// When `active` became active (Unix ms): what a benchmark reads instead of polling for
     /// the moment.

@@ -232,7 +232,9 @@ pub enum Action<F> {
 /// Things worth telling an operator.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Notice {
-    /// Every frame of `version` is here (its verification follows).
+    /// Every frame of `version` is here and handed to the shell to stage (its verification
+    /// follows). A version buffered until its base is active is said to be here only once
+    /// its frames are handed over.
     Received { version: u64 },
     /// `source` broke a bound and is left alone for a while.
     SourceDropped { source: SourceId, why: Misbehaviour },
@@ -802,8 +804,10 @@ impl<F> Follower<F> {
             Stage::Staging => self.out.push_back(Action::Stage { version, frame }),
         }
         // After the last frame's `Stage`: a receiver that stages as frames come has staged
-        // every frame when it hears the version is here (its `staged` stamp means that).
-        if p.reception.complete() && !p.said_received {
+        // every frame when it hears the version is here (its `staged` stamp means that). A
+        // version still buffered is said to be here once its frames are staged, when its
+        // base becomes active (`activated`).
+        if matches!(p.stage, Stage::Staging) && p.reception.complete() && !p.said_received {
             p.said_received = true;
             self.out
                 .push_back(Action::Notice(Notice::Received { version }));
@@ -1087,6 +1091,11 @@ impl<F> Follower<F> {
                     version: next,
                     frame,
                 });
+            }
+            if p.reception.complete() && !p.said_received {
+                p.said_received = true;
+                self.out
+                    .push_back(Action::Notice(Notice::Received { version: next }));
             }
         }
     }

@@ -15,8 +15,9 @@
 //! - a version is begun (staged on top of its base) only when its base is active, and
 //!   activated only in order, whole (every segment and the manifest staged, nothing that
 //!   failed) and committed;
-//! - a version said to be here (`Notice::Received`) while it is being staged has every frame
-//!   staged, and none is said to be here after one of its frames failed to stage;
+//! - a version said to be here (`Notice::Received`) has been begun and every frame of it
+//!   staged (one still buffered on an actor, its base not active, is not said to be here),
+//!   and none is said to be here after one of its frames failed to stage;
 //! - what an actor holds of versions in flight stays within its bounds;
 //! - while a region's relay is up and caught up (and the actor did not just lose it), no
 //!   version published [`GRACE`] later crosses the WAN to that region more than once;
@@ -183,6 +184,8 @@ struct Area {
     delta_id: [u8; 32],
     segs: BTreeSet<u32>,
     manifest: bool,
+    /// The core said it is here (`Notice::Received`).
+    said: bool,
 }
 
 /// A relay or an actor: the real core, and a model of its shell.
@@ -680,6 +683,7 @@ impl Sim {
                         delta_id,
                         segs: BTreeSet::new(),
                         manifest: false,
+                        said: false,
                     },
                 );
             }
@@ -760,6 +764,11 @@ impl Sim {
                     );
                     return self.fail("half-applied", detail);
                 }
+                if !n.areas.get(&version).is_some_and(|a| a.said) {
+                    // Status and heartbeats would never have called it staged.
+                    let detail = format!("{}: {version}", n.name);
+                    return self.fail("activated, never said here", detail);
+                }
                 let inc = n.incarnation;
                 self.nodes[node].activating = Some(version);
                 let d = self.p.activation
@@ -799,8 +808,8 @@ impl Sim {
                 };
                 self.push(d, Ev::Probed { node, inc, server });
             }
-            // A version said to be here while it is being staged has every frame staged:
-            // the actor's `staged` stamp and its staging report rest on that.
+            // A version said to be here has been begun and has every frame staged: the
+            // actor's `staged` stamp and what its heartbeat calls staged rest on that.
             Action::Notice(Notice::Received { version }) => {
                 let n = &self.nodes[node];
                 if n.failed.contains(&version) {
@@ -808,13 +817,18 @@ impl Sim {
                     return self.fail("said here after a frame failed", detail);
                 }
                 let Some(area) = n.areas.get(&version) else {
-                    return;
+                    // Buffered in the core, not begun here: nothing of it is staged yet.
+                    let detail = format!("{}: {version}, not begun", n.name);
+                    return self.fail("said here before staged", detail);
                 };
                 let segments = self.p.segments.get(version as usize).copied().unwrap_or(0);
                 let whole = area.manifest && area.segs.len() == segments as usize;
                 if !whole && area.delta_id == delta_id(version, false) {
                     let detail = format!("{}: {version} with {area:?}", n.name);
-                    self.fail("said here before staged", detail);
+                    return self.fail("said here before staged", detail);
+                }
+                if let Some(area) = self.nodes[node].areas.get_mut(&version) {
+                    area.said = true;
                 }
             }
             Action::Notice(_) => {}
