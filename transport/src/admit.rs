@@ -1,12 +1,14 @@
 //! Admission: the first exchange on every connection a hub or relay accepts.
 //!
-//! The peer opens the control stream and says `Hello`. It is admitted only if it speaks our
-//! protocol version, its role is one this server serves, its certificate proves the role and
+//! The peer opens the control stream and says `Hello`. It is admitted only if it speaks a
+//! protocol version this build admits (`MIN_PEER_PROTOCOL` to `PROTOCOL_VERSION`), its role is one this server serves, its certificate proves the role and
 //! name it claims, and it holds the same model; otherwise it gets a `Refuse` whose reason
 //! says what to fix. An admitted peer gets `Welcome` with the newest version here.
 
 use quinn::{Connection, SendStream};
-use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
+use starling_proto::protocol::msg::{
+    MIN_PEER_PROTOCOL, Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole,
+};
 use thiserror::Error;
 
 use crate::endpoint::verify_peer;
@@ -21,6 +23,8 @@ pub struct Admitted {
     pub reader: MessageReader,
     pub role: MsgRole,
     pub name: String,
+    /// The protocol version the peer speaks (at most ours): what may be sent to it.
+    pub protocol: u16,
     /// The region the peer says it is in.
     pub region: String,
     /// The link the peer says it receives over.
@@ -69,10 +73,18 @@ pub async fn admit(
         MsgRole::Trainer if name == "hub" => (Role::Hub, "hub"),
         MsgRole::Trainer => (Role::Trainer, name.as_str()),
     };
-    let refusal = if protocol != PROTOCOL_VERSION {
+    let refusal = if !(MIN_PEER_PROTOCOL..=PROTOCOL_VERSION).contains(&protocol) {
+        let upgrade = if protocol > PROTOCOL_VERSION {
+            format!("upgrade {server} first")
+        } else {
+            "upgrade this peer".to_string()
+        };
         Some((
             RefuseReason::ProtocolVersion,
-            format!("{server} speaks protocol {PROTOCOL_VERSION}, peer {protocol}"),
+            format!(
+                "{server} speaks protocol {PROTOCOL_VERSION} and admits peers of \
+                 {MIN_PEER_PROTOCOL} to {PROTOCOL_VERSION}; this peer speaks {protocol}: {upgrade}"
+            ),
         ))
     } else if !serves.contains(&role) {
         Some((
@@ -109,6 +121,7 @@ pub async fn admit(
         reader,
         role,
         name,
+        protocol,
         region,
         link: link.map(LinkProfile::from_stated),
     }))

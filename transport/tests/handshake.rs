@@ -7,7 +7,10 @@ use std::time::Duration;
 
 use quinn::crypto::rustls::QuicClientConfig;
 use rustls::pki_types::pem::PemObject;
-use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
+use starling_proto::protocol::msg::{
+    MIN_PEER_PROTOCOL, Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole,
+};
+use starling_transport::admit::admit;
 use starling_transport::endpoint::{
     EndpointError, client_endpoint, connect, server_endpoint, verify_peer,
 };
@@ -62,9 +65,42 @@ fn spawn_hub(creds: &Credentials) -> (SocketAddr, quinn::Endpoint) {
     (addr, ep)
 }
 
+/// A hub that runs the real admission on each connection and reports, for each peer it
+/// admitted, the protocol version admission says it speaks.
+fn spawn_admitting_hub(
+    creds: &Credentials,
+) -> (
+    SocketAddr,
+    quinn::Endpoint,
+    tokio::sync::mpsc::UnboundedReceiver<u16>,
+) {
+    let ep =
+        server_endpoint(creds, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN).expect("server");
+    let addr = ep.local_addr().expect("local addr");
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let server = ep.clone();
+    tokio::spawn(async move {
+        while let Some(incoming) = server.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let Ok(conn) = incoming.await else { return };
+                if let Ok(Some(a)) = admit(&conn, "hub", "m", &[MsgRole::Actor], 41).await {
+                    let _ = tx.send(a.protocol);
+                }
+                let _ = conn.closed().await;
+            });
+        }
+    });
+    (addr, ep, rx)
+}
+
 fn hello(name: &str) -> Message {
+    hello_in(name, PROTOCOL_VERSION)
+}
+
+fn hello_in(name: &str, protocol: u16) -> Message {
     Message::Hello {
-        protocol: PROTOCOL_VERSION,
+        protocol,
         role: MsgRole::Actor,
         name: name.into(),
         region: "eu".into(),
@@ -79,15 +115,17 @@ async fn say_hello(
     addr: SocketAddr,
     claimed: &str,
 ) -> Result<Message, String> {
+    say(creds, addr, hello(claimed)).await
+}
+
+async fn say(creds: &Credentials, addr: SocketAddr, hello: Message) -> Result<Message, String> {
     let ep = client_endpoint(creds, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN)
         .map_err(|e| e.to_string())?;
     let conn = connect(&ep, addr, Role::Hub, "hub")
         .await
         .map_err(|e| e.to_string())?;
     let (mut tx, rx) = conn.open_bi().await.map_err(|e| e.to_string())?;
-    send(&mut tx, &hello(claimed))
-        .await
-        .map_err(|e| e.to_string())?;
+    send(&mut tx, &hello).await.map_err(|e| e.to_string())?;
     let reply = MessageReader::new(rx)
         .next()
         .await
@@ -231,6 +269,64 @@ async fn only_cluster_members_get_in_and_only_as_themselves() {
         .await
         .expect("in time");
     assert!(r.is_ok(), "{r:?}");
+}
+
+/// A hub admits clients of its own protocol version and older ones down to
+/// `MIN_PEER_PROTOCOL` (so a deployment upgrades the hub first, then relays and actors), and
+/// refuses any other version at `Hello`, naming both and which side to upgrade.
+#[tokio::test]
+async fn admission_takes_older_clients_down_to_the_floor_and_no_others() {
+    let d = tempfile::tempdir().expect("tempdir");
+    let hub = cluster(&d.path().join("cluster"), "test");
+    issue(
+        &d.path().join("cluster"),
+        Role::Actor,
+        "a1",
+        &d.path().join("a1"),
+    )
+    .expect("issue a1");
+    let a1 = Credentials::load_peer(&d.path().join("a1")).expect("a1 creds");
+    let (addr, _server, mut admitted) = spawn_admitting_hub(&hub);
+    let t = Duration::from_secs(20);
+    assert!(MIN_PEER_PROTOCOL < PROTOCOL_VERSION);
+
+    for protocol in MIN_PEER_PROTOCOL..=PROTOCOL_VERSION {
+        let r = tokio::time::timeout(t, say(&a1, addr, hello_in("a1", protocol)))
+            .await
+            .expect("in time");
+        assert_eq!(r, Ok(Message::Welcome { latest_version: 41 }), "{protocol}");
+        let seen = tokio::time::timeout(t, admitted.recv())
+            .await
+            .expect("in time");
+        assert_eq!(
+            seen,
+            Some(protocol),
+            "admission reports what the peer speaks"
+        );
+    }
+    for (protocol, advice) in [
+        (MIN_PEER_PROTOCOL - 1, "upgrade this peer"),
+        (PROTOCOL_VERSION + 1, "upgrade hub first"),
+    ] {
+        let r = tokio::time::timeout(t, say(&a1, addr, hello_in("a1", protocol)))
+            .await
+            .expect("in time");
+        let Ok(Message::Refuse {
+            reason: RefuseReason::ProtocolVersion,
+            detail,
+        }) = &r
+        else {
+            panic!("protocol {protocol} must be refused for its version: {r:?}");
+        };
+        for said in [
+            format!("speaks protocol {PROTOCOL_VERSION}"),
+            format!("this peer speaks {protocol}"),
+            advice.to_string(),
+        ] {
+            assert!(detail.contains(&said), "{detail:?} lacks {said:?}");
+        }
+    }
+    assert!(admitted.try_recv().is_err(), "a refused peer was admitted");
 }
 
 #[test]

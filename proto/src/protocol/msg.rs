@@ -17,10 +17,18 @@ use crate::error::DecodeError;
 use crate::protocol::rollout::{JobResult, JobSpec, MAX_JOBS_PER_MESSAGE, Verdict};
 use crate::wire::{Reader, put_bytes, put_varint, varint_len};
 
-/// Protocol version spoken by this build (in `Hello`; a server refuses a peer of another
-/// version at admission, naming both). 3: an actor's worker sends `StagingTime`, which a hub
-/// of version 2 would answer by dropping the connection.
+/// Protocol version spoken by this build (in `Hello`). 2: `Hello` states the client's link.
+/// 3: an actor's worker sends `StagingTime`, which a hub of version 2 would answer by
+/// dropping the connection.
 pub const PROTOCOL_VERSION: u16 = 3;
+/// The oldest client version a server of this build admits ([`PROTOCOL_VERSION`] and every
+/// version down to this one): each version since has only added messages a client sends, so
+/// an older client never receives a message it does not know. A server refuses a client
+/// outside the range at admission, naming both. A deployment therefore upgrades from the
+/// top: the hub first, then the relays, then the actors, each step admitted by the one above
+/// it (`docs/distribution.md`). A version that adds a message a server sends must either
+/// raise this floor or send that message only to clients that said they know it.
+pub const MIN_PEER_PROTOCOL: u16 = 2;
 /// The largest control message body accepted: 16 MiB.
 ///
 /// A `Submit` carries whole groups with every token and log-probability (about 7 bytes a
