@@ -288,7 +288,7 @@ async fn admission_takes_older_clients_down_to_the_floor_and_no_others() {
     let a1 = Credentials::load_peer(&d.path().join("a1")).expect("a1 creds");
     let (addr, _server, mut admitted) = spawn_admitting_hub(&hub);
     let t = Duration::from_secs(20);
-    assert!(MIN_PEER_PROTOCOL < PROTOCOL_VERSION);
+    const { assert!(MIN_PEER_PROTOCOL < PROTOCOL_VERSION) };
 
     for protocol in MIN_PEER_PROTOCOL..=PROTOCOL_VERSION {
         let r = tokio::time::timeout(t, say(&a1, addr, hello_in("a1", protocol)))
