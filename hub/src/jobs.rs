@@ -33,8 +33,8 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use quinn::SendStream;
 use starling_ledger::{
-    ActorId, Digest, HubRefusal, JobId, Ledger, RefusalEffect, Rejection, ResultSubmission,
-    ScheduleError, Session, SubmitCall, Version,
+    ActorId, ClaimLimit, Digest, HubRefusal, JobId, Ledger, RefusalEffect, Rejection,
+    ResultSubmission, ScheduleError, Session, SubmitCall, Version,
 };
 use starling_proto::protocol::msg::{MAX_MESSAGE_BODY, Message, RefuseReason};
 use starling_proto::protocol::rollout::{JobResult, MAX_NEW_TOKENS, MAX_SAMPLES, Verdict};
@@ -51,6 +51,19 @@ use tracing::Instrument;
 
 /// Most jobs one `Claim` gets.
 const MAX_CLAIM: u32 = 256;
+/// What a `Jobs` message holds beyond its jobs' fields, at most: its type, length and count.
+const JOBS_HEADER_BYTES: u64 = 32;
+/// What a job on the wire holds beyond its stored group spec, at most: its id, version,
+/// attempt and lease expiry as varints (10 + 10 + 5 + 10 bytes). The rest of a job (group,
+/// prompt ids, n, sampling) is in the stored spec as JSON, whose decimal numbers, commas and
+/// keys take at least the bytes of their varints and raw floats
+/// (`rollouts::tests::a_jobs_wire_size_is_bounded_by_its_stored_spec`).
+pub(crate) const JOB_FIELDS_BYTES: u64 = 64;
+/// The byte budget of one claim's stored specs, so that its `Jobs` reply fits one message
+/// (`MAX_MESSAGE_BODY`, which the actor enforces): 116 jobs of 48k-token prompts would not.
+/// A claim's first job is leased whatever its size; one job alone always fits (its prompt
+/// holds at most `MAX_PROMPT_TOKENS` ids).
+const CLAIM_BYTES: u64 = MAX_MESSAGE_BODY as u64 - JOBS_HEADER_BYTES;
 
 /// What a worker connection records into.
 #[derive(Debug, Clone)]
@@ -128,7 +141,7 @@ pub(crate) async fn serve_worker(
     }
     cx.board.worker_connected(&name, &region, &label, now_ms());
     cx.metrics.peer_connected("worker", 1);
-    let served = work(&cx, &actor, tx, reader).await;
+    let served = work(&cx, &actor, session, tx, reader).await;
     cx.metrics.peer_connected("worker", -1);
     let why = served.as_ref().err().map(|e| format!("{e:#}"));
     match &why {
@@ -195,6 +208,7 @@ fn kind_of(m: &Message) -> Option<Kind> {
 async fn work(
     cx: &WorkerContext,
     actor: &ActorId,
+    session: Session,
     mut tx: SendStream,
     mut reader: MessageReader,
 ) -> Result<()> {
@@ -258,7 +272,7 @@ async fn work(
                 }
                 None
             }
-            Message::Claim { max } => Some(claim(ledger, &cx.metrics, actor, max).await?),
+            Message::Claim { max } => Some(claim(ledger, &cx.metrics, actor, session, max).await?),
             Message::Submit { results } => Some(
                 submit(cx, actor, results)
                     .instrument(tracing::debug_span!("submit"))
@@ -278,10 +292,23 @@ async fn work(
     Ok(())
 }
 
-async fn claim(ledger: &Ledger, metrics: &Metrics, actor: &ActorId, max: u32) -> Result<Message> {
-    let max = max.min(MAX_CLAIM) as usize;
+/// Leases up to `max` jobs for the connection of `session` (closing it releases them), no
+/// more than one `Jobs` message holds ([`CLAIM_BYTES`]).
+async fn claim(
+    ledger: &Ledger,
+    metrics: &Metrics,
+    actor: &ActorId,
+    session: Session,
+    max: u32,
+) -> Result<Message> {
+    let limit = ClaimLimit {
+        session: Some(session),
+        max: max.min(MAX_CLAIM) as usize,
+        max_bytes: CLAIM_BYTES,
+        per_job: JOB_FIELDS_BYTES,
+    };
     let claimed = ledger
-        .claim(actor, max, now())
+        .claim_within(actor, limit, now())
         .await
         .context("claim jobs")?;
     metrics.leased(claimed.len() as u64);

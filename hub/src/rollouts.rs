@@ -453,6 +453,84 @@ pub(crate) fn judge_result(
 mod tests {
     use super::*;
 
+    /// `jobs::JOB_FIELDS_BYTES` rests on this: a job on the wire takes at most its stored
+    /// spec's bytes plus that many, for every value its fields can hold (each token id's
+    /// decimal and comma against its varint, every float, the largest ids and counts).
+    #[test]
+    fn a_jobs_wire_size_is_bounded_by_its_stored_spec() {
+        use starling_ledger::{BatchId, ClaimedJob, JobId, Timestamp, Version};
+        use starling_proto::protocol::msg::Message;
+        let ids: Vec<u32> = [0, 9, 10, 99, 100, 127, 128, 999, 16_383, 16_384, 2_097_151]
+            .into_iter()
+            .chain([2_097_152, 99_999_999, 268_435_455, 268_435_456, u32::MAX])
+            .collect();
+        let jobs = [
+            ClaimedJob {
+                id: JobId::from_raw(1),
+                batch: BatchId::from_raw(1),
+                version: Version::new(0).expect("version"),
+                prompt: Vec::new(),
+                attempt: 1,
+                lease_expires: Timestamp::from_millis(0),
+            },
+            ClaimedJob {
+                id: JobId::from_raw(i64::MAX),
+                batch: BatchId::from_raw(i64::MAX),
+                version: Version::new(i64::MAX as u64).expect("version"),
+                prompt: Vec::new(),
+                attempt: u32::MAX,
+                lease_expires: Timestamp::from_millis(i64::MAX),
+            },
+        ];
+        let wire_len = |spec: &GroupSpec, job: &ClaimedJob| {
+            let (mut one, mut none) = (Vec::new(), Vec::new());
+            Message::Jobs {
+                jobs: vec![spec.wire(job)],
+            }
+            .encode(&mut one);
+            Message::Jobs { jobs: Vec::new() }.encode(&mut none);
+            one.len() - none.len()
+        };
+        let mut checked = 0;
+        for &id in &ids {
+            for (temperature, top_p) in [(0.0, 1.0), (1e-30, 1e-30), (f32::MAX, 0.1)] {
+                for (top_k, max_new_tokens, seed) in [(0, 1, 0), (u32::MAX, u32::MAX, u64::MAX)] {
+                    for stops in [0, starling_proto::protocol::rollout::MAX_STOP_TOKENS] {
+                        for (group, n) in [(0, 1), (u32::MAX, u32::MAX)] {
+                            let spec = GroupSpec {
+                                group,
+                                prompt_ids: vec![id; 200],
+                                prompt_text: None,
+                                messages: None,
+                                n,
+                                sampling: Sampling {
+                                    temperature,
+                                    top_p,
+                                    top_k,
+                                    max_new_tokens,
+                                    stop_token_ids: vec![id; stops],
+                                    seed,
+                                },
+                                verifier: String::new(),
+                                answer: None,
+                            };
+                            let stored = spec.to_bytes().len();
+                            for job in &jobs {
+                                let wire = wire_len(&spec, job);
+                                assert!(
+                                    wire as u64 <= stored as u64 + crate::jobs::JOB_FIELDS_BYTES,
+                                    "id {id}: {wire} bytes on the wire from a {stored}-byte spec"
+                                );
+                                checked += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(checked, ids.len() * 3 * 2 * 2 * 2 * 2);
+    }
+
     fn model() -> ModelLimits {
         ModelLimits {
             vocab: 300,

@@ -50,9 +50,10 @@ pub use ids::{
 };
 pub use invariants::{InvariantError, InvariantViolation};
 pub use model::{
-    ActorAssignment, ActorInfo, Assignment, BatchInfo, ClaimedJob, ExpireReport, FAIL_ATTEMPTS,
-    FAIL_CANCELLED, HubRefusal, JobCounts, JobState, JobView, ProgressReport, RefusalEffect,
-    Rejection, ReleaseReport, ResultSubmission, SubmitCall, SubmitOutcome, Unscored, VersionState,
+    ActorAssignment, ActorInfo, Assignment, BatchInfo, ClaimLimit, ClaimedJob, ExpireReport,
+    FAIL_ATTEMPTS, FAIL_CANCELLED, HubRefusal, JobCounts, JobState, JobView, ProgressReport,
+    RefusalEffect, Rejection, ReleaseReport, ResultSubmission, SubmitCall, SubmitOutcome, Unscored,
+    VersionState,
 };
 pub use retention::Retention;
 pub use run::{AcceptedResult, Archive, BatchStatus, JobPayload, ResultsPage, VersionRecord};
@@ -303,11 +304,23 @@ impl Ledger {
         max: usize,
         now: Timestamp,
     ) -> Result<Vec<ClaimedJob>, ClaimError> {
-        if max > self.config.max_per_call {
-            return Err(ClaimError::TooMany(max, self.config.max_per_call));
+        self.claim_within(actor, ClaimLimit::jobs(max), now).await
+    }
+
+    /// [`Ledger::claim`] within `limit`: for one job connection of the actor (its leases are
+    /// tagged with that session, whatever connection the actor opened since), and up to a
+    /// byte budget, so that what is claimed fits one message to the actor.
+    pub async fn claim_within(
+        &self,
+        actor: &ActorId,
+        limit: ClaimLimit,
+        now: Timestamp,
+    ) -> Result<Vec<ClaimedJob>, ClaimError> {
+        if limit.max > self.config.max_per_call {
+            return Err(ClaimError::TooMany(limit.max, self.config.max_per_call));
         }
         let c = &self.config;
-        on_store!(self, s => s.claim(actor, max, now, &c.lease, c.max_claim_gap))
+        on_store!(self, s => s.claim(actor, limit, now, &c.lease, c.max_claim_gap))
     }
 
     /// Records `actor`'s progress — tokens generated so far for each job it holds — and, if

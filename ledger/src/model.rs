@@ -71,6 +71,34 @@ pub struct Assignment {
     pub excluded: Vec<ActorId>,
 }
 
+/// What one claim may take, and for which of the actor's job connections.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimLimit {
+    /// The session the leases are tagged with (closing that connection releases them);
+    /// `None`: the actor's newest.
+    pub session: Option<crate::Session>,
+    /// At most this many jobs.
+    pub max: usize,
+    /// At most this many bytes of stored prompts ([`ClaimedJob::prompt`]), counting
+    /// `per_job` more for each job; the first job of a claim is leased whatever its size, so
+    /// that no job is too large ever to be claimed.
+    pub max_bytes: u64,
+    /// Bytes counted for each job beyond its stored prompt.
+    pub per_job: u64,
+}
+
+impl ClaimLimit {
+    /// Up to `max` jobs of any size, for the actor's newest session.
+    pub fn jobs(max: usize) -> Self {
+        Self {
+            session: None,
+            max,
+            max_bytes: u64::MAX,
+            per_job: 0,
+        }
+    }
+}
+
 /// A job leased to an actor.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ClaimedJob {

@@ -289,7 +289,7 @@ impl PgStore {
     pub(crate) async fn claim(
         &self,
         actor: &ActorId,
-        max: usize,
+        limit: ClaimLimit,
         now: Timestamp,
         lease: &LeaseConfig,
         max_gap: Duration,
@@ -310,26 +310,35 @@ impl PgStore {
         let held_before = u64::try_from(held.i64("n")?).unwrap_or(0);
         // A placeholder expiry, set for real below once the held budget is known.
         let expires = now.plus(lease.initial);
-        let limit = i64::try_from(max).unwrap_or(i64::MAX);
+        let max = limit.max;
+        let session = limit.session.map_or(who.session, Session::raw);
+        let bytes = sql::ClaimBytes::of(limit);
         let mut rows = Vec::new();
         if let (Some(runnable), true) = (who.runnable, max > 0) {
             rows = sqlx::query(PG_CLAIM_ASSIGNED)
                 .bind(actor.as_str())
                 .bind(now.millis())
                 .bind(expires.millis())
-                .bind(limit)
+                .bind(i64::try_from(max).unwrap_or(i64::MAX))
                 .bind(runnable)
-                .bind(who.session)
+                .bind(session)
+                .bind(bytes.budget)
+                .bind(bytes.per_job)
+                .bind(true)
                 .fetch_all(&mut *tx)
                 .await?;
-            if rows.len() < max && held_before == 0 {
+            let left = bytes.left_after(&rows)?;
+            if rows.len() < max && held_before == 0 && (left > 0 || rows.is_empty()) {
                 let more = sqlx::query(PG_CLAIM_OPEN)
                     .bind(actor.as_str())
                     .bind(now.millis())
                     .bind(expires.millis())
-                    .bind(limit - rows.len() as i64)
+                    .bind(i64::try_from(max - rows.len()).unwrap_or(i64::MAX))
                     .bind(runnable)
-                    .bind(who.session)
+                    .bind(session)
+                    .bind(left)
+                    .bind(bytes.per_job)
+                    .bind(rows.is_empty())
                     .fetch_all(&mut *tx)
                     .await?;
                 rows.extend(more);
@@ -731,16 +740,22 @@ const PG_PROGRESS_ROWS: &str = "SELECT id, state, lease_holder, leased_at, lease
 const PG_CLAIM_ASSIGNED: &str = "UPDATE jobs SET state = 'leased', assignee = NULL, lease_holder = $1, \
      leased_at = $2, lease_expires = $3, attempts = attempts + 1, lease_session = $6, \
      progress_tokens = 0, progress_at = $2 \
-     WHERE id IN (SELECT id FROM jobs WHERE state = 'pending' AND assignee = $1 AND version <= $5 \
-     ORDER BY id LIMIT $4 FOR UPDATE SKIP LOCKED) \
-     RETURNING id, batch_id, version, prompt, attempts";
+     WHERE id IN (SELECT id FROM (SELECT id, length(prompt) + $8 AS own, \
+     SUM(length(prompt) + $8) OVER (ORDER BY id) AS upto FROM (SELECT id, prompt FROM jobs \
+     WHERE state = 'pending' AND assignee = $1 AND version <= $5 \
+     ORDER BY id LIMIT $4 FOR UPDATE SKIP LOCKED) locked) sized \
+     WHERE upto <= $7 OR (upto = own AND $9)) \
+     RETURNING id, batch_id, version, prompt, attempts, length(prompt)::bigint AS prompt_len";
 
 const PG_CLAIM_OPEN: &str = "UPDATE jobs SET state = 'leased', lease_holder = $1, \
      leased_at = $2, lease_expires = $3, attempts = attempts + 1, lease_session = $6, \
      progress_tokens = 0, progress_at = $2 \
-     WHERE id IN (SELECT id FROM jobs WHERE state = 'pending' AND assignee IS NULL AND version <= $5 \
-     ORDER BY id LIMIT $4 FOR UPDATE SKIP LOCKED) \
-     RETURNING id, batch_id, version, prompt, attempts";
+     WHERE id IN (SELECT id FROM (SELECT id, length(prompt) + $8 AS own, \
+     SUM(length(prompt) + $8) OVER (ORDER BY id) AS upto FROM (SELECT id, prompt FROM jobs \
+     WHERE state = 'pending' AND assignee IS NULL AND version <= $5 \
+     ORDER BY id LIMIT $4 FOR UPDATE SKIP LOCKED) locked) sized \
+     WHERE upto <= $7 OR (upto = own AND $9)) \
+     RETURNING id, batch_id, version, prompt, attempts, length(prompt)::bigint AS prompt_len";
 
 const PG_EXPIRE: &str = "UPDATE jobs SET state = CASE WHEN attempts >= $2 THEN 'failed' ELSE 'pending' END, \
      lease_holder = NULL, leased_at = NULL, lease_expires = NULL \

@@ -198,6 +198,34 @@ pub(crate) fn assignment(batch: BatchId, version: Version, plan: Plan) -> Assign
     }
 }
 
+/// A claim's byte budget as its queries bind it: each job costs its stored prompt's length
+/// plus `per_job` (`ClaimLimit`).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ClaimBytes {
+    pub(crate) budget: i64,
+    pub(crate) per_job: i64,
+}
+
+impl ClaimBytes {
+    pub(crate) fn of(limit: ClaimLimit) -> Self {
+        Self {
+            budget: i64::try_from(limit.max_bytes).unwrap_or(i64::MAX),
+            per_job: i64::try_from(limit.per_job).unwrap_or(i64::MAX),
+        }
+    }
+
+    /// What is left of the budget after the claimed `rows` (`prompt_len` of each).
+    pub(crate) fn left_after<R: Get>(&self, rows: &[R]) -> Result<i64, sqlx::Error> {
+        let mut left = self.budget;
+        for r in rows {
+            left = left
+                .saturating_sub(r.i64("prompt_len")?)
+                .saturating_sub(self.per_job);
+        }
+        Ok(left.max(0))
+    }
+}
+
 pub(crate) fn claimed_jobs<R: Get>(
     rows: &[R],
     expires: Timestamp,

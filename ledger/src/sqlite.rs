@@ -359,7 +359,7 @@ impl SqliteStore {
     pub(crate) async fn claim(
         &self,
         actor: &ActorId,
-        max: usize,
+        limit: ClaimLimit,
         now: Timestamp,
         lease: &LeaseConfig,
         max_gap: Duration,
@@ -380,26 +380,35 @@ impl SqliteStore {
         let held_before = u64::try_from(held.i64("n")?).unwrap_or(0);
         // A placeholder expiry, set for real below once the held budget is known.
         let expires = now.plus(lease.initial);
-        let limit = i64::try_from(max).unwrap_or(i64::MAX);
+        let max = limit.max;
+        let session = limit.session.map_or(who.session, Session::raw);
+        let bytes = sql::ClaimBytes::of(limit);
         let mut rows = Vec::new();
         if let (Some(runnable), true) = (who.runnable, max > 0) {
             rows = sqlx::query(SQLITE_CLAIM_ASSIGNED)
                 .bind(actor.as_str())
                 .bind(now.millis())
                 .bind(expires.millis())
-                .bind(limit)
+                .bind(i64::try_from(max).unwrap_or(i64::MAX))
                 .bind(runnable)
-                .bind(who.session)
+                .bind(session)
+                .bind(bytes.budget)
+                .bind(bytes.per_job)
+                .bind(true)
                 .fetch_all(&mut *tx)
                 .await?;
-            if rows.len() < max && held_before == 0 {
+            let left = bytes.left_after(&rows)?;
+            if rows.len() < max && held_before == 0 && (left > 0 || rows.is_empty()) {
                 let more = sqlx::query(SQLITE_CLAIM_OPEN)
                     .bind(actor.as_str())
                     .bind(now.millis())
                     .bind(expires.millis())
-                    .bind(limit - rows.len() as i64)
+                    .bind(i64::try_from(max - rows.len()).unwrap_or(i64::MAX))
                     .bind(runnable)
-                    .bind(who.session)
+                    .bind(session)
+                    .bind(left)
+                    .bind(bytes.per_job)
+                    .bind(rows.is_empty())
                     .fetch_all(&mut *tx)
                     .await?;
                 rows.extend(more);
@@ -756,15 +765,20 @@ impl SqliteStore {
 const SQLITE_CLAIM_ASSIGNED: &str = "UPDATE jobs SET state = 'leased', assignee = NULL, lease_holder = $1, \
      leased_at = $2, lease_expires = $3, attempts = attempts + 1, lease_session = $6, \
      progress_tokens = 0, progress_at = $2 \
-     WHERE id IN (SELECT id FROM jobs WHERE state = 'pending' AND assignee = $1 AND version <= $5 \
-     ORDER BY id LIMIT $4) \
-     RETURNING id, batch_id, version, prompt, attempts";
+     WHERE id IN (SELECT id FROM (SELECT id, length(prompt) + $8 AS own, \
+     SUM(length(prompt) + $8) OVER (ORDER BY id) AS upto FROM (SELECT id, prompt FROM jobs \
+     WHERE state = 'pending' AND assignee = $1 AND version <= $5 ORDER BY id LIMIT $4)) \
+     WHERE upto <= $7 OR (upto = own AND $9)) \
+     RETURNING id, batch_id, version, prompt, attempts, length(prompt) AS prompt_len";
 
 const SQLITE_CLAIM_OPEN: &str = "UPDATE jobs SET state = 'leased', lease_holder = $1, \
      leased_at = $2, lease_expires = $3, attempts = attempts + 1, lease_session = $6, \
      progress_tokens = 0, progress_at = $2 \
-     WHERE id IN (SELECT id FROM jobs WHERE state = 'pending' AND assignee IS NULL AND version <= $5 ORDER BY id LIMIT $4) \
-     RETURNING id, batch_id, version, prompt, attempts";
+     WHERE id IN (SELECT id FROM (SELECT id, length(prompt) + $8 AS own, \
+     SUM(length(prompt) + $8) OVER (ORDER BY id) AS upto FROM (SELECT id, prompt FROM jobs \
+     WHERE state = 'pending' AND assignee IS NULL AND version <= $5 ORDER BY id LIMIT $4)) \
+     WHERE upto <= $7 OR (upto = own AND $9)) \
+     RETURNING id, batch_id, version, prompt, attempts, length(prompt) AS prompt_len";
 
 const SQLITE_SET_EXPIRY: &str =
     "UPDATE jobs SET lease_expires = $1 WHERE id IN (SELECT value FROM json_each($2))";

@@ -632,6 +632,124 @@ both_backends!(
     config()
 );
 
+/// A claim stops at its byte budget (each job's stored prompt plus `per_job`), continues in
+/// the shared pool with what is left, always takes its first job whatever its size, and tags
+/// its leases with the session it names, not the actor's newest.
+async fn a_claim_keeps_to_its_byte_budget_and_its_session(l: &Ledger) {
+    versions(l, 0).await;
+    let first = l.register_actor(&actor("a"), "r", "cpu", T0).await.unwrap();
+    l.heartbeat(&actor("a"), Some(v(0)), None, T0)
+        .await
+        .unwrap();
+    // Prompts of 100, 200, ..., 600 bytes.
+    let sized: Vec<Vec<u8>> = (1..=6).map(|i| vec![b'p'; 100 * i]).collect();
+    let batch = l.post_batch(v(0), &sized, "{}", T0).await.unwrap();
+    l.schedule(batch, T0).await.unwrap();
+    let limit = |max_bytes| ClaimLimit {
+        session: Some(first),
+        max: 100,
+        max_bytes,
+        per_job: 10,
+    };
+    // 110 + 210 fit 400; 310 more would not.
+    let got = l.claim_within(&actor("a"), limit(400), T0).await.unwrap();
+    assert_eq!(
+        got.iter().map(|j| j.prompt.len()).collect::<Vec<_>>(),
+        vec![100, 200]
+    );
+    l.submit(&actor("a"), &got.iter().map(ok).collect::<Vec<_>>(), at(10))
+        .await
+        .unwrap();
+    // A job larger than the whole budget is still claimed when it comes first, alone.
+    let got = l
+        .claim_within(&actor("a"), limit(50), at(20))
+        .await
+        .unwrap();
+    assert_eq!(
+        got.iter().map(|j| j.prompt.len()).collect::<Vec<_>>(),
+        vec![300]
+    );
+    // A reconnect: the old connection's claim is tagged with the old session, so closing the
+    // old connection returns exactly that claim, and the new one's stays.
+    let second = l
+        .register_actor(&actor("a"), "r", "cpu", at(30))
+        .await
+        .unwrap();
+    assert!(second > first);
+    l.submit(&actor("a"), &got.iter().map(ok).collect::<Vec<_>>(), at(30))
+        .await
+        .unwrap();
+    let old = l
+        .claim_within(&actor("a"), limit(410), at(40))
+        .await
+        .unwrap();
+    assert_eq!(
+        old.iter().map(|j| j.prompt.len()).collect::<Vec<_>>(),
+        vec![400]
+    );
+    let new = l
+        .claim_within(
+            &actor("a"),
+            ClaimLimit {
+                session: Some(second),
+                ..limit(u64::MAX)
+            },
+            at(50),
+        )
+        .await
+        .unwrap();
+    assert_eq!(new.len(), 2);
+    let r = l.release(&actor("a"), first, at(60)).await.unwrap();
+    assert_eq!((r.returned, r.failed), (1, 0));
+    assert_eq!(l.job(old[0].id).await.unwrap().state, JobState::Pending);
+    assert!(
+        l.job(new[0].id).await.unwrap().state == JobState::Leased
+            && l.job(new[1].id).await.unwrap().state == JobState::Leased
+    );
+    l.check_invariants().await.unwrap();
+}
+both_backends!(a_claim_keeps_to_its_byte_budget_and_its_session, config());
+
+/// The shared pool continues a claim with what its share left of the byte budget, and a
+/// claim whose share used the budget up takes nothing from the pool.
+async fn the_pool_gets_what_the_share_left_of_the_budget(l: &Ledger) {
+    versions(l, 0).await;
+    actors_on(l, &["a", "b"], 0, T0).await;
+    let sized: Vec<Vec<u8>> = (0..4).map(|_| vec![b'p'; 100]).collect();
+    let batch = l.post_batch(v(0), &sized, "{}", T0).await.unwrap();
+    l.schedule(batch, T0).await.unwrap();
+    // b's share (2 jobs) goes to the pool when b's connection closes.
+    let r = l
+        .release(&actor("b"), Session::from_raw(1), at(10))
+        .await
+        .unwrap();
+    assert_eq!(r.unassigned, 2);
+    let limit = |max_bytes| ClaimLimit {
+        session: None,
+        max: 100,
+        max_bytes,
+        per_job: 0,
+    };
+    // Its share's two jobs (200 bytes) and one of the pool's within 300.
+    let got = l
+        .claim_within(&actor("a"), limit(300), at(20))
+        .await
+        .unwrap();
+    assert_eq!(got.len(), 3);
+    l.submit(&actor("a"), &got.iter().map(ok).collect::<Vec<_>>(), at(30))
+        .await
+        .unwrap();
+    // Nothing held now: the last pool job alone is over a 50-byte budget, but a claim's first
+    // job is taken whatever its size.
+    let got = l
+        .claim_within(&actor("a"), limit(50), at(40))
+        .await
+        .unwrap();
+    assert_eq!(got.len(), 1);
+    l.check_invariants().await.unwrap();
+}
+both_backends!(the_pool_gets_what_the_share_left_of_the_budget, config());
+
 async fn an_unclaimed_share_returns_to_the_pool_and_stalls_its_actor(l: &Ledger) {
     versions(l, 0).await;
     actors_on(l, &["worker", "fenced", "slow"], 0, T0).await;
