@@ -9,6 +9,12 @@
 //! manifest itself is missing. Deciding on stream ends rather than on a timer means a slow
 //! link never triggers a spurious retransmission (which would double WAN bytes).
 //!
+//! A segment numbered at or beyond the manifest's count (frames are only checked against
+//! their own hashes, so a source can send one) would leave the version forever incomplete;
+//! whichever of it and the manifest comes second is answered [`Added::Beyond`], and the
+//! receiver starts the version over as one that failed verification from the source that
+//! sent the segment.
+//!
 //! Pure: frames come in already parsed ([`FrameInfo`], from [`FrameInfo::parse`] at the edge
 //! where the bytes arrive), and the caller passes the time in.
 
@@ -73,6 +79,9 @@ pub struct Reception {
     /// When its first stream started here.
     pub started: Instant,
     seqs: BTreeSet<u32>,
+    /// The segments of `seqs` that came before the current source (see
+    /// [`Reception::reset_requests`]).
+    carried: BTreeSet<u32>,
     segment_count: Option<usize>,
     /// transmission → (stripes, stripes ended)
     transmissions: BTreeMap<u32, (u16, u16)>,
@@ -84,6 +93,14 @@ pub struct Reception {
 pub enum Added {
     New,
     Duplicate,
+    /// A segment numbered at or beyond the manifest's count: this one (the manifest is here),
+    /// or one here before the manifest that just came. The version cannot complete from what
+    /// is here; nothing of the frame was noted. `from_current`: such a segment came from the
+    /// current source (else only from one before it, see
+    /// [`reset_requests`](Reception::reset_requests)).
+    Beyond {
+        from_current: bool,
+    },
 }
 
 impl Reception {
@@ -94,6 +111,7 @@ impl Reception {
             delta_id,
             started: now,
             seqs: BTreeSet::new(),
+            carried: BTreeSet::new(),
             segment_count: None,
             transmissions: BTreeMap::new(),
             fetch_outstanding: false,
@@ -110,10 +128,13 @@ impl Reception {
             .or_insert((stripes.max(1), 0));
     }
 
-    /// Notes a verified frame of this delta.
+    /// Notes a verified frame of this delta ([`Added::Beyond`]: not noted, see there).
     pub fn frame(&mut self, info: FrameInfo) -> Added {
         match info {
             FrameInfo::Segment { seq } => {
+                if self.segment_count.is_some_and(|n| seq as usize >= n) {
+                    return Added::Beyond { from_current: true };
+                }
                 if self.seqs.insert(seq) {
                     Added::New
                 } else {
@@ -123,6 +144,13 @@ impl Reception {
             FrameInfo::Manifest { segments } => {
                 if self.segment_count.is_some() {
                     return Added::Duplicate;
+                }
+                if self.seqs.last().is_some_and(|&s| s as usize >= segments) {
+                    let from_current = self
+                        .seqs
+                        .iter()
+                        .any(|&s| s as usize >= segments && !self.carried.contains(&s));
+                    return Added::Beyond { from_current };
                 }
                 self.segment_count = Some(segments);
                 Added::New
@@ -181,14 +209,17 @@ impl Reception {
     /// that ends later still counts towards [`refetch_due`](Self::refetch_due).
     pub fn restart(&mut self) {
         self.seqs.clear();
+        self.carried.clear();
         self.segment_count = None;
         self.fetch_outstanding = true;
     }
 
-    /// Forgets outstanding requests (after switching to another source).
+    /// Forgets outstanding requests (after switching to another source); what is here so far
+    /// is noted as carried over from the sources before.
     pub fn reset_requests(&mut self) {
         self.fetch_outstanding = false;
         self.transmissions.clear();
+        self.carried.clone_from(&self.seqs);
     }
 }
 
@@ -213,6 +244,51 @@ mod tests {
         r.frame(FrameInfo::Segment { seq: 2 });
         assert!(r.complete());
         assert_eq!(r.have(), vec![0, 1, 2]);
+    }
+
+    #[test]
+    fn a_segment_beyond_the_manifests_count_is_refused_whichever_comes_first() {
+        // The manifest first: the segment beyond is refused and not noted.
+        let mut r = Reception::new(1, 0, [1; 32], Instant::now());
+        r.stream_started(0, 1);
+        r.frame(FrameInfo::Manifest { segments: 2 });
+        assert_eq!(
+            r.frame(FrameInfo::Segment { seq: 2 }),
+            Added::Beyond { from_current: true }
+        );
+        r.frame(FrameInfo::Segment { seq: 0 });
+        r.frame(FrameInfo::Segment { seq: 1 });
+        assert!(r.complete());
+        assert_eq!(r.have(), vec![0, 1]);
+
+        // The segment first: the manifest is refused, the version cannot complete.
+        let mut r = Reception::new(1, 0, [1; 32], Instant::now());
+        r.stream_started(0, 1);
+        assert_eq!(r.frame(FrameInfo::Segment { seq: 7 }), Added::New);
+        assert_eq!(
+            r.frame(FrameInfo::Manifest { segments: 2 }),
+            Added::Beyond { from_current: true }
+        );
+        // After a change of source, the segment beyond came from the one before.
+        r.reset_requests();
+        r.frame(FrameInfo::Segment { seq: 0 });
+        assert_eq!(
+            r.frame(FrameInfo::Manifest { segments: 2 }),
+            Added::Beyond {
+                from_current: false
+            }
+        );
+        r.frame(FrameInfo::Segment { seq: 5 });
+        assert_eq!(
+            r.frame(FrameInfo::Manifest { segments: 2 }),
+            Added::Beyond { from_current: true }
+        );
+        // Started over, it completes.
+        r.restart();
+        r.frame(FrameInfo::Segment { seq: 0 });
+        r.frame(FrameInfo::Segment { seq: 1 });
+        assert_eq!(r.frame(FrameInfo::Manifest { segments: 2 }), Added::New);
+        assert!(r.complete());
     }
 
     #[test]

@@ -22,9 +22,11 @@
 //!   half-applied (the shell's activation verifies the whole before it writes anything).
 //! - An actor stages a version only on top of its base ([`FollowConfig::stage_ahead`] off):
 //!   later versions are buffered here until their base is active, then staged.
-//! - A version that failed staging or activation is fetched again (never silently dropped:
+//! - A version that failed staging or activation, or came with a segment numbered beyond its
+//!   manifest's count (it could never complete), is fetched again (never silently dropped:
 //!   `Commit` is sent once, so a dropped version would never activate), up to
-//!   [`Bounds::max_refetches`] times per source before the source counts as broken.
+//!   [`Bounds::max_refetches`] times per source before the source counts as broken (counted
+//!   per source and version: one source's failures are not held against the next).
 //! - What a source sends is bounded before it is held ([`Bounds`]): a version at most the model
 //!   coded densely, every version in flight at most twice that, none too far ahead. A source
 //!   that breaks a bound is dropped with everything it sent and left alone for a while.
@@ -353,7 +355,8 @@ pub struct Follower<F> {
     active: u64,
     pending: BTreeMap<u64, Pending<F>>,
     commits: BTreeSet<u64>,
-    retries: BTreeMap<u64, u32>,
+    /// Failed verifications per source and version (see [`Bounds::max_refetches`]).
+    retries: BTreeMap<(SourceId, u64), u32>,
     /// The version the shell is activating.
     activating: Option<u64>,
     /// The newest version announced on this connection (or done when it began).
@@ -542,7 +545,7 @@ impl<F> Follower<F> {
                 frame,
             } => {
                 if self.receiving(conn) {
-                    self.frame(version, delta_id, transmission, info, bytes, frame);
+                    self.frame(now, version, delta_id, transmission, info, bytes, frame);
                 }
             }
             Event::StreamEnded {
@@ -611,7 +614,7 @@ impl<F> Follower<F> {
             Event::ActivationFailed { version } => {
                 if self.activating == Some(version) {
                     self.activating = None;
-                    self.start_over(now, version);
+                    self.start_over(now, version, true);
                 }
             }
             Event::Probed { source, latest } => {
@@ -780,8 +783,10 @@ impl<F> Follower<F> {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn frame(
         &mut self,
+        now: Instant,
         version: u64,
         delta_id: [u8; 32],
         transmission: u32,
@@ -792,11 +797,18 @@ impl<F> Follower<F> {
         let Some(p) = self.pending.get_mut(&version) else {
             return;
         };
-        if p.reception.delta_id != delta_id
-            || p.stale_through.is_some_and(|t| transmission <= t)
-            || p.reception.frame(info) == Added::Duplicate
-        {
+        if p.reception.delta_id != delta_id || p.stale_through.is_some_and(|t| transmission <= t) {
             return;
+        }
+        match p.reception.frame(info) {
+            Added::New => {}
+            Added::Duplicate => return,
+            // Being activated, it is whole: the frame beyond it is only not kept.
+            Added::Beyond { .. } if self.activating == Some(version) => return,
+            // The version can never complete from what came: it failed, from the current
+            // source where the segment beyond came from it (what was staged of it, and this
+            // frame, are dropped).
+            Added::Beyond { from_current } => return self.start_over(now, version, from_current),
         }
         p.held += bytes;
         match &mut p.stage {
@@ -985,13 +997,15 @@ impl<F> Follower<F> {
             }
             self.activating = None;
         }
-        self.start_over(now, version);
+        self.start_over(now, version, true);
     }
 
-    /// `version` failed staging or activation: what is here of it is dropped (here and in the
-    /// shell), its transmission bookkeeping kept (stripes still under way keep counting), and
-    /// the whole version is fetched again.
-    fn start_over(&mut self, now: Instant, version: u64) {
+    /// `version` failed staging or activation, or came with a segment beyond its manifest's
+    /// count: what is here of it is dropped (here and in the shell), its transmission
+    /// bookkeeping kept (stripes still under way keep counting), and the whole version is
+    /// fetched again. `failed`: counted against the current source (see
+    /// [`refetch`](Self::refetch)).
+    fn start_over(&mut self, now: Instant, version: u64, failed: bool) {
         let Some(p) = self.pending.get_mut(&version) else {
             return;
         };
@@ -1015,28 +1029,29 @@ impl<F> Follower<F> {
                 delta_id,
             });
         }
-        self.refetch(now, version, Vec::new(), true);
+        self.refetch(now, version, Vec::new(), failed);
     }
 
     /// Asks the source for `seqs` of `version` again (all of it when empty). `failed`: what
-    /// it sent failed verification (counted against [`Bounds::max_refetches`]); else parts of
-    /// it were lost on the way (a stripe cut short), which says nothing against the source.
+    /// it sent failed verification (counted against [`Bounds::max_refetches`] for this source
+    /// and version, over all its connections); else parts of it were lost on the way (a
+    /// stripe cut short), which says nothing against the source.
     fn refetch(&mut self, now: Instant, version: u64, seqs: Vec<u32>, failed: bool) {
         // Only on a subscription: a connection still being made streams every version after
         // what is done once it subscribes.
-        let Link::Up { conn, .. } = self.link else {
+        let Link::Up { conn, source, .. } = self.link else {
             return;
         };
         if failed {
-            let n = self.retries.entry(version).or_default();
+            let n = self.retries.entry((source, version)).or_default();
             *n += 1;
             let attempts = *n;
             if let Some(b) = self.cfg.bounds
                 && attempts > b.max_refetches
             {
-                // This source keeps sending what does not verify: the next one starts
-                // afresh.
-                self.retries.remove(&version);
+                // This source keeps sending what does not verify: it is dropped, and starts
+                // afresh once it is used again.
+                self.retries.remove(&(source, version));
                 return self.misbehaved(
                     now,
                     Misbehaviour::KeepsFailing {
@@ -1059,7 +1074,7 @@ impl<F> Follower<F> {
         self.activating = None;
         self.pending.remove(&version);
         self.commits.remove(&version);
-        self.retries.remove(&version);
+        self.retries.retain(|&(_, v), _| v > version);
         self.active = version;
         self.policy.activated();
         if let Link::Up { anchor_asked, .. } = &mut self.link {
@@ -1128,5 +1143,273 @@ impl<F> Follower<F> {
         }
         self.link = Link::Stopped;
         self.out.push_back(Action::GiveUp(e));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const ID: [u8; 32] = [7; 32];
+    /// Version 1 has this many segments; a frame carries its segment number (the manifest
+    /// [`MANIFEST`]).
+    const SEGMENTS: u32 = 3;
+    const MANIFEST: u32 = 99;
+
+    fn actor(now: Instant, sources: usize) -> Follower<u32> {
+        Follower::new(
+            FollowConfig::actor(Bounds::for_model(1 << 20)),
+            SourcePolicy::new(PolicyConfig::actor(), sources),
+            0,
+            now,
+        )
+    }
+
+    fn drain(c: &mut Follower<u32>) -> Vec<Action<u32>> {
+        std::iter::from_fn(|| c.poll_action()).collect()
+    }
+
+    /// Connects to the next source (which holds version 1).
+    fn connect(c: &mut Follower<u32>, now: Instant) -> ConnId {
+        c.handle_timeout(now);
+        let conn = c.connection().expect("a source to connect to");
+        c.handle(now, Event::Connected { conn, latest: 1 });
+        drain(c);
+        conn
+    }
+
+    /// Transmission `tx` of version 1 on one stripe: `frames` in order, then its end.
+    fn transmit(c: &mut Follower<u32>, now: Instant, conn: ConnId, tx: u32, frames: &[u32]) {
+        c.handle(
+            now,
+            Event::StreamStarted {
+                conn,
+                version: 1,
+                base: 0,
+                delta_id: ID,
+                transmission: tx,
+                stripes: 1,
+            },
+        );
+        for &f in frames {
+            let info = if f == MANIFEST {
+                FrameInfo::Manifest {
+                    segments: SEGMENTS as usize,
+                }
+            } else {
+                FrameInfo::Segment { seq: f }
+            };
+            c.handle(
+                now,
+                Event::Frame {
+                    conn,
+                    version: 1,
+                    delta_id: ID,
+                    transmission: tx,
+                    info,
+                    bytes: 100,
+                    frame: f,
+                },
+            );
+        }
+        c.handle(
+            now,
+            Event::StreamEnded {
+                conn,
+                version: 1,
+                delta_id: ID,
+                transmission: tx,
+                stripes: 1,
+            },
+        );
+    }
+
+    fn fetched_whole(actions: &[Action<u32>]) -> bool {
+        actions.iter().any(|a| {
+            matches!(a, Action::Send { message: Message::Fetch { version: 1, seqs }, .. }
+                if seqs.is_empty())
+        })
+    }
+
+    fn dropped(actions: &[Action<u32>]) -> Option<(SourceId, Misbehaviour)> {
+        actions.iter().find_map(|a| match a {
+            Action::Notice(Notice::SourceDropped { source, why }) => Some((*source, *why)),
+            _ => None,
+        })
+    }
+
+    /// Version 1 comes whole and committed, and fails activation: what that queued.
+    fn fails_activation(
+        c: &mut Follower<u32>,
+        now: Instant,
+        conn: ConnId,
+        tx: u32,
+    ) -> Vec<Action<u32>> {
+        transmit(c, now, conn, tx, &[0, 1, 2, MANIFEST]);
+        c.handle(now, Event::Commit { conn, version: 1 });
+        let a = drain(c);
+        assert!(
+            a.iter()
+                .any(|a| matches!(a, Action::Activate { version: 1, .. })),
+            "{a:?}"
+        );
+        c.handle(now, Event::ActivationFailed { version: 1 });
+        drain(c)
+    }
+
+    /// A segment numbered beyond what the manifest names (before or after the manifest) is
+    /// never staged for good: the version starts over as failed, and a source that keeps
+    /// sending one is dropped after `max_refetches` refetches instead of being asked for the
+    /// version forever.
+    #[test]
+    fn a_segment_beyond_the_manifest_fails_the_version_from_its_source() {
+        let max = Bounds::for_model(1 << 20).max_refetches;
+        for frames in [[0, 1, 2, MANIFEST, SEGMENTS], [0, SEGMENTS, 1, 2, MANIFEST]] {
+            let now = Instant::now();
+            let mut c = actor(now, 2);
+            let conn = connect(&mut c, now);
+            for tx in 0..=max {
+                transmit(&mut c, now, conn, tx, &frames);
+                let a = drain(&mut c);
+                // The manifest first: the frame beyond is not even staged (else what was
+                // staged is discarded).
+                let staged_beyond = a
+                    .iter()
+                    .any(|a| matches!(a, Action::Stage { frame, .. } if *frame == SEGMENTS));
+                assert_eq!(staged_beyond, frames[3] != MANIFEST, "{frames:?}: {a:?}");
+                if tx < max {
+                    assert!(fetched_whole(&a), "{frames:?} tx {tx}: {a:?}");
+                    assert!(
+                        a.iter()
+                            .any(|a| matches!(a, Action::Discard { version: 1 })),
+                        "{frames:?} tx {tx}: {a:?}"
+                    );
+                    assert_eq!(dropped(&a), None, "{frames:?} tx {tx}");
+                } else {
+                    assert_eq!(
+                        dropped(&a),
+                        Some((
+                            SourceId(0),
+                            Misbehaviour::KeepsFailing {
+                                version: 1,
+                                attempts: max
+                            }
+                        )),
+                        "{frames:?}: {a:?}"
+                    );
+                }
+            }
+            // The next source sends it whole: it activates.
+            let conn = connect(&mut c, now);
+            assert_eq!(c.source(), Some(SourceId(1)));
+            transmit(&mut c, now, conn, 0, &[0, 1, 2, MANIFEST]);
+            c.handle(now, Event::Commit { conn, version: 1 });
+            let a = drain(&mut c);
+            assert!(
+                a.iter()
+                    .any(|a| matches!(a, Action::Activate { version: 1, .. })),
+                "{a:?}"
+            );
+        }
+    }
+
+    /// The manifest first, then a segment beyond it: that frame is not staged.
+    #[test]
+    fn a_segment_beyond_a_manifest_here_is_not_staged() {
+        let now = Instant::now();
+        let mut c = actor(now, 1);
+        let conn = connect(&mut c, now);
+        transmit(&mut c, now, conn, 0, &[MANIFEST, 0, SEGMENTS + 4]);
+        let a = drain(&mut c);
+        let staged: Vec<u32> = a
+            .iter()
+            .filter_map(|a| match a {
+                Action::Stage { frame, .. } => Some(*frame),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(staged, vec![MANIFEST, 0], "{a:?}");
+        assert!(fetched_whole(&a), "{a:?}");
+    }
+
+    /// A segment beyond the manifest's count that came from a source before is not held against
+    /// the source whose manifest shows it.
+    #[test]
+    fn a_segment_beyond_from_an_earlier_source_is_not_held_against_the_next() {
+        let max = Bounds::for_model(1 << 20).max_refetches;
+        let now = Instant::now();
+        let mut c = actor(now, 2);
+        let conn = connect(&mut c, now);
+        transmit(&mut c, now, conn, 0, &[0, SEGMENTS]);
+        c.handle(now, Event::Lost { conn });
+        drain(&mut c);
+        let conn = connect(&mut c, now);
+        assert_eq!(c.source(), Some(SourceId(1)));
+        transmit(&mut c, now, conn, 0, &[1, 2, MANIFEST]);
+        let a = drain(&mut c);
+        assert!(fetched_whole(&a), "{a:?}");
+        // Source 1 still has every one of its refetches.
+        for tx in 1..=max {
+            let a = fails_activation(&mut c, now, conn, tx);
+            assert_eq!(dropped(&a), None, "failure {tx}: {a:?}");
+        }
+        let a = fails_activation(&mut c, now, conn, max + 1);
+        assert!(matches!(dropped(&a), Some((SourceId(1), _))), "{a:?}");
+    }
+
+    /// Failed verifications from one source are not held against the next: each source
+    /// gets `max_refetches` refetches of a version.
+    #[test]
+    fn failed_verifications_count_per_source() {
+        let max = Bounds::for_model(1 << 20).max_refetches;
+        let now = Instant::now();
+        let mut c = actor(now, 2);
+        let conn = connect(&mut c, now);
+        for tx in 0..max - 1 {
+            let a = fails_activation(&mut c, now, conn, tx);
+            assert_eq!(dropped(&a), None, "{a:?}");
+        }
+        c.handle(now, Event::Lost { conn });
+        drain(&mut c);
+        let conn = connect(&mut c, now);
+        assert_eq!(c.source(), Some(SourceId(1)));
+        for tx in 0..max {
+            let a = fails_activation(&mut c, now, conn, tx);
+            assert_eq!(dropped(&a), None, "source 1's failure {}: {a:?}", tx + 1);
+            assert!(fetched_whole(&a), "{a:?}");
+        }
+        let a = fails_activation(&mut c, now, conn, max);
+        assert_eq!(
+            dropped(&a),
+            Some((
+                SourceId(1),
+                Misbehaviour::KeepsFailing {
+                    version: 1,
+                    attempts: max
+                }
+            )),
+            "{a:?}"
+        );
+    }
+
+    /// A source's failures count over all its connections: losing it does not start its
+    /// count afresh.
+    #[test]
+    fn a_sources_failures_count_over_its_connections() {
+        let max = Bounds::for_model(1 << 20).max_refetches;
+        let now = Instant::now();
+        let mut c = actor(now, 2);
+        let conn = connect(&mut c, now);
+        for tx in 0..max {
+            fails_activation(&mut c, now, conn, tx);
+        }
+        c.handle(now, Event::Lost { conn });
+        let conn = connect(&mut c, now);
+        assert_eq!(c.source(), Some(SourceId(1)));
+        c.handle(now, Event::Lost { conn });
+        let conn = connect(&mut c, now);
+        assert_eq!(c.source(), Some(SourceId(0)));
+        let a = fails_activation(&mut c, now, conn, 0);
+        assert!(matches!(dropped(&a), Some((SourceId(0), _))), "{a:?}");
     }
 }

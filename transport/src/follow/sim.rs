@@ -9,7 +9,8 @@
 //! frames delayed and reordered across stripes, `Commit` overtaking data, whole versions sent
 //! twice, frames that do not stage, connections dropped, relays and actors killed and
 //! restarted (stores and caches survive), the hub restarted, and a hostile relay that floods,
-//! jumps ahead or serves forged versions.
+//! jumps ahead, serves forged versions or junk, or serves versions with a segment more than
+//! their manifest names.
 //!
 //! After every event the invariants of [`super`] are checked:
 //! - a version is begun (staged on top of its base) only when its base is active, and
@@ -19,6 +20,8 @@
 //!   staged (one still buffered on an actor, its base not active, is not said to be here),
 //!   and none is said to be here after one of its frames failed to stage;
 //! - what an actor holds of versions in flight stays within its bounds;
+//! - no connection is asked for one version whole without end: at most
+//!   [`Bounds::max_refetches`] failures and a few stripes cut before the manifest;
 //! - while a region's relay is up and caught up (and the actor did not just lose it), no
 //!   version published [`GRACE`] later crosses the WAN to that region more than once;
 //! - once the faults stop and the sources stay up, every relay and actor reaches the last
@@ -120,6 +123,10 @@ const ANCHOR_EVERY: u64 = 4;
 /// The actors' bound on a version's wire bytes (an honest version is at most 7 × 8 KiB).
 const VERSION_CAP: u64 = 64 * 1024;
 
+/// Whole-version `Fetch`es of one version on one connection beyond the failures a source is
+/// allowed (each a stripe cut before the manifest, a chance of 1 in 10 at most).
+const WHOLE_FETCH_SLACK: u32 = 10;
+
 /// A frame as the simulated wire carries it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct SimFrame {
@@ -170,6 +177,9 @@ enum Hostility {
     Forged,
     /// Serves segments that do not stage, again on every `Fetch`.
     Junk,
+    /// Serves forged versions with a segment numbered beyond the manifest's count (its hash
+    /// checks out) anywhere in them, again on every `Fetch`.
+    Beyond,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -229,6 +239,8 @@ struct Net {
     transmissions: u32,
     /// Refused (the subscriber must restore an anchor): nothing more is streamed.
     refused: bool,
+    /// Version → how many times the client asked for it whole on this connection.
+    whole_fetches: BTreeMap<u64, u32>,
 }
 
 #[derive(Debug, Clone)]
@@ -396,6 +408,7 @@ impl Sim {
                 1 => Some(Hostility::Ahead),
                 2 => Some(Hostility::Forged),
                 3 => Some(Hostility::Junk),
+                4 => Some(Hostility::Beyond),
                 _ => None,
             },
             activation: Duration::from_millis(rng.next_up_to(20)),
@@ -632,6 +645,7 @@ impl Sim {
                     busy_until: Duration::ZERO,
                     transmissions: 0,
                     refused: false,
+                    whole_fetches: BTreeMap::new(),
                 });
                 self.nodes[node].nets.insert(conn, net);
                 self.push(latency * 3, Ev::Connected { net });
@@ -645,6 +659,21 @@ impl Sim {
             }
             Action::Send { conn, message } => {
                 if let Some(&net) = self.nodes[node].nets.get(&conn) {
+                    if let Message::Fetch { version, seqs } = &message
+                        && seqs.is_empty()
+                    {
+                        let n = self.nets[net].whole_fetches.entry(*version).or_default();
+                        *n += 1;
+                        let n = *n;
+                        let limit = Bounds::for_model(0).max_refetches + WHOLE_FETCH_SLACK;
+                        if n > limit {
+                            let detail = format!(
+                                "{} asked {:?} for {version} whole {n} times on one connection",
+                                self.nodes[node].name, self.nets[net].server
+                            );
+                            return self.fail("fetched without end", detail);
+                        }
+                    }
                     let d = self.nets[net].latency;
                     self.push(d, Ev::ToServer { net, msg: message });
                 }
@@ -924,6 +953,14 @@ impl Sim {
                 segments,
             });
         }
+        if forged_by == Some(Hostility::Beyond) {
+            let at = self.rng.next_up_to(frames.len() as u64) as usize;
+            let beyond = SimFrame {
+                seq: Some(segments + self.rng.next_up_to(2) as u32),
+                ..frames[0]
+            };
+            frames.insert(at, beyond);
+        }
         for f in &mut frames {
             f.bad = match forged_by {
                 Some(Hostility::Junk) => f.seq.is_some(),
@@ -1160,15 +1197,16 @@ impl Sim {
                 };
                 self.send_frames(net, v, id, &[f]);
             }
-            (Hostility::Forged | Hostility::Junk, Message::Subscribe { after_version })
-                if after_version < self.p.versions =>
-            {
+            (
+                Hostility::Forged | Hostility::Junk | Hostility::Beyond,
+                Message::Subscribe { after_version },
+            ) if after_version < self.p.versions => {
                 self.transmit(net, after_version + 1, None, None);
             }
-            (Hostility::Forged | Hostility::Junk, Message::Fetch { version, .. })
-            | (Hostility::Forged | Hostility::Junk, Message::Resume { version, .. })
-                if version <= self.p.versions =>
-            {
+            (
+                Hostility::Forged | Hostility::Junk | Hostility::Beyond,
+                Message::Fetch { version, .. } | Message::Resume { version, .. },
+            ) if version <= self.p.versions => {
                 self.transmit(net, version, None, None);
             }
             _ => {}
