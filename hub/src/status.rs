@@ -23,7 +23,6 @@ use axum::http::{StatusCode, header};
 use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use futures_util::Stream;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use starling_telemetry::http::json_error;
@@ -52,12 +51,23 @@ const STYLE_CSS: &str = include_str!("../assets/dashboard/style.css");
 struct StatusRoutes {
     hub: Arc<Hub>,
     last: tokio::sync::Mutex<Option<(Instant, Value)>>,
+    /// One permit per open `/v1/events` stream.
+    streams: Arc<tokio::sync::Semaphore>,
 }
+
+/// `/v1/events` streams open at once. The route is open (the dashboard reads it), and a
+/// stream holds its HTTP connection: without a bound, 256 of them would take every
+/// connection slot and lock the trainer's API out.
+pub(crate) const MAX_EVENT_STREAMS: usize = 32;
+/// A stream ends after this, so an idle client does not hold a slot for ever; a browser's
+/// `EventSource` reconnects by itself (after the `retry` the stream states).
+const EVENT_STREAM_LIFETIME: Duration = Duration::from_secs(600);
 
 pub(crate) fn router(hub: Arc<Hub>) -> Router {
     let routes = Arc::new(StatusRoutes {
         hub,
         last: tokio::sync::Mutex::new(None),
+        streams: Arc::new(tokio::sync::Semaphore::new(MAX_EVENT_STREAMS)),
     });
     Router::new()
         .route("/", get(|| asset("text/html; charset=utf-8", INDEX_HTML)))
@@ -291,32 +301,48 @@ fn event_data(e: &board::Event) -> String {
     })
 }
 
-async fn events(
-    State(routes): State<Arc<StatusRoutes>>,
-) -> Sse<impl Stream<Item = Result<SseEvent, Infallible>>> {
+async fn events(State(routes): State<Arc<StatusRoutes>>) -> Response {
+    let Ok(permit) = routes.streams.clone().try_acquire_owned() else {
+        return json_error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too_many_streams",
+            format!("{MAX_EVENT_STREAMS} event streams are open, the most this hub serves"),
+        );
+    };
     let hub = &routes.hub;
     let rx = hub.board.subscribe();
     let hello = json!({"version": hub.book().latest(), "at_ms": now_ms()});
-    let first = Some(SseEvent::default().event("hello").data(hello.to_string()));
+    let first = Some(
+        SseEvent::default()
+            .event("hello")
+            .retry(Duration::from_secs(1))
+            .data(hello.to_string()),
+    );
     let stop = hub.stop.clone();
-    let state = (rx, first, stop);
-    let stream = futures_util::stream::unfold(state, |(mut rx, first, stop)| async move {
-        if let Some(e) = first {
-            return Some((Ok(e), (rx, None, stop)));
-        }
-        // A stopping hub ends every stream, so its HTTP server can drain.
-        let next = tokio::select! {
-            n = rx.recv() => n,
-            () = stop.cancelled() => return None,
-        };
-        let event = match next {
-            Ok(e) => SseEvent::default().event(e.name()).data(event_data(&e)),
-            Err(RecvError::Lagged(missed)) => SseEvent::default()
-                .event("lagged")
-                .data(json!({"missed": missed, "at_ms": now_ms()}).to_string()),
-            Err(RecvError::Closed) => return None,
-        };
-        Some((Ok(event), (rx, None, stop)))
-    });
-    Sse::new(stream).keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive"))
+    let ends = tokio::time::Instant::now() + EVENT_STREAM_LIFETIME;
+    let state = (rx, first, stop, permit);
+    let stream =
+        futures_util::stream::unfold(state, move |(mut rx, first, stop, permit)| async move {
+            if let Some(e) = first {
+                return Some((Ok::<_, Infallible>(e), (rx, None, stop, permit)));
+            }
+            // A stopping hub ends every stream, so its HTTP server can drain; every stream ends
+            // at its lifetime (its permit with it).
+            let next = tokio::select! {
+                n = rx.recv() => n,
+                () = stop.cancelled() => return None,
+                () = tokio::time::sleep_until(ends) => return None,
+            };
+            let event = match next {
+                Ok(e) => SseEvent::default().event(e.name()).data(event_data(&e)),
+                Err(RecvError::Lagged(missed)) => SseEvent::default()
+                    .event("lagged")
+                    .data(json!({"missed": missed, "at_ms": now_ms()}).to_string()),
+                Err(RecvError::Closed) => return None,
+            };
+            Some((Ok(event), (rx, None, stop, permit)))
+        });
+    Sse::new(stream)
+        .keep_alive(KeepAlive::new().interval(KEEP_ALIVE).text("keep-alive"))
+        .into_response()
 }

@@ -647,7 +647,8 @@ fn bad_http_input_gets_json_errors_and_idle_event_clients_hold_nothing_up() {
     json_error(raw_request(http, &huge), 413, "too_large");
 
     // Clients that open the event stream and never read: the hub keeps serving everyone.
-    let idle: Vec<TcpStream> = (0..32)
+    // One stream short of the hub's bound on open event streams (32, docs/api.md "Bounds").
+    let idle: Vec<TcpStream> = (0..EVENT_STREAMS - 1)
         .map(|_| {
             let mut s = TcpStream::connect(http).expect("connect");
             write!(s, "GET /v1/events HTTP/1.1\r\nHost: {http}\r\n\r\n").expect("send");
@@ -678,5 +679,17 @@ fn bad_http_input_gets_json_errors_and_idle_event_clients_hold_nothing_up() {
     }
     assert!(got.contains("content-type: text/event-stream"), "{got}");
     assert!(got.contains("\"version\":2"), "{got}");
+    // One stream more than the bound is refused, saying why, and the streams do not take the
+    // connection slots the trainer's requests need: the token-checked API still answers.
+    json_error(
+        http_request(http, "GET", "/v1/events", None, None),
+        503,
+        "too_many_streams",
+    );
+    let (code, body) = http_request(http, "GET", "/v1/batches/1", Some(&token), None);
+    assert!(code == 200 || code == 404, "{code} {body}");
     drop(idle);
 }
+
+/// The hub's bound on `/v1/events` streams open at once (`hub/src/status.rs`).
+const EVENT_STREAMS: usize = 32;
