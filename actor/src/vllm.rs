@@ -96,17 +96,29 @@ fn is_loopback(host: &str) -> bool {
 
 /// The value of `--host` in a command line, if it names one.
 fn host_arg(cmd: &str) -> Option<&str> {
+    flag_value(cmd, "--host")
+}
+
+/// The value of `flag` in a command line (`--flag v` or `--flag=v`), if it names one.
+fn flag_value<'a>(cmd: &'a str, flag: &str) -> Option<&'a str> {
     let mut words = cmd.split_whitespace();
     while let Some(w) = words.next() {
-        if w == "--host" {
+        if w == flag {
             return words.next();
         }
-        if let Some(v) = w.strip_prefix("--host=") {
+        if let Some(v) = w.strip_prefix(flag).and_then(|v| v.strip_prefix('=')) {
             return Some(v);
         }
     }
     None
 }
+
+/// A server started from `--vllm-cmd` is given `--generation-config vllm` unless the command
+/// names one: with vLLM's default (`auto`) the model's `generation_config.json` fills every
+/// sampling parameter a request leaves out (`top_k`, `repetition_penalty`, …) and adds its
+/// stop tokens to every request's, so a vLLM actor would sample differently from the job's
+/// parameters and from a built-in actor, silently.
+const NEUTRAL_GENERATION_CONFIG: &str = "--generation-config vllm";
 
 /// One part of what a commit wrote: where it starts in a tensor, positions relative to that and
 /// the new bits there.
@@ -120,8 +132,13 @@ const TOKENIZER_FILES: [&str; 4] = [
     "chat_template.jinja",
 ];
 
-/// Requests that touch weights or digest the whole model may take this long.
+/// Requests that touch weights or digest the whole model may take this long, at least
+/// ([`VllmEngine::rpc_timeout`] adds [`RPC_TIME_PER_PARAMETER`] for each parameter).
 const RPC_TIMEOUT: Duration = Duration::from_secs(600);
+/// What a whole-model digest in the extension may take per parameter, with a margin: it
+/// measured ~0.1 µs on 2 CPU cores (14 s for 135 M), so an 8B model's takes ~15 minutes,
+/// beyond the fixed bound.
+const RPC_TIME_PER_PARAMETER: Duration = Duration::from_nanos(250);
 /// Generation requests (one job's samples).
 const GENERATE_TIMEOUT: Duration = Duration::from_secs(600);
 /// A generous bound on what one generated token costs in a completion's JSON (its
@@ -245,6 +262,13 @@ impl VllmEngine {
         })
     }
 
+    /// How long a request that touches weights or digests the whole model may take: the
+    /// fixed bound plus the digest's time for this model's parameters.
+    fn rpc_timeout(&self) -> Duration {
+        let params = u32::try_from(self.config.parameter_count() / 1_000_000).unwrap_or(u32::MAX);
+        RPC_TIMEOUT + RPC_TIME_PER_PARAMETER * 1_000_000 * params
+    }
+
     fn held(&self) -> std::sync::MutexGuard<'_, Held> {
         self.held
             .lock()
@@ -285,7 +309,12 @@ impl VllmEngine {
             body.as_deref(),
             limits,
         )
-        .with_context(|| format!("no vLLM server answers at {}", self.settings.addr))
+        .with_context(|| {
+            format!(
+                "{method} {path}: no answer from the vLLM server at {}",
+                self.settings.addr
+            )
+        })
     }
 
     /// `POST /collective_rpc`: every worker's answer, each required `ok`.
@@ -294,7 +323,7 @@ impl VllmEngine {
             "POST",
             "/collective_rpc",
             Some(&json!({"method": method, "args": args})),
-            Limits::timeout(RPC_TIMEOUT),
+            Limits::timeout(self.rpc_timeout()),
         )?;
         if r.status == 404 {
             bail!(
@@ -378,7 +407,7 @@ impl VllmEngine {
     }
 
     fn resume(&self) -> Result<()> {
-        let r = self.call("POST", "/resume", None, Limits::timeout(RPC_TIMEOUT))?;
+        let r = self.call("POST", "/resume", None, Limits::timeout(self.rpc_timeout()))?;
         if !r.ok() {
             bail!("vLLM did not resume ({}): {}", r.status, r.body.trim());
         }
@@ -422,6 +451,10 @@ impl VllmEngine {
         if host_arg(&line).is_none() {
             // vLLM listens on every interface by default: not its unauthenticated dev routes.
             line.push_str(&format!(" --host {}", host_of(&self.settings.addr)));
+        }
+        if flag_value(&line, "--generation-config").is_none() {
+            line.push(' ');
+            line.push_str(NEUTRAL_GENERATION_CONFIG);
         }
         let log = std::fs::File::create(self.dir.join("vllm.log")).context("create vllm.log")?;
         let err = log.try_clone().context("vllm.log")?;
@@ -576,7 +609,7 @@ impl VllmEngine {
             "POST",
             "/pause?mode=wait",
             None,
-            Limits::timeout(RPC_TIMEOUT),
+            Limits::timeout(self.rpc_timeout()),
         )?;
         if !r.ok() {
             bail!("vLLM refused to pause ({}): {}", r.status, r.body.trim());
@@ -672,7 +705,7 @@ impl VllmEngine {
             "POST",
             "/pause?mode=wait",
             None,
-            Limits::timeout(RPC_TIMEOUT),
+            Limits::timeout(self.rpc_timeout()),
         )?;
         if !r.ok() {
             bail!("vLLM refused to pause ({}): {}", r.status, r.body.trim());
@@ -741,7 +774,7 @@ impl VllmEngine {
         let s = &job.sampling;
         let greedy = s.temperature == 0.0;
         let n = if greedy { 1 } else { job.n };
-        let mut body = json!({
+        let body = json!({
             "model": served,
             "prompt": job.prompt,
             "n": n,
@@ -754,10 +787,15 @@ impl VllmEngine {
             // Stop only on the job's stop tokens, as the built-in engine does.
             "ignore_eos": true,
             "stop_token_ids": s.stop_token_ids,
+            // Every sampling parameter, neutral where the job has none: a parameter left out
+            // takes the model's `generation_config.json` value on a server started without
+            // `--generation-config vllm` (an attached one, `--vllm-url`).
+            "top_k": s.top_k,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
         });
-        if s.top_k > 0 {
-            body["top_k"] = json!(s.top_k);
-        }
         let started = Instant::now();
         let limits =
             Limits::timeout(GENERATE_TIMEOUT).body_limit(completion_limit(n, s.max_new_tokens));
@@ -1062,6 +1100,15 @@ mod tests {
         assert_eq!(host_arg("vllm serve --host=::1"), Some("::1"));
         assert_eq!(host_arg("vllm serve --hostname x --port 1"), None);
         assert_eq!(host_arg("vllm serve --host"), None);
+        assert_eq!(host_arg("vllm serve --host-x=1"), None);
+        assert_eq!(
+            flag_value("vllm serve --generation-config=auto", "--generation-config"),
+            Some("auto")
+        );
+        assert_eq!(
+            flag_value("vllm serve --generation-config-x 1", "--generation-config"),
+            None
+        );
     }
 
     fn settings(addr: &str, cmd: Option<&str>, allow_remote: bool) -> VllmSettings {

@@ -79,6 +79,8 @@ impl VllmServer {
             ])
             .args(["--max-num-seqs", &setup.max_num_seqs.to_string()])
             .args(["--seed", "0", "--logprobs-mode", "processed_logprobs"])
+            // Sampling as the job says, not as the model's generation_config.json would.
+            .args(["--generation-config", "vllm"])
             .args([
                 "--worker-extension-cls",
                 "starling_vllm.extension.StarlingWorkerExtension",

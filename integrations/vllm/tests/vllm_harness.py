@@ -150,6 +150,8 @@ class Server:
             "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs), "--seed", "0",
             # Log-probabilities after the temperature, as Starling defines them (docs/vllm.md).
             "--logprobs-mode", "processed_logprobs",
+            # Sampling as the request says, not as the model's generation_config.json would.
+            "--generation-config", "vllm",
         ]
         if not tokenizer:
             cmd += ["--skip-tokenizer-init"]

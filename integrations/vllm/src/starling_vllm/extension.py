@@ -94,7 +94,14 @@ def confined(path: str) -> str:
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:
-    return t.detach().contiguous().reshape(-1).view(torch.int16).numpy().view(np.uint16)
+    """The tensor's BF16 bits, read on the host (a GPU parameter is copied; a CPU one is not)."""
+    return t.detach().contiguous().reshape(-1).view(torch.int16).cpu().numpy().view(np.uint16)
+
+
+def _beside(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``t`` (read from a patch, on the host) on ``param``'s device, where writing into
+    ``param`` needs it; the same tensor where they already share one (CPU)."""
+    return t if t.device == param.device else t.to(param.device, non_blocking=False)
 
 
 class StarlingWorkerExtension:
@@ -283,7 +290,8 @@ class StarlingWorkerExtension:
             key = dg.DigestKey(p.model_id)
             old_sum = 0
             for c in p.changes:
-                old = layout[c.name].view().reshape(-1)[c.indices]
+                flat = layout[c.name].view().reshape(-1)
+                old = flat[_beside(c.indices, flat)]
                 old_sum += dg.tensor_sum(key, c.name, _bits(old), c.indices.numpy())
             t1 = time.perf_counter()
             wrote = True
@@ -299,14 +307,16 @@ class StarlingWorkerExtension:
                     slot = layout[c.name]
                     # a view into the parameter's storage (rows of a contiguous tensor); the
                     # read-back below would catch a copy
-                    slot.view().reshape(-1).index_copy_(0, c.indices, c.values)
+                    dst = slot.view().reshape(-1)
+                    dst.index_copy_(0, _beside(c.indices, dst), _beside(c.values, dst))
                     loaded.add(slot.param_name)
             t2 = time.perf_counter()
             repacked = self._repack(loaded)
             t3 = time.perf_counter()
             new_sum = 0
             for c in p.changes:
-                got = layout[c.name].view().reshape(-1)[c.indices]
+                flat = layout[c.name].view().reshape(-1)
+                got = flat[_beside(c.indices, flat)].cpu()
                 if not torch.equal(got.view(torch.int16), c.values.view(torch.int16)):
                     raise RuntimeError(f"{c.name} does not read back the values just written")
                 new_sum += dg.tensor_sum(key, c.name, _bits(got), c.indices.numpy())
@@ -418,7 +428,7 @@ class StarlingWorkerExtension:
             unknown = [n for n in names if n not in layout]
             if unknown:
                 raise Refused(f"this vLLM model has no tensors {unknown}")
-            tensors = {n: layout[n].view().detach().clone().contiguous() for n in names}
+            tensors = {n: layout[n].view().detach().contiguous().cpu().clone() for n in names}
             tmp = f"{out_path}.tmp.{os.getpid()}"
             save_file(tensors, tmp, metadata={"version": str(self._st()["version"])})
             os.replace(tmp, out_path)
