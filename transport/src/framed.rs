@@ -202,12 +202,65 @@ impl StreamFrame {
     }
 }
 
+/// The bytes of delta frames a receiver holds before its core has them, shared by every data
+/// stream of one subscription. A frame takes its whole size from the budget as soon as its
+/// header says how large it is, before its body is read, and gives it back when the core
+/// has the frame (whose own bound on what it holds then takes over). A stream whose frame
+/// does not fit waits unread, so QUIC's flow control holds its sender back: a source that
+/// opens hundreds of streams, each with a frame declared large and never finished, pins at
+/// most this much, not hundreds of frames' worth.
+#[derive(Debug, Clone)]
+pub struct ReadBudget {
+    bytes: std::sync::Arc<tokio::sync::Semaphore>,
+    capacity: u32,
+}
+
+/// Bytes of one frame taken from a [`ReadBudget`]; given back when dropped.
+#[derive(Debug)]
+pub struct BudgetHeld(#[allow(dead_code)] tokio::sync::OwnedSemaphorePermit);
+
+impl ReadBudget {
+    /// The budget of a subscription: twice the largest frame, so that the largest one fits
+    /// beside the segments of the other stripes.
+    pub const DEFAULT_BYTES: usize = 2 * MAX_FRAME_BYTES;
+
+    /// A budget of `bytes` (at most 4 GiB). A frame larger than the whole budget takes all
+    /// of it, so that it can still be read.
+    pub fn new(bytes: usize) -> Self {
+        let capacity = u32::try_from(bytes.max(1)).unwrap_or(u32::MAX);
+        Self {
+            bytes: std::sync::Arc::new(tokio::sync::Semaphore::new(capacity as usize)),
+            capacity,
+        }
+    }
+
+    /// Bytes not taken now.
+    pub fn available(&self) -> usize {
+        self.bytes.available_permits()
+    }
+
+    async fn take(&self, bytes: usize) -> BudgetHeld {
+        let n = u32::try_from(bytes).unwrap_or(u32::MAX).min(self.capacity);
+        match self.bytes.clone().acquire_many_owned(n).await {
+            Ok(p) => BudgetHeld(p),
+            // The semaphore is never closed, only dropped with the last handle.
+            Err(_) => unreachable!("a read budget is never closed"),
+        }
+    }
+}
+
+/// The largest frame a stream may carry, header and hash included.
+const MAX_FRAME_BYTES: usize = starling_proto::delta::container::MAX_MANIFEST_BODY + 1024;
+
 /// Reads one control message and then delta frames from a data stream (a version's
 /// stream starts with an `Announce` and carries that version's `.sdc` frames).
 #[derive(Debug)]
 pub struct DataStreamReader {
     recv: RecvStream,
     buf: Vec<u8>,
+    budget: Option<ReadBudget>,
+    /// What the frame being read took from `budget`.
+    held: Option<BudgetHeld>,
 }
 
 impl DataStreamReader {
@@ -215,7 +268,23 @@ impl DataStreamReader {
         Self {
             recv,
             buf: Vec::new(),
+            budget: None,
+            held: None,
         }
+    }
+
+    /// A reader whose frames take their bytes from `budget` before their bodies are read
+    /// ([`DataStreamReader::budgeted_frame`]).
+    pub fn within(recv: RecvStream, budget: ReadBudget) -> Self {
+        Self {
+            budget: Some(budget),
+            ..Self::new(recv)
+        }
+    }
+
+    /// Bytes read from the stream and not yet handed out.
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
     }
 
     /// Reads more bytes; `false` at the end of the stream.
@@ -259,6 +328,14 @@ impl DataStreamReader {
 
     /// The next verified frame, or `None` at a clean end of the stream.
     pub async fn frame(&mut self) -> Result<Option<StreamFrame>, FramedError> {
+        Ok(self.budgeted_frame().await?.map(|(frame, _)| frame))
+    }
+
+    /// As [`DataStreamReader::frame`], with what the frame took from the reader's budget
+    /// (none for a reader without one): keep it until the frame is counted elsewhere.
+    pub async fn budgeted_frame(
+        &mut self,
+    ) -> Result<Option<(StreamFrame, Option<BudgetHeld>)>, FramedError> {
         use starling_proto::delta::container::{
             FRAME_HASH_LEN, FRAME_HEADER_LEN, frame_hash, parse_frame_header,
         };
@@ -267,6 +344,13 @@ impl DataStreamReader {
                 let mut h = [0u8; FRAME_HEADER_LEN];
                 h.copy_from_slice(&self.buf[..FRAME_HEADER_LEN]);
                 let (kind, total) = parse_frame_header(&h)?;
+                if self.held.is_none()
+                    && let Some(budget) = &self.budget
+                {
+                    // Before the body is read: a frame that does not fit leaves its stream
+                    // unread until earlier frames are handed on.
+                    self.held = Some(budget.take(total).await);
+                }
                 if self.buf.len() >= total {
                     let rest = self.buf.split_off(total);
                     let bytes = std::mem::replace(&mut self.buf, rest);
@@ -277,7 +361,7 @@ impl DataStreamReader {
                             what: "streamed frame",
                         }));
                     }
-                    return Ok(Some(StreamFrame { kind, bytes, hash }));
+                    return Ok(Some((StreamFrame { kind, bytes, hash }, self.held.take())));
                 }
             }
             if !self.fill().await? {

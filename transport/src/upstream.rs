@@ -18,7 +18,9 @@ use tokio::sync::mpsc;
 use tokio::task::JoinSet;
 
 use crate::endpoint::{EndpointError, connect_with};
-use crate::framed::{DataStreamReader, FramedError, MessageReader, StreamFrame, send};
+use crate::framed::{
+    BudgetHeld, DataStreamReader, FramedError, MessageReader, ReadBudget, StreamFrame, send,
+};
 use crate::identity::Role;
 use crate::reception::FrameInfo;
 
@@ -41,6 +43,9 @@ pub enum UpstreamEvent {
         transmission: u32,
         info: FrameInfo,
         frame: StreamFrame,
+        /// Its bytes in the subscription's [`ReadBudget`], given back once the receiving
+        /// core counts them.
+        held: Option<BudgetHeld>,
     },
     /// A frame whose hash checked but whose content is not of the announced delta (or does not
     /// parse): dropped, not delivered.
@@ -154,12 +159,14 @@ impl Upstream {
         };
         let data_conn = self.conn.clone();
         let data_tx = self.tx.clone();
+        // What the subscription's streams may hold of frames before the core has them.
+        let budget = ReadBudget::new(ReadBudget::DEFAULT_BYTES);
         self.readers.spawn(async move {
             // Each data stream's reader is owned by this task, so by the subscription.
             let mut streams = JoinSet::new();
             while let Ok(recv) = data_conn.accept_uni().await {
                 while streams.try_join_next().is_some() {}
-                streams.spawn(read_data_stream(recv, data_tx.clone()));
+                streams.spawn(read_data_stream(recv, budget.clone(), data_tx.clone()));
             }
             while streams.join_next().await.is_some() {}
         });
@@ -216,8 +223,12 @@ pub async fn probe(
 }
 
 /// Turns one data stream into events: its start, each verified frame, its end.
-async fn read_data_stream(recv: quinn::RecvStream, ev: mpsc::Sender<UpstreamEvent>) {
-    let mut r = DataStreamReader::new(recv);
+async fn read_data_stream(
+    recv: quinn::RecvStream,
+    budget: ReadBudget,
+    ev: mpsc::Sender<UpstreamEvent>,
+) {
+    let mut r = DataStreamReader::within(recv, budget);
     let (version, base, delta_id, transmission, stripes) = match r.message().await {
         Ok(Message::Announce {
             version,
@@ -244,8 +255,8 @@ async fn read_data_stream(recv: quinn::RecvStream, ev: mpsc::Sender<UpstreamEven
         return;
     }
     let error = loop {
-        match r.frame().await {
-            Ok(Some(frame)) => {
+        match r.budgeted_frame().await {
+            Ok(Some((frame, held))) => {
                 let f = match FrameInfo::parse(frame.kind, frame.body(), delta_id) {
                     Ok(info) => UpstreamEvent::Frame {
                         version,
@@ -253,6 +264,7 @@ async fn read_data_stream(recv: quinn::RecvStream, ev: mpsc::Sender<UpstreamEven
                         transmission,
                         info,
                         frame,
+                        held,
                     },
                     Err(e) => UpstreamEvent::BadFrame {
                         version,
@@ -568,6 +580,7 @@ impl Feed {
                 transmission,
                 info,
                 frame,
+                held: _,
             } => {
                 let bytes = frame.bytes.len() as u64;
                 self.metrics.received(&name, bytes, 1);
