@@ -102,6 +102,23 @@ pub(crate) async fn serve_worker(
     label: String,
 ) -> Result<()> {
     let actor = ActorId::new(name.clone()).context("actor name")?;
+    let too_long = [("region", &region), ("engine and hardware label", &label)]
+        .into_iter()
+        .find(|(_, v)| v.len() > starling_ledger::MAX_LABEL);
+    if let Some((what, v)) = too_long {
+        // Said to the actor, which would otherwise reconnect and fail to register for ever.
+        let refuse = Message::Refuse {
+            reason: RefuseReason::Protocol,
+            detail: format!(
+                "its {what} is {} bytes; the ledger keeps at most {}",
+                v.len(),
+                starling_ledger::MAX_LABEL
+            ),
+        };
+        send(&mut tx, &refuse).await?;
+        let _ = tx.finish();
+        return Ok(());
+    }
     let Some((slot, alone)) = cx.connections.open(&name) else {
         cx.metrics.worker_refused("connections");
         let detail = format!(

@@ -108,7 +108,8 @@ pub struct Ledger {
     config: LedgerConfig,
 }
 
-const MAX_LABEL: usize = 256;
+/// The longest region or hardware label an actor registers with (bytes).
+pub const MAX_LABEL: usize = 256;
 
 /// The staleness bound of a batch posted without one: SparrowRL's one-step lag.
 pub const DEFAULT_MAX_STALENESS: u64 = 1;

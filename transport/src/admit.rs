@@ -7,7 +7,7 @@
 
 use quinn::{Connection, SendStream};
 use starling_proto::protocol::msg::{
-    MIN_PEER_PROTOCOL, Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole,
+    MAX_MESSAGE_BODY, MIN_PEER_PROTOCOL, Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole,
 };
 use thiserror::Error;
 
@@ -40,7 +40,16 @@ pub enum AdmitError {
     Framed(#[from] FramedError),
     #[error("the first message was not Hello")]
     NoHello,
+    #[error("no Hello within {} s of the connection", HELLO_TIMEOUT.as_secs())]
+    Timeout,
 }
+
+/// A peer says `Hello` within this of its connection, or the connection is closed: what it
+/// holds open before it is admitted is bounded in time.
+pub const HELLO_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// The largest message read before a peer is admitted (a `Hello` is well under 8 KiB); the
+/// limit rises to `MAX_MESSAGE_BODY` once it is.
+pub const HELLO_LIMIT: usize = 64 << 10;
 
 /// Runs admission on a freshly accepted connection. `Ok(None)` means the peer was refused
 /// (and told why).
@@ -51,8 +60,15 @@ pub async fn admit(
     serves: &[MsgRole],
     latest: u64,
 ) -> Result<Option<Admitted>, AdmitError> {
-    let (mut control, rx) = conn.accept_bi().await?;
-    let mut reader = MessageReader::new(rx);
+    let hello = tokio::time::timeout(HELLO_TIMEOUT, async {
+        let (control, rx) = conn.accept_bi().await?;
+        let mut reader = MessageReader::with_limit(rx, HELLO_LIMIT);
+        let hello = reader.next().await?;
+        Ok::<_, AdmitError>((control, reader, hello))
+    })
+    .await
+    .map_err(|_| AdmitError::Timeout)??;
+    let (mut control, mut reader, hello) = hello;
     let Some(Message::Hello {
         protocol,
         role,
@@ -61,7 +77,7 @@ pub async fn admit(
         model_id: theirs,
         link,
         ..
-    }) = reader.next().await?
+    }) = hello
     else {
         return Err(AdmitError::NoHello);
     };
@@ -109,6 +125,7 @@ pub async fn admit(
         let _ = control.finish();
         return Ok(None);
     }
+    reader.set_limit(MAX_MESSAGE_BODY);
     send(
         &mut control,
         &Message::Welcome {

@@ -32,14 +32,28 @@ pub async fn send(stream: &mut SendStream, m: &Message) -> Result<(), FramedErro
 pub struct MessageReader {
     recv: RecvStream,
     buf: Vec<u8>,
+    /// The most bytes one message may take here (at most [`MAX_MESSAGE_BODY`]).
+    limit: usize,
 }
 
 impl MessageReader {
     pub fn new(recv: RecvStream) -> Self {
+        Self::with_limit(recv, MAX_MESSAGE_BODY)
+    }
+
+    /// A reader that refuses any message over `limit` bytes before buffering more than that
+    /// (a server reads a peer's `Hello` this way, before it knows who the peer is).
+    pub fn with_limit(recv: RecvStream, limit: usize) -> Self {
         Self {
             recv,
             buf: Vec::new(),
+            limit: limit.min(MAX_MESSAGE_BODY),
         }
+    }
+
+    /// Raises or lowers the limit of [`MessageReader::with_limit`] for the messages after.
+    pub fn set_limit(&mut self, limit: usize) {
+        self.limit = limit.min(MAX_MESSAGE_BODY);
     }
 
     /// The next message, or `None` when the peer finished the stream between messages.
@@ -55,11 +69,11 @@ impl MessageReader {
                 Some(n) => {
                     self.buf.extend_from_slice(&chunk[..n]);
                     // check() bounds the declared length; this bounds what is buffered.
-                    if self.buf.len() > MAX_MESSAGE_BODY + 16 {
+                    if self.buf.len() > self.limit + 16 {
                         return Err(FramedError::Decode(DecodeError::TooLarge {
                             what: "buffered message",
                             value: self.buf.len() as u64,
-                            limit: MAX_MESSAGE_BODY as u64,
+                            limit: self.limit as u64,
                         }));
                     }
                 }

@@ -67,12 +67,14 @@ fn spawn_hub(creds: &Credentials) -> (SocketAddr, quinn::Endpoint) {
 
 /// A hub that runs the real admission on each connection and reports, for each peer it
 /// admitted, the protocol version admission says it speaks.
+/// Admission failures come back as their error's text, and the connection is closed as the
+/// hub closes it.
 fn spawn_admitting_hub(
     creds: &Credentials,
 ) -> (
     SocketAddr,
     quinn::Endpoint,
-    tokio::sync::mpsc::UnboundedReceiver<u16>,
+    tokio::sync::mpsc::UnboundedReceiver<Result<u16, String>>,
 ) {
     let ep =
         server_endpoint(creds, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN).expect("server");
@@ -84,8 +86,15 @@ fn spawn_admitting_hub(
             let tx = tx.clone();
             tokio::spawn(async move {
                 let Ok(conn) = incoming.await else { return };
-                if let Ok(Some(a)) = admit(&conn, "hub", "m", &[MsgRole::Actor], 41).await {
-                    let _ = tx.send(a.protocol);
+                match admit(&conn, "hub", "m", &[MsgRole::Actor], 41).await {
+                    Ok(Some(a)) => {
+                        let _ = tx.send(Ok(a.protocol));
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        let _ = tx.send(Err(starling_process::error_chain(&e)));
+                        conn.close(1u32.into(), b"error");
+                    }
                 }
                 let _ = conn.closed().await;
             });
@@ -300,7 +309,7 @@ async fn admission_takes_older_clients_down_to_the_floor_and_no_others() {
             .expect("in time");
         assert_eq!(
             seen,
-            Some(protocol),
+            Some(Ok(protocol)),
             "admission reports what the peer speaks"
         );
     }
@@ -327,6 +336,79 @@ async fn admission_takes_older_clients_down_to_the_floor_and_no_others() {
         }
     }
     assert!(admitted.try_recv().is_err(), "a refused peer was admitted");
+}
+
+/// Before a peer is admitted, what it can hold open is bounded: a `Hello` over the
+/// pre-admission limit ends the connection once that much is read, and a peer that says
+/// nothing is closed after the Hello timeout.
+#[tokio::test]
+async fn a_peer_not_yet_admitted_holds_little_for_little_time() {
+    use starling_transport::admit::{HELLO_LIMIT, HELLO_TIMEOUT};
+    let d = tempfile::tempdir().expect("tempdir");
+    let hub = cluster(&d.path().join("cluster"), "test");
+    issue(
+        &d.path().join("cluster"),
+        Role::Actor,
+        "a1",
+        &d.path().join("a1"),
+    )
+    .expect("issue a1");
+    let a1 = Credentials::load_peer(&d.path().join("a1")).expect("a1 creds");
+    let (addr, _server, mut admitted) = spawn_admitting_hub(&hub);
+    let client =
+        client_endpoint(&a1, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN).expect("client");
+
+    // Silent: opens nothing.
+    let silent = connect(&client, addr, Role::Hub, "hub")
+        .await
+        .expect("connect");
+    // Oversized: a Hello's type byte, a declared body of 8 MiB (within the protocol's limit,
+    // far over the pre-admission one), then 1 MiB of it.
+    let big = connect(&client, addr, Role::Hub, "hub")
+        .await
+        .expect("connect");
+    let (mut tx, _rx) = big.open_bi().await.expect("stream");
+    let mut hello = Vec::new();
+    hello_in("a1", PROTOCOL_VERSION).encode(&mut hello);
+    let mut raw = vec![hello[0]];
+    let mut n = 8u64 << 20;
+    while n >= 0x80 {
+        raw.push((n as u8) | 0x80);
+        n >>= 7;
+    }
+    raw.push(n as u8);
+    raw.extend(std::iter::repeat_n(0u8, 1 << 20));
+    let writer = tokio::spawn(async move {
+        let _ = tx.write_all(&raw).await;
+        tx
+    });
+
+    let t0 = std::time::Instant::now();
+    let mut errors = Vec::new();
+    while errors.len() < 2 {
+        let got = tokio::time::timeout(HELLO_TIMEOUT * 3, admitted.recv())
+            .await
+            .expect("both peers are let go in time")
+            .expect("the hub runs");
+        errors.push(got.expect_err("neither peer is admitted"));
+    }
+    assert!(
+        errors
+            .iter()
+            .any(|e| e.contains("buffered message") && e.contains(&HELLO_LIMIT.to_string())),
+        "{errors:?}"
+    );
+    assert!(
+        errors.iter().any(|e| e.contains("no Hello within")),
+        "{errors:?}"
+    );
+    assert!(t0.elapsed() >= HELLO_TIMEOUT - Duration::from_secs(1));
+    for conn in [silent, big] {
+        tokio::time::timeout(Duration::from_secs(5), conn.closed())
+            .await
+            .expect("the hub closed the connection");
+    }
+    writer.abort();
 }
 
 #[test]
