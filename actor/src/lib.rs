@@ -194,6 +194,7 @@ async fn follow_sources(
         quarantine,
         staging: Default::default(),
         staging_buffers: Default::default(),
+        engine_behind: false,
     };
     metrics.set_active(active);
     p.load_engine(None)?;

@@ -73,6 +73,10 @@ pub(crate) struct Pipeline<'a> {
     /// freed instead, whether the next staging gets that memory back or faults fresh pages in
     /// would be up to the allocator's policy for idle memory (`apply::StagingBuffers`).
     pub(crate) staging_buffers: Arc<StagingBuffers>,
+    /// The engine does not hold the active version: loading it failed after the version was
+    /// committed (a vLLM server down or restarting). The engine's fingerprint then does not
+    /// match, so the worker takes no work, and every tick tries to load it again.
+    pub(crate) engine_behind: bool,
 }
 
 impl Shell for Pipeline<'_> {
@@ -132,11 +136,13 @@ impl Shell for Pipeline<'_> {
 
     fn discard(&mut self, version: u64) {
         self.staging.remove(&version);
+        self.status.send_modify(|s| s.unstage(version));
     }
 
     /// Seals and commits `version` (the weights are untouched unless every check passed),
     /// journals it, loads it into the engine and reports it. A version that does not verify
-    /// is refused (`Some(false)`); a store or engine that fails stops the actor.
+    /// is refused (`Some(false)`) and no longer reported staged; a store that fails stops the
+    /// actor; an engine that fails to take the version is loaded again by the tick.
     async fn activate(
         &mut self,
         feed: &mut Feed,
@@ -164,6 +170,8 @@ impl Shell for Pipeline<'_> {
             Ok(c) => c,
             Err(e) => {
                 tracing::error!(version, "version refused: {e:#}");
+                // Not staged any more: the hub stops counting on it until it is here again.
+                self.status.send_modify(|s| s.unstage(version));
                 return Ok(Some(false));
             }
         };
@@ -173,7 +181,9 @@ impl Shell for Pipeline<'_> {
         self.metrics.set_active(version);
         let frames: Vec<&[u8]> = s.raw.iter().map(Vec::as_slice).collect();
         tokio::task::block_in_place(|| self.store.record(version, &frames, &self.state))?;
-        self.load_engine(Some(&written))?;
+        // The version is committed and journaled whatever the engine does: an engine that
+        // fails to take it is loaded again by the tick, not the end of the actor.
+        self.load_engine_or_retry(Some(&written));
         // The weights no longer need the undo log (nothing rolls a loaded version back).
         self.staging_buffers.recycle(written);
         println!("active {} {}", self.state.version(), self.state.digest());
@@ -214,21 +224,20 @@ impl Shell for Pipeline<'_> {
         feed.ping().await;
         // Blocking: a vLLM engine may ask its server to digest the model (`--vllm-verify-every`;
         // the check spaces itself at least 20× its own last duration).
-        let lost = self
-            .engine
-            .as_ref()
-            .is_some_and(|e| tokio::task::block_in_place(|| e.needs_reload()));
+        let lost = self.engine_behind
+            || self
+                .engine
+                .as_ref()
+                .is_some_and(|e| tokio::task::block_in_place(|| e.needs_reload()));
         if !lost {
             return;
         }
         let version = self.state.version();
         tracing::warn!(
             version,
-            "the engine lost its weights; loading the active version into it again"
+            "the engine does not hold the active version; loading it again"
         );
-        if let Err(e) = self.load_engine(None) {
-            tracing::error!("reloading the engine failed (retrying): {e:#}");
-        }
+        self.load_engine_or_retry(None);
     }
 
     fn pong(&mut self, rtt: Duration) {
@@ -295,10 +304,29 @@ impl<'a> Pipeline<'a> {
             VersionedWeights::new(&self.cfg.model_id, got.weights, seal.version, got.digest);
         self.staging.clear();
         self.metrics.set_active(seal.version);
-        self.load_engine(None)?;
+        // Restored once it is installed: the core and the store agree on the anchor whatever
+        // the engine does (a failed load is retried by the tick, as after an activation).
+        self.load_engine_or_retry(None);
         println!("restored anchor {}", seal.version);
         println!("active {} {}", self.state.version(), self.state.digest());
         Ok(())
+    }
+
+    /// [`Pipeline::load_engine`], and on failure the engine is behind until a tick loads
+    /// the active version into it ([`Pipeline::engine_behind`]).
+    fn load_engine_or_retry(&mut self, change: Option<&UndoLog>) {
+        match self.load_engine(change) {
+            Ok(()) => self.engine_behind = false,
+            Err(e) => {
+                tracing::error!(
+                    version = self.state.version(),
+                    "loading the active version into the engine failed; it takes no work \
+                     until a load succeeds (retried every {} s): {e:#}",
+                    TICK.as_secs()
+                );
+                self.engine_behind = true;
+            }
+        }
     }
 
     /// Loads the active version into the engine (at the job boundary: a generation call in

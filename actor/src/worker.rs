@@ -86,6 +86,11 @@ impl PipelineStatus {
         self.newest_staged = Some((version, starling_telemetry::unix_ms()));
     }
 
+    /// `version` is no longer staged (it failed its seal or commit, or was discarded).
+    pub fn unstage(&mut self, version: u64) {
+        self.staged = self.staged.filter(|&v| v != version);
+    }
+
     /// `version` with `digest` is active now; a staged version at or below it is no longer
     /// waiting.
     pub fn activate(&mut self, version: u64, digest: [u8; 16]) {
@@ -511,6 +516,25 @@ pub(crate) fn start(
 #[cfg(test)]
 mod tests {
     use super::PipelineStatus;
+
+    #[test]
+    fn a_version_that_fails_is_no_longer_reported_staged() {
+        let mut s = PipelineStatus::default();
+        s.stage(3);
+        s.unstage(2);
+        assert_eq!(
+            s.staged,
+            Some(3),
+            "another version's failure changes nothing"
+        );
+        s.unstage(3);
+        assert_eq!(s.staged, None);
+        assert_eq!(
+            s.newest_staged.map(|(v, _)| v),
+            Some(3),
+            "the stamp of when it was staged stays"
+        );
+    }
 
     #[test]
     fn activating_a_version_keeps_a_newer_staged_one_and_the_staging_time() {
