@@ -38,7 +38,14 @@ pub enum AnchorFileError {
     Mismatch { got: u64, sealed: u64 },
     #[error("the anchor writer thread failed")]
     Writer,
+    #[error("no anchor bytes for {secs} s ({got} of {sealed} bytes here)")]
+    Stalled { secs: f64, got: u64, sealed: u64 },
 }
+
+/// An anchor whose sender sends nothing for this long is given up (the source is left and
+/// another one asked): a connection kept alive with nothing on it would otherwise hold the
+/// receiver for good.
+pub const ANCHOR_STALL: std::time::Duration = std::time::Duration::from_secs(60);
 
 /// Receives the anchor sealed by `seal` from `stream` into `dest` (created or truncated),
 /// checks size and hash against the seal and syncs the file. On any error the partial file
@@ -48,7 +55,17 @@ pub async fn receive(
     stream: &mut DataStreamReader,
     dest: &Path,
 ) -> Result<(), AnchorFileError> {
-    let received = receive_inner(seal, stream, dest).await;
+    receive_within(seal, stream, dest, ANCHOR_STALL).await
+}
+
+/// As [`receive`], giving up after `stall` without a byte ([`ANCHOR_STALL`] there).
+pub async fn receive_within(
+    seal: &AnchorSeal,
+    stream: &mut DataStreamReader,
+    dest: &Path,
+    stall: std::time::Duration,
+) -> Result<(), AnchorFileError> {
+    let received = receive_inner(seal, stream, dest, stall).await;
     if received.is_err() {
         let _ = std::fs::remove_file(dest);
     }
@@ -59,6 +76,7 @@ async fn receive_inner(
     seal: &AnchorSeal,
     stream: &mut DataStreamReader,
     dest: &Path,
+    stall: std::time::Duration,
 ) -> Result<(), AnchorFileError> {
     let (tx, rx) = mpsc::channel::<Vec<u8>>(QUEUED_CHUNKS);
     let writer = {
@@ -68,7 +86,15 @@ async fn receive_inner(
     let mut size = 0u64;
     let mut failed = None;
     loop {
-        match stream.chunk().await {
+        let Ok(next) = tokio::time::timeout(stall, stream.chunk()).await else {
+            failed = Some(AnchorFileError::Stalled {
+                secs: stall.as_secs_f64(),
+                got: size,
+                sealed: seal.size,
+            });
+            break;
+        };
+        match next {
             Ok(Some(chunk)) => {
                 size += chunk.len() as u64;
                 if size > seal.size {

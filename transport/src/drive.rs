@@ -81,7 +81,7 @@ pub async fn run<S: Shell>(
 ) -> Result<(), S::Error> {
     let mut tick = shell.tick_every().map(tokio::time::interval);
     loop {
-        actions(core, feed, shell).await?;
+        actions(core, feed, shell, stop).await?;
         if core.is_stopped() {
             return Ok(());
         }
@@ -135,11 +135,14 @@ fn activation(version: u64, active: bool) -> Event<StreamFrame> {
     }
 }
 
-/// Runs the core's actions until it has none, feeding back what they led to.
+/// Runs the core's actions until it has none, feeding back what they led to. An anchor
+/// being restored when `stop` is cancelled is given up (a 140 GB download does not hold up a
+/// SIGTERM); the core then hears it failed, as it does of one that stalled.
 pub async fn actions<S: Shell>(
     core: &mut Follower<StreamFrame>,
     feed: &mut Feed,
     shell: &mut S,
+    stop: &CancellationToken,
 ) -> Result<(), S::Error> {
     while let Some(action) = core.poll_action() {
         let now = Instant::now;
@@ -194,7 +197,10 @@ pub async fn actions<S: Shell>(
             }
             Action::RestoreAnchor { conn, version } => {
                 let restored = match feed.take_anchor(conn) {
-                    Some((seal, stream)) => shell.restore(seal, stream).await,
+                    Some((seal, stream)) => tokio::select! {
+                        r = shell.restore(seal, stream) => r,
+                        () = stop.cancelled() => false,
+                    },
                     None => false,
                 };
                 let ev = if restored {
