@@ -13,7 +13,9 @@
 //!   manifest's signature by the trusted hub key) is verified, on a blocking thread, and
 //!   written to the disk cache (`.sdc` files) before the relay completes it, so `Commit`
 //!   reaches actors only for a version the relay vouches for; one that fails is aborted
-//!   downstream and fetched again. The hub is told (`Staged`).
+//!   downstream and fetched again. The hub is told (`Staged`). The disk cache is for
+//!   restarts and laggards, not for trust: a write that fails (a full disk) is logged and the
+//!   version is still served from memory, rather than holding up the region.
 //! - A lost hub connection (WAN outage, hub restart) is re-established with backoff; a
 //!   half-received version continues from the segments already here (`Resume`), so the
 //!   region's actors keep their subscription and simply see the rest arrive.
