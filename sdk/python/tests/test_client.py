@@ -288,6 +288,11 @@ def test_cancel(cluster):
     got = list(batch.results(wait_ms=1000, timeout=60))
     assert len(got) + cancelled <= 200
     assert len({r.group for r in got}) == len(got)
+    # The groups that yielded nothing are counted, and a strict reader is told.
+    assert batch.failures == {"cancelled": cancelled}, batch.failures
+    with pytest.raises(StarlingError) as e:
+        list(batch.results(after=0, wait_ms=1000, timeout=60, strict=True))
+    assert e.value.code == "groups_failed" and f"{cancelled} cancelled" in str(e.value), e.value
     with pytest.raises(StarlingError) as e:
         batch.cancel()
     print("cancelling a cancelled batch:", repr(e.value))

@@ -431,6 +431,8 @@ class Batch:
         self.samples = samples
         self.max_staleness = max_staleness
         self.cursor = 0
+        # Failed groups by reason, once :meth:`results` has run to the batch's end.
+        self.failures: Optional[Dict[str, int]] = None
 
     def __repr__(self) -> str:
         return f"Batch(id={self.id}, version={self.version}, groups={self.groups})"
@@ -449,12 +451,18 @@ class Batch:
         wait_ms: int = 10_000,
         limit: int = 64,
         timeout: Optional[float] = None,
+        strict: bool = False,
     ) -> Iterator[Rollout]:
         """Every accepted group after ``after`` (default: where this handle's iteration stopped),
         each exactly once in cursor order, until the batch is finished (done or cancelled) and
         nothing remains. Long-polls ``wait_ms`` at a time. ``timeout`` (seconds, default none)
         bounds the whole iteration: past it, ``StarlingError("timeout")`` is raised and the
-        iteration can be resumed with ``after=batch.cursor``."""
+        iteration can be resumed with ``after=batch.cursor``.
+
+        Groups that ended without a result (out of attempts, their reward service failed,
+        their result too large, the batch cancelled) yield nothing: at the end ``failures``
+        holds their counts by reason (only reasons with any), and with ``strict=True`` the
+        iteration ends by raising ``StarlingError("groups_failed")`` naming them."""
         cursor = self.cursor if after is None else int(after)
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -476,6 +484,14 @@ class Batch:
                 yield r
             cursor = max(cursor, page.cursor)
             if page.done:
+                failed = {k: v for k, v in self.status().failures.items() if v}
+                self.failures = failed
+                if strict and failed:
+                    said = ", ".join(f"{n} {reason}" for reason, n in sorted(failed.items()))
+                    raise StarlingError(
+                        "groups_failed",
+                        f"batch {self.id} finished with groups that delivered no result: {said}",
+                    )
                 return
 
     def collect(self, **kwargs: Any) -> List[Rollout]:

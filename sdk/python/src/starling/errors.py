@@ -30,7 +30,9 @@ class StarlingError(Exception):
     * ``bad_credentials``: the credentials directory has no readable, non-empty ``token``;
     * ``invalid_state_dict``, ``no_checkpoint_dir``: the SDK refused a ``publish`` before
       writing or sending anything; ``write_failed``: writing the checkpoint failed (nothing
-      was sent, no partial file is left).
+      was sent, no partial file is left);
+    * ``groups_failed``: ``Batch.results(strict=True)`` reached the end of a batch some of
+      whose groups delivered no result (the message counts them by reason).
 
     ``message`` is a sentence that says what to fix. ``status`` is ``None`` for every code the
     SDK raises itself.
