@@ -850,13 +850,27 @@ impl VllmEngine {
                     );
                 }
                 let len = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
+                let finish = match c["finish_reason"].as_str() {
+                    Some("length") => FinishReason::Length,
+                    Some("stop") => FinishReason::Stop,
+                    _ => FinishReason::Aborted,
+                };
+                if finish == FinishReason::Length && len < s.max_new_tokens {
+                    // vLLM shortens max_tokens to what its --max-model-len leaves after the
+                    // prompt, without a word: such a sample would train as if the model had
+                    // stopped there.
+                    bail!(
+                        "vLLM ended a sample at its length limit after {len} of the job's \
+                         {} new tokens: its --max-model-len is below the prompt's {} tokens \
+                         plus max_new_tokens; start vLLM with a --max-model-len of at least {}",
+                        s.max_new_tokens,
+                        job.prompt.len(),
+                        job.prompt.len() as u64 + u64::from(s.max_new_tokens)
+                    );
+                }
                 Ok(Sample {
                     spans: whole_span(fp.version, len),
-                    finish: match c["finish_reason"].as_str() {
-                        Some("length") => FinishReason::Length,
-                        Some("stop") => FinishReason::Stop,
-                        _ => FinishReason::Aborted,
-                    },
+                    finish,
                     // vLLM's completion answer has no per-sample timings: the call's share.
                     ttft_us: 0,
                     decode_us: u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX),
