@@ -329,6 +329,73 @@ impl Header {
     }
 }
 
+/// A GGUF file written in memory, for tests: metadata and F32 tensors.
+#[cfg(test)]
+pub(crate) fn write_test_file(metadata: &[(&str, Value)], tensors: &[(&str, Vec<u64>)]) -> Vec<u8> {
+    fn string(b: &mut Vec<u8>, s: &str) {
+        b.extend((s.len() as u64).to_le_bytes());
+        b.extend(s.as_bytes());
+    }
+    fn kind(v: &Value) -> u32 {
+        match v {
+            Value::U64(_) => 10,
+            Value::I64(_) => 11,
+            Value::F64(_) => 12,
+            Value::Bool(_) => 7,
+            Value::String(_) => 8,
+            Value::Array(_) => 9,
+        }
+    }
+    fn value(b: &mut Vec<u8>, v: &Value) {
+        match v {
+            Value::U64(x) => b.extend(x.to_le_bytes()),
+            Value::I64(x) => b.extend(x.to_le_bytes()),
+            Value::F64(x) => b.extend(x.to_le_bytes()),
+            Value::Bool(x) => b.push(u8::from(*x)),
+            Value::String(x) => string(b, x),
+            Value::Array(a) => {
+                b.extend(a.first().map_or(8, kind).to_le_bytes());
+                b.extend((a.len() as u64).to_le_bytes());
+                for x in a {
+                    value(b, x);
+                }
+            }
+        }
+    }
+    let mut b = Vec::new();
+    b.extend(MAGIC.to_le_bytes());
+    b.extend(3u32.to_le_bytes());
+    b.extend((tensors.len() as u64).to_le_bytes());
+    b.extend((metadata.len() as u64).to_le_bytes());
+    for (k, v) in metadata {
+        string(&mut b, k);
+        b.extend(kind(v).to_le_bytes());
+        value(&mut b, v);
+    }
+    let mut offset = 0u64;
+    for (name, dims) in tensors {
+        string(&mut b, name);
+        b.extend((dims.len() as u32).to_le_bytes());
+        for d in dims {
+            b.extend(d.to_le_bytes());
+        }
+        b.extend(GgmlType::F32.0.to_le_bytes());
+        b.extend(offset.to_le_bytes());
+        offset += (dims.iter().product::<u64>() * 4).div_ceil(32) * 32;
+    }
+    b.resize(b.len().div_ceil(32) * 32, 0);
+    let mut x = 0.0f32;
+    for (_, dims) in tensors {
+        let n = dims.iter().product::<u64>();
+        for _ in 0..n {
+            x += 0.25;
+            b.extend(x.to_le_bytes());
+        }
+        b.resize(b.len().div_ceil(32) * 32, 0);
+    }
+    b
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

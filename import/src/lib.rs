@@ -13,7 +13,12 @@
 //! - `tokenizer.json` and `tokenizer_config.json` with the chat template ([`tokenizer`]).
 //!
 //! The result equals transformers' own GGUF load cast to BF16 bit for bit, and its tokenizer
-//! encodes as transformers' GGUF tokenizer does (`integrations/vllm/tests/test_model.py`).
+//! encodes as transformers' GGUF tokenizer does (`integrations/vllm/tests/test_model.py`),
+//! except that it splits text as `tokenizer.ggml.pre` says, which transformers ignores.
+//!
+//! What the importer cannot write faithfully it refuses, naming it, rather than write a model
+//! that differs from the original: an unknown `tokenizer.ggml.pre` ([`tokenizer`]) and
+//! llama.cpp's `rope_freqs.weight` (Llama 3.1-style RoPE scaling, [`llama`]).
 //!
 //! Memory is bounded by the largest tensor: the header is parsed from a buffered reader, and
 //! tensors are read, converted and streamed into the safetensors writer one at a time. The
@@ -111,10 +116,9 @@ pub fn import_gguf(gguf: &Path, out: &Path) -> Result<ImportReport, ImportError>
     // Plan: every GGUF tensor to its HF name, checked against the config, none missing.
     let mut plan = Vec::new();
     for t in &header.tensors {
-        if let Some((hf, order)) = llama::hf_name(&t.name, &params)? {
-            llama::check_shape(t, &hf, &shapes)?;
-            plan.push((hf, order, t));
-        }
+        let (hf, order) = llama::hf_name(&t.name, &params)?;
+        llama::check_shape(t, &hf, &shapes)?;
+        plan.push((hf, order, t));
     }
     plan.sort_by(|a, b| a.0.cmp(&b.0));
     for (name, _) in &shapes {
@@ -217,4 +221,117 @@ fn write_dir(
     let p = dir.join("tokenizer.json");
     std::fs::write(&p, &tok.tokenizer_json).map_err(io("write", &p))?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use gguf::Value;
+
+    /// A one-layer Llama (hidden 4, 2 query heads over 1 KV head, 4 tokens) as a GGUF file
+    /// with F32 tensors, plus `extra` tensors, splitting text as `pre` says.
+    fn tiny_llama(dir: &Path, pre: Option<&str>, extra: &[(&str, Vec<u64>)]) -> PathBuf {
+        let s = |x: &str| Value::String(x.to_owned());
+        let mut meta = vec![
+            ("general.architecture", s("llama")),
+            ("llama.block_count", Value::U64(1)),
+            ("llama.context_length", Value::U64(16)),
+            ("llama.embedding_length", Value::U64(4)),
+            ("llama.feed_forward_length", Value::U64(8)),
+            ("llama.attention.head_count", Value::U64(2)),
+            ("llama.attention.head_count_kv", Value::U64(1)),
+            ("tokenizer.ggml.model", s("gpt2")),
+            (
+                "tokenizer.ggml.tokens",
+                Value::Array(["a", "Ġ", "ĠĠ", "1"].map(s).to_vec()),
+            ),
+            ("tokenizer.ggml.merges", Value::Array(vec![s("Ġ Ġ")])),
+        ];
+        if let Some(p) = pre {
+            meta.push(("tokenizer.ggml.pre", s(p)));
+        }
+        let mut tensors = vec![
+            ("token_embd.weight", vec![4, 4]),
+            ("output_norm.weight", vec![4]),
+            ("blk.0.attn_norm.weight", vec![4]),
+            ("blk.0.attn_q.weight", vec![4, 4]),
+            ("blk.0.attn_k.weight", vec![4, 2]),
+            ("blk.0.attn_v.weight", vec![4, 2]),
+            ("blk.0.attn_output.weight", vec![4, 4]),
+            ("blk.0.ffn_norm.weight", vec![4]),
+            ("blk.0.ffn_gate.weight", vec![4, 8]),
+            ("blk.0.ffn_up.weight", vec![4, 8]),
+            ("blk.0.ffn_down.weight", vec![8, 4]),
+        ];
+        tensors.extend(extra.iter().cloned());
+        let p = dir.join("tiny.gguf");
+        std::fs::write(&p, gguf::write_test_file(&meta, &tensors)).expect("write");
+        p
+    }
+
+    fn encode(dir: &Path, text: &str) -> Vec<u32> {
+        let t = tokenizers::Tokenizer::from_file(dir.join("tokenizer.json")).expect("loads");
+        t.encode(text, false).expect("encodes").get_ids().to_vec()
+    }
+
+    #[test]
+    fn a_tiny_llama_imports_and_its_tokenizer_splits_as_tokenizer_ggml_pre_says() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let smollm = d.path().join("smollm");
+        let r = import_gguf(&tiny_llama(d.path(), Some("smollm"), &[]), &smollm).expect("imports");
+        assert_eq!((r.tensors, r.params.rope_scaling), (11, None));
+        // "smollm" isolates every digit first: "a  1" splits as "a", "  ", "1", and the two
+        // spaces merge; GPT-2's regex alone splits "a", " ", " 1" and they cannot.
+        assert_eq!(encode(&smollm, "a  1"), vec![0, 2, 3]);
+        assert_eq!(encode(&smollm, "a 1"), vec![0, 1, 3]);
+        let gpt2 = d.path().join("gpt2");
+        import_gguf(&tiny_llama(d.path(), Some("gpt2"), &[]), &gpt2).expect("imports");
+        assert_eq!(encode(&gpt2, "a  1"), vec![0, 1, 1, 3]);
+        assert_eq!(encode(&gpt2, "a 1"), vec![0, 1, 3]);
+    }
+
+    #[test]
+    fn rope_freqs_and_unknown_pre_tokenizations_are_refused_and_nothing_is_written() {
+        let d = tempfile::tempdir().expect("tempdir");
+        let out = d.path().join("out");
+        let refused = |gguf: PathBuf| {
+            let e = import_gguf(&gguf, &out).expect_err("refused");
+            assert!(!out.exists(), "nothing is written");
+            e
+        };
+        let e = refused(tiny_llama(
+            d.path(),
+            Some("smollm"),
+            &[("rope_freqs.weight", vec![1])],
+        ));
+        assert!(
+            matches!(e, ImportError::Model(LlamaError::RopeFreqs)),
+            "{e}"
+        );
+        let said = e.to_string();
+        assert!(
+            said.contains("rope_freqs") && said.contains("Hugging Face checkpoint"),
+            "{said}"
+        );
+
+        let e = refused(tiny_llama(d.path(), Some("llama-bpe"), &[]));
+        assert!(
+            matches!(&e, ImportError::Tokenizer(tokenizer::TokenizerBuildError::PreTokenizer(p)) if p == "llama-bpe"),
+            "{e}"
+        );
+        let said = e.to_string();
+        assert!(
+            said.contains("\"llama-bpe\"") && said.contains("\"gpt2\" and \"smollm\""),
+            "{said}"
+        );
+
+        let e = refused(tiny_llama(d.path(), None, &[]));
+        assert!(
+            matches!(
+                e,
+                ImportError::Tokenizer(tokenizer::TokenizerBuildError::NoPreTokenizer)
+            ),
+            "{e}"
+        );
+    }
 }

@@ -7,6 +7,14 @@
 //! transformers undoes the permutation when it loads a GGUF (`reverse_permute` in its GGUF
 //! loader): within each head of `head_dim` rows, GGUF row `2i + s` is Hugging Face row
 //! `s · head_dim/2 + i`. [`unpermute_rows`] does the same. Pure functions.
+//!
+//! RoPE scaling is carried over only where the metadata states it (`llama.rope.scaling.type`
+//! `linear`). llama.cpp stores Llama 3.1/3.2's `llama3` scaling as nothing but a tensor of
+//! per-frequency factors, `rope_freqs.weight`; `config.json`'s `rope_scaling` needs `factor`,
+//! `low_freq_factor`, `high_freq_factor` and `original_max_position_embeddings`, which those
+//! factors do not determine (only two ratios of them, and only where some frequency falls
+//! between the two thresholds). Dropping the tensor would write a model that silently differs
+//! from the original at long range, so a file carrying it is refused ([`LlamaError::RopeFreqs`]).
 
 use serde_json::{Value as Json, json};
 
@@ -29,6 +37,14 @@ pub enum LlamaError {
     },
     #[error("tensor {0} is missing")]
     Missing(String),
+    #[error(
+        "this GGUF carries rope_freqs.weight (llama.cpp's form of Llama 3.1-style \"llama3\" RoPE \
+         scaling), which the importer cannot express as config.json's rope_scaling (its factor, \
+         low/high frequency factors and original context are not recoverable from the tensor); \
+         dropping it would change the model at long range. Import from the Hugging Face \
+         checkpoint instead"
+    )]
+    RopeFreqs,
 }
 
 /// The hyper-parameters of a Llama, read from GGUF metadata.
@@ -128,6 +144,9 @@ impl LlamaParams {
                 ));
             }
         };
+        if h.tensor("rope_freqs.weight").is_some() {
+            return Err(LlamaError::RopeFreqs);
+        }
         let rope_theta = opt_f64(h, "llama.rope.freq_base")?.unwrap_or(10_000.0);
         let rope_scaling = match h.get("llama.rope.scaling.type").and_then(Value::as_str) {
             None | Some("none") => None,
@@ -254,17 +273,17 @@ pub enum RowOrder {
     },
 }
 
-/// The Hugging Face name of a GGUF tensor and how its rows are ordered; `None` for tensors
-/// transformers does not load (`rope_freqs.weight`: llama3 rope factors, which the config
-/// states instead).
-pub fn hf_name(gguf: &str, p: &LlamaParams) -> Result<Option<(String, RowOrder)>, LlamaError> {
+/// The Hugging Face name of a GGUF tensor and how its rows are ordered. `rope_freqs.weight`
+/// (llama3 RoPE factors, which `config.json` cannot be given from it) is refused, as
+/// [`LlamaParams::from_header`] refuses it.
+pub fn hf_name(gguf: &str, p: &LlamaParams) -> Result<(String, RowOrder), LlamaError> {
     let unknown = || LlamaError::UnknownTensor(gguf.to_owned());
-    let plain = |s: &str| Ok(Some((s.to_owned(), RowOrder::AsStored)));
+    let plain = |s: &str| Ok((s.to_owned(), RowOrder::AsStored));
     match gguf {
         "token_embd.weight" => return plain("model.embed_tokens.weight"),
         "output_norm.weight" => return plain("model.norm.weight"),
         "output.weight" => return plain("lm_head.weight"),
-        "rope_freqs.weight" => return Ok(None),
+        "rope_freqs.weight" => return Err(LlamaError::RopeFreqs),
         _ => {}
     }
     let rest = gguf.strip_prefix("blk.").ok_or_else(unknown)?;
@@ -295,7 +314,7 @@ pub fn hf_name(gguf: &str, p: &LlamaParams) -> Result<Option<(String, RowOrder)>
         "ffn_down.weight" => ("mlp.down_proj", RowOrder::AsStored),
         _ => return Err(unknown()),
     };
-    Ok(Some((format!("model.layers.{layer}.{hf}.weight"), order)))
+    Ok((format!("model.layers.{layer}.{hf}.weight"), order))
 }
 
 /// Reverses llama.cpp's rotary permutation of the rows of `w` (`rows × cols`, row-major,

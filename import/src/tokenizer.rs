@@ -11,6 +11,16 @@
 //! `Fuse`, `Replace("▁", " ")`, `ByteLevel`. A beginning-of-sequence token is prepended by a
 //! template post-processor only where the file says `tokenizer.ggml.add_bos_token = true`.
 //! A SentencePiece vocabulary (`"llama"`) is refused by name.
+//!
+//! How text is split before BPE differs between models, and GGUF names it in
+//! `tokenizer.ggml.pre` (llama.cpp picks its split regexes by that name). transformers'
+//! converter ignores the key and always uses GPT-2's regex; that is right for `"gpt2"` only.
+//! This importer follows the key, for the names whose splitting it builds exactly
+//! ([`PreTokenizer`]): `"gpt2"` (GPT-2's regex) and `"smollm"` (each digit alone, then GPT-2's
+//! regex: llama.cpp's `\p{N}` split, and the original SmolLM2 `tokenizer.json`'s `Digits`
+//! then `ByteLevel`). Any other name (`"llama-bpe"`, `"qwen2"`, …), or none, is refused: a
+//! tokenizer that splits differently from the model's own would encode prompts into ids the
+//! model was never trained on.
 
 use serde_json::{Value as Json, json};
 use tokenizers::decoders::DecoderWrapper;
@@ -19,7 +29,10 @@ use tokenizers::decoders::fuse::Fuse;
 use tokenizers::decoders::sequence::Sequence as DecoderSequence;
 use tokenizers::models::bpe::{BPE, Vocab};
 use tokenizers::normalizers::{NormalizerWrapper, Sequence as NormalizerSequence};
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::pre_tokenizers::digits::Digits;
+use tokenizers::pre_tokenizers::sequence::Sequence as PreTokenizerSequence;
 use tokenizers::processors::PostProcessorWrapper;
 use tokenizers::{AddedToken, Tokenizer};
 
@@ -35,10 +48,61 @@ pub enum TokenizerBuildError {
         "tokenizer.ggml.model is {0:?}; this importer builds GPT-2-style byte-level BPE (\"gpt2\") only"
     )]
     Model(String),
+    #[error(
+        "tokenizer.ggml.pre is {0:?}: this importer splits text before BPE as {known} only \
+         ({0:?} splits differently, and a tokenizer built otherwise would not encode as the \
+         model's own); import from the Hugging Face checkpoint instead",
+        known = PreTokenizer::KNOWN
+    )]
+    PreTokenizer(String),
+    #[error(
+        "tokenizer.ggml.pre is missing, so how the model splits text before BPE is unknown \
+         (this importer builds {known}); re-convert the model with a current llama.cpp or \
+         import from the Hugging Face checkpoint instead",
+        known = PreTokenizer::KNOWN
+    )]
+    NoPreTokenizer,
     #[error("metadata key {key}: {problem}")]
     Metadata { key: &'static str, problem: String },
     #[error("build the tokenizer: {0}")]
     Build(String),
+}
+
+/// The pre-tokenizations (`tokenizer.ggml.pre`) this importer builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PreTokenizer {
+    /// `"gpt2"`: GPT-2's split regex (`ByteLevel` with its regex).
+    Gpt2,
+    /// `"smollm"`: every number character alone (`Digits`, individual), then GPT-2's regex.
+    SmolLm,
+}
+
+impl PreTokenizer {
+    const KNOWN: &'static str = "\"gpt2\" and \"smollm\"";
+
+    /// The pre-tokenization the GGUF names in `tokenizer.ggml.pre`.
+    pub fn from_header(h: &Header) -> Result<Self, TokenizerBuildError> {
+        let key = "tokenizer.ggml.pre";
+        match h.get(key) {
+            None => Err(TokenizerBuildError::NoPreTokenizer),
+            Some(v) => match v.as_str().ok_or_else(|| meta(key, "not a string"))? {
+                "gpt2" => Ok(Self::Gpt2),
+                "smollm" => Ok(Self::SmolLm),
+                other => Err(TokenizerBuildError::PreTokenizer(other.to_owned())),
+            },
+        }
+    }
+
+    fn build(self) -> PreTokenizerWrapper {
+        let byte_level = PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, false, true));
+        match self {
+            Self::Gpt2 => byte_level,
+            Self::SmolLm => PreTokenizerWrapper::Sequence(PreTokenizerSequence::new(vec![
+                PreTokenizerWrapper::Digits(Digits::new(true)),
+                byte_level,
+            ])),
+        }
+    }
 }
 
 fn meta(key: &'static str, problem: impl Into<String>) -> TokenizerBuildError {
@@ -77,6 +141,7 @@ pub fn build(h: &Header, context: u64) -> Result<TokenizerFiles, TokenizerBuildE
     if model != "gpt2" {
         return Err(TokenizerBuildError::Model(model.to_owned()));
     }
+    let pre = PreTokenizer::from_header(h)?;
     let tokens = strings(h, "tokenizer.ggml.tokens")?;
     let merges = strings(h, "tokenizer.ggml.merges")?;
     let types: Vec<u64> = match h.get("tokenizer.ggml.token_type") {
@@ -121,7 +186,7 @@ pub fn build(h: &Header, context: u64) -> Result<TokenizerFiles, TokenizerBuildE
         vec![],
     ))))
     .map_err(|e| TokenizerBuildError::Build(e.to_string()))?;
-    tok.with_pre_tokenizer(Some(ByteLevel::new(false, false, true)));
+    tok.with_pre_tokenizer(Some(pre.build()));
     let replace = tokenizers::decoders::DecoderWrapper::Replace(
         tokenizers::normalizers::replace::Replace::new("▁", " ")
             .map_err(|e| TokenizerBuildError::Build(e.to_string()))?,

@@ -37,6 +37,8 @@ pub enum TextError {
     Json { path: PathBuf, reason: String },
     #[error("{0}")]
     Template(#[from] TemplateError),
+    #[error("the chat template in {path} does not compile: {reason}")]
+    TemplateCompile { path: PathBuf, reason: String },
     #[error("this model has no chat template: give the prompt as text or token ids")]
     NoTemplate,
     #[error("message {index} has role {role:?}; this model's template takes {known}")]
@@ -143,11 +145,11 @@ impl ModelText {
             _ => None,
         };
         let source = match source {
-            Some(s) => Some(s),
+            Some(s) => Some((s, tc_path)),
             None => {
                 let p = dir.join("chat_template.jinja");
                 match std::fs::read_to_string(&p) {
-                    Ok(s) => Some(s),
+                    Ok(s) => Some((s, p)),
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
                     Err(e) => {
                         return Err(TextError::Json {
@@ -171,7 +173,12 @@ impl ModelText {
         .filter_map(|k| Some(((*k).to_owned(), token_text(tc.get(*k)?)?)))
         .collect();
         let template = source
-            .map(|s| ChatTemplate::new(&s, specials.clone()))
+            .map(|(s, path)| {
+                ChatTemplate::new(&s, specials.clone()).map_err(|e| match e {
+                    TemplateError::Compile(reason) => TextError::TemplateCompile { path, reason },
+                    other => TextError::Template(other),
+                })
+            })
             .transpose()?;
         let mut eos = Vec::new();
         for file in ["generation_config.json", "config.json"] {

@@ -55,9 +55,9 @@ fn python_methods_specials_tojson_and_raise_exception() {
     ));
 }
 
-#[test]
-fn a_model_directory_renders_tokenizes_and_refuses_unknown_roles() {
-    // A tiny byte-level BPE tokenizer.json with <|im_start|>/<|im_end|> as special tokens.
+/// A tiny byte-level BPE tokenizer.json with <|im_start|>/<|im_end|> as special tokens in
+/// a new directory.
+fn tokenizer_dir() -> tempfile::TempDir {
     let d = tempfile::tempdir().expect("tempdir");
     let mut vocab = serde_json::Map::new();
     for (i, t) in ["<|im_start|>", "<|im_end|>"].iter().enumerate() {
@@ -93,6 +93,12 @@ fn a_model_directory_renders_tokenizes_and_refuses_unknown_roles() {
                   "ignore_merges": false, "vocab": vocab, "merges": []}
     });
     std::fs::write(d.path().join("tokenizer.json"), tok.to_string()).expect("write");
+    d
+}
+
+#[test]
+fn a_model_directory_renders_tokenizes_and_refuses_unknown_roles() {
+    let d = tokenizer_dir();
     let tc = serde_json::json!({"eos_token": "<|im_end|>", "chat_template": CHATML});
     std::fs::write(d.path().join("tokenizer_config.json"), tc.to_string()).expect("write");
     std::fs::write(
@@ -129,5 +135,122 @@ fn a_model_directory_renders_tokenizes_and_refuses_unknown_roles() {
             role: "robot".into(),
             known: "system, user, assistant".into()
         }
+    );
+}
+
+/// transformers' own test template for `return_assistant_tokens_mask`
+/// (`test_chat_template_return_assistant_tokens_mask`), written as a model ships it.
+const WITH_GENERATION: &str = "{% for message in messages %}\
+{% if (message['role'] != 'assistant') %}\
+{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}\
+{% elif (message['role'] == 'assistant')%}\
+{{'<|im_start|>' + message['role'] + '\\n'}}\
+{% generation %}\
+{{message['content'] + '<|im_end|>'}}\
+{% endgeneration %}\
+{{'\\n'}}\
+{% endif %}\
+{% endfor %}\
+{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}";
+
+#[test]
+fn generation_blocks_render_as_if_the_tags_were_absent() {
+    let chat = [
+        msg("system", "Be brief."),
+        msg("user", "Hi!"),
+        msg("assistant", "Hello."),
+        msg("user", "2+2?"),
+        msg("assistant", "4"),
+    ];
+    let with = ChatTemplate::new(WITH_GENERATION, vec![]).expect("compiles");
+    let without = WITH_GENERATION
+        .replace("{% generation %}", "")
+        .replace("{% endgeneration %}", "");
+    let without = ChatTemplate::new(&without, vec![]).expect("compiles");
+    for prompt in [false, true] {
+        assert_eq!(
+            with.render(&chat, prompt).expect("renders"),
+            without.render(&chat, prompt).expect("renders")
+        );
+    }
+    assert_eq!(
+        with.render(&chat[..3], false).expect("renders"),
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n\
+         <|im_start|>assistant\nHello.<|im_end|>\n"
+    );
+    assert_eq!(
+        with.source(),
+        WITH_GENERATION,
+        "the source is kept as given"
+    );
+}
+
+#[test]
+fn generation_tags_keep_jinja2_whitespace_control_and_leave_strings_and_raw_alone() {
+    let m = [msg("assistant", "x")];
+    let render = |src: &str| {
+        ChatTemplate::new(src, vec![])
+            .expect("compiles")
+            .render(&m, false)
+            .expect("renders")
+    };
+    // Jinja2: `-` strips the whitespace beside the tag; trim_blocks drops the newline after a
+    // block tag; lstrip_blocks the indentation before one.
+    assert_eq!(
+        render("A  {%- generation -%}  B{{ messages[0].content }}  {%- endgeneration %}\nC"),
+        "ABxC"
+    );
+    assert_eq!(
+        render("A\n    {% generation %}\nB\n    {% endgeneration %}\nC"),
+        "A\nB\nC"
+    );
+    assert_eq!(render("{%+ generation +%}B{%endgeneration%}"), "B");
+    // A scope of its own, as Jinja2's call block has: a `set` inside does not leak.
+    assert_eq!(
+        render("{% set v = 1 %}{% generation %}{% set v = 2 %}{{ v }}{% endgeneration %}{{ v }}"),
+        "21"
+    );
+    // In a string literal, a comment or a raw block the tag is text.
+    assert_eq!(
+        render("{{ '{% generation %}' ~ \"{%- endgeneration %}\" }}{# {% generation %} #}"),
+        "{% generation %}{%- endgeneration %}"
+    );
+    assert_eq!(
+        render(
+            "{% raw %}{% generation %}'{% endgeneration %}{% endraw %}{% generation %}!{% endgeneration %}"
+        ),
+        "{% generation %}'{% endgeneration %}!"
+    );
+}
+
+#[test]
+fn a_template_that_does_not_compile_is_refused_naming_its_file_and_why() {
+    let d = tokenizer_dir();
+    let tc = serde_json::json!({"eos_token": "<|im_end|>", "chat_template": WITH_GENERATION});
+    std::fs::write(d.path().join("tokenizer_config.json"), tc.to_string()).expect("write");
+    let t = ModelText::load(d.path()).expect("a template with generation blocks loads");
+    assert!(t.has_chat_template());
+
+    let tc = serde_json::json!({"eos_token": "<|im_end|>",
+                                "chat_template": "{% for m in messages %}{% frobnicate %}{% endfor %}"});
+    std::fs::write(d.path().join("tokenizer_config.json"), tc.to_string()).expect("write");
+    let e = ModelText::load(d.path()).expect_err("unknown tag");
+    assert!(
+        matches!(&e, TextError::TemplateCompile { path, reason }
+            if path.ends_with("tokenizer_config.json") && reason.contains("unknown statement frobnicate")),
+        "{e}"
+    );
+    let said = e.to_string();
+    assert!(
+        said.starts_with("the chat template in ") && said.contains("does not compile"),
+        "{said}"
+    );
+
+    std::fs::write(d.path().join("tokenizer_config.json"), "{}").expect("write");
+    std::fs::write(d.path().join("chat_template.jinja"), "{% if %}").expect("write");
+    let e = ModelText::load(d.path()).expect_err("syntax error");
+    assert!(
+        matches!(&e, TextError::TemplateCompile { path, .. } if path.ends_with("chat_template.jinja")),
+        "{e}"
     );
 }
