@@ -83,6 +83,8 @@ pub(crate) struct WorkerContext {
     /// The actor's connection: its round-trip time measures the actor's latency apart from
     /// its rate (`starling_ledger::schedule::learn`).
     pub(crate) conn: quinn::Connection,
+    /// The versions published: a result's tokens come from these.
+    pub(crate) book: Arc<starling_transport::book::VersionBook>,
 }
 
 /// The largest oversized `Submit` the hub reads past (to refuse its result by name) instead
@@ -472,7 +474,7 @@ async fn submit(cx: &WorkerContext, actor: &ActorId, results: Vec<JobResult>) ->
                 continue;
             }
         };
-        let (stored, tokens) = match judge_result(spec, r, &cx.text) {
+        let (stored, tokens) = match judge_result(spec, r, &cx.text, cx.book.latest()) {
             Ok(judged) => judged,
             Err(e) => {
                 let code = match e.code {

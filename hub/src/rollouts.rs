@@ -374,6 +374,7 @@ pub(crate) fn judge_result(
     spec: &GroupSpec,
     r: &JobResult,
     model_text: &starling_text::ModelText,
+    newest: u64,
 ) -> Result<(StoredResult, u32), Invalid> {
     let bad = |m: String| invalid("invalid_result", format!("job {}: {m}", r.job));
     if r.samples.len() != spec.n as usize {
@@ -398,6 +399,15 @@ pub(crate) fn judge_result(
             return Err(bad(format!(
                 "sample {i} has tokens from a version older than the {} it claims",
                 r.version
+            )));
+        }
+        // Tokens may come from versions after the job's (the weights moved on mid-sample),
+        // never from one this hub has not published: a trainer would look for it.
+        if let Some(sp) = s.spans.iter().find(|sp| sp.version > newest) {
+            return Err(bad(format!(
+                "sample {i} has tokens from version {}, which this hub has not published \
+                 (its newest is {newest})",
+                sp.version
             )));
         }
         if s.finish == FinishReason::Aborted {
@@ -701,12 +711,35 @@ mod tests {
                 2
             ],
         };
-        assert!(judge_result(&spec, &result(-1.0), &starling_text::ModelText::byte()).is_ok());
+        let text = starling_text::ModelText::byte();
+        assert!(judge_result(&spec, &result(-1.0), &text, 0).is_ok());
         for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
-            let e = judge_result(&spec, &result(bad), &starling_text::ModelText::byte())
-                .expect_err("refused");
+            let e = judge_result(&spec, &result(bad), &text, 0).expect_err("refused");
             assert_eq!(e.code, NONFINITE_LOGPROB);
             assert!(e.message.contains("token 1"), "{}", e.message);
         }
+        // A span of a later version is fine once the hub has published it, refused before.
+        let mut later = result(-1.0);
+        later.samples[1].spans = vec![
+            VersionSpan {
+                version: 0,
+                start: 0,
+                end: 1,
+            },
+            VersionSpan {
+                version: 2,
+                start: 1,
+                end: 2,
+            },
+        ];
+        assert!(judge_result(&spec, &later, &text, 2).is_ok());
+        let e = judge_result(&spec, &later, &text, 1).expect_err("refused");
+        assert_eq!(e.code, "invalid_result");
+        assert!(
+            e.message
+                .contains("version 2, which this hub has not published"),
+            "{}",
+            e.message
+        );
     }
 }

@@ -360,6 +360,7 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
                     scorer: hub.scorer_wake.clone(),
                     codecs: hub.codecs.clone(),
                     conn: conn.clone(),
+                    book: hub.book.clone(),
                 },
                 a.control,
                 reader,
