@@ -417,35 +417,8 @@ async fn results(
     let longest = Duration::from_millis(MAX_WAIT_MS).min(hub.http_limits().request_timeout / 2);
     let wait = Duration::from_millis(q.wait_ms.unwrap_or(0)).min(longest);
     let deadline = tokio::time::Instant::now() + wait;
-    let unreadable = |e: results::Unreadable| ApiError::internal("read results", e);
     loop {
-        let (_, finished, archive) = status_json(&hub, id).await?;
-        let page = if let Some(path) = archive {
-            let path = std::path::PathBuf::from(path);
-            tokio::task::spawn_blocking(move || {
-                let docs = results::archived(&path, after)
-                    .map_err(|e| ApiError::internal("open the batch's archive", e))?;
-                results::fill(after, limit as usize, docs).map_err(unreadable)
-            })
-            .await
-            .map_err(|e| ApiError::internal("read the batch's archive", e))??
-        } else {
-            let rows = hub
-                .ledger
-                .results_page(id, after, limit, MAX_PAGE_BYTES as u64)
-                .await
-                .map_err(|e| ApiError::internal("read results", e))?;
-            let mut page = results::fill(
-                after,
-                limit as usize,
-                rows.results
-                    .iter()
-                    .map(|r| results::render(id.raw(), r).map(|d| (r.cursor, d))),
-            )
-            .map_err(unreadable)?;
-            page.cut |= rows.more;
-            page
-        };
+        let (page, finished) = look(&*hub, id, after, limit).await?;
         if !page.docs.is_empty() || finished || tokio::time::Instant::now() >= deadline {
             let done = finished && !page.cut;
             if done {
@@ -469,18 +442,94 @@ async fn results(
     }
 }
 
+/// What a results poll reads: whether the batch is finished (and where retention archived
+/// it), and a page of the results the ledger holds. A trait so that the order of the reads can
+/// be tested against a batch archived between them.
+pub(crate) trait ResultReads {
+    /// Whether the batch is finished, and the file its results were archived to.
+    async fn state(&self, id: BatchId) -> Reply<(bool, Option<String>)>;
+    /// Its readable results after `after` that the ledger holds.
+    async fn ledger_page(&self, id: BatchId, after: i64, limit: u32) -> Reply<results::Page>;
+}
+
+impl ResultReads for Hub {
+    async fn state(&self, id: BatchId) -> Reply<(bool, Option<String>)> {
+        let (_, finished, archive) = status_json(self, id).await?;
+        Ok((finished, archive))
+    }
+
+    async fn ledger_page(&self, id: BatchId, after: i64, limit: u32) -> Reply<results::Page> {
+        let rows = self
+            .ledger
+            .results_page(id, after, limit, MAX_PAGE_BYTES as u64)
+            .await
+            .map_err(|e| ApiError::internal("read results", e))?;
+        let mut page = results::fill(
+            after,
+            limit as usize,
+            rows.results
+                .iter()
+                .map(|r| results::render(id.raw(), r).map(|d| (r.cursor, d))),
+        )
+        .map_err(|e| ApiError::internal("read results", e))?;
+        page.cut |= rows.more;
+        Ok(page)
+    }
+}
+
+/// A page of an archived batch's results after `after`, from its file.
+async fn archived_page(path: String, after: i64, limit: u32) -> Reply<results::Page> {
+    let path = PathBuf::from(path);
+    tokio::task::spawn_blocking(move || {
+        let docs = results::archived(&path, after)
+            .map_err(|e| ApiError::internal("open the batch's archive", e))?;
+        results::fill(after, limit as usize, docs)
+            .map_err(|e| ApiError::internal("read results", e))
+    })
+    .await
+    .map_err(|e| ApiError::internal("read the batch's archive", e))?
+}
+
+/// One look at a batch's results after `after`: a page, and whether the batch was finished
+/// before the page was read (then every result it will ever have was readable, so a page
+/// that is not cut holds all that remain). Retention may archive the batch between the two
+/// reads, deleting its rows: a finished batch whose ledger page comes back empty is looked at
+/// again, and if it was archived meanwhile the page is read from its file. So `done` is
+/// never answered while results after `after` exist.
+async fn look(
+    reads: &impl ResultReads,
+    id: BatchId,
+    after: i64,
+    limit: u32,
+) -> Reply<(results::Page, bool)> {
+    let (finished, archive) = reads.state(id).await?;
+    if let Some(path) = archive {
+        return Ok((archived_page(path, after, limit).await?, finished));
+    }
+    let page = reads.ledger_page(id, after, limit).await?;
+    if finished
+        && page.docs.is_empty()
+        && let (_, Some(path)) = reads.state(id).await?
+    {
+        return Ok((archived_page(path, after, limit).await?, finished));
+    }
+    Ok((page, finished))
+}
+
 async fn cancel(State(hub): State<Arc<Hub>>, Path(id): Path<String>) -> Reply<Json<Value>> {
     let id = batch_id(&id)?;
-    let (_, finished, _) = status_json(&hub, id).await?;
-    if finished {
-        return Err(ApiError::new(
+    // Whether the batch finished is decided in the cancelling transaction: a batch that
+    // finishes while it is cancelled is answered `batch_finished` and stays `done`.
+    let finished = || {
+        ApiError::new(
             StatusCode::CONFLICT,
             "batch_finished",
             format!("batch {} already finished", id.raw()),
-        ));
-    }
+        )
+    };
     match hub.ledger.cancel_batch(id, now()).await {
-        Ok(n) => Ok(Json(json!({"batch": id.raw(), "cancelled": n}))),
+        Ok(Some(n)) => Ok(Json(json!({"batch": id.raw(), "cancelled": n}))),
+        Ok(None) => Err(finished()),
         Err(CancelError::UnknownBatch(_)) => Err(not_found_batch(id)),
         Err(CancelError::AlreadyCancelled(_)) => Err(ApiError::new(
             StatusCode::CONFLICT,
@@ -488,5 +537,76 @@ async fn cancel(State(hub): State<Arc<Hub>>, Path(id): Path<String>) -> Reply<Js
             format!("batch {} is already cancelled", id.raw()),
         )),
         Err(e) => Err(ApiError::internal("cancel batch", e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::VecDeque;
+    use std::sync::Mutex;
+
+    use super::*;
+
+    /// A batch whose state answers come from a script, and whose ledger rows are gone (the
+    /// ledger page is empty), as when retention archived it between the reads.
+    struct Archived {
+        states: Mutex<VecDeque<(bool, Option<String>)>>,
+    }
+
+    impl ResultReads for Archived {
+        async fn state(&self, _: BatchId) -> Reply<(bool, Option<String>)> {
+            let mut s = self.states.lock().expect("lock");
+            Ok(s.pop_front().expect("a state read the script has"))
+        }
+
+        async fn ledger_page(&self, _: BatchId, after: i64, _: u32) -> Reply<results::Page> {
+            Ok(results::Page {
+                cursor: after,
+                ..results::Page::default()
+            })
+        }
+    }
+
+    #[tokio::test]
+    async fn a_batch_archived_between_the_reads_is_served_from_its_file_not_done_empty() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let file = dir.path().join("batch-1.jsonl");
+        std::fs::write(
+            &file,
+            "{\"cursor\":4,\"job\":1}\n{\"cursor\":7,\"job\":2}\n",
+        )
+        .expect("archive");
+        let path = file.display().to_string();
+        // Finished and still in the ledger when its state is read; archived (rows deleted)
+        // before its page is read.
+        let reads = Archived {
+            states: Mutex::new(VecDeque::from([(true, None), (true, Some(path.clone()))])),
+        };
+        let (page, finished) = look(&reads, BatchId::from_raw(1), 4, 10)
+            .await
+            .expect("look");
+        assert!(finished);
+        assert_eq!(
+            (page.docs.len(), page.cursor, page.cut),
+            (1, 7, false),
+            "the result after the cursor, from the file (before: `results: []`, `done: true`)"
+        );
+        // Finished, not archived, nothing left in the ledger: truly done, one extra look.
+        let reads = Archived {
+            states: Mutex::new(VecDeque::from([(true, None), (true, None)])),
+        };
+        let (page, finished) = look(&reads, BatchId::from_raw(1), 7, 10)
+            .await
+            .expect("look");
+        assert!(finished && page.docs.is_empty() && !page.cut);
+        assert_eq!(page.cursor, 7);
+        // Already archived: read from the file, no second look.
+        let reads = Archived {
+            states: Mutex::new(VecDeque::from([(true, Some(path))])),
+        };
+        let (page, _) = look(&reads, BatchId::from_raw(1), 0, 10)
+            .await
+            .expect("look");
+        assert_eq!((page.docs.len(), page.cursor), (2, 7));
     }
 }

@@ -208,6 +208,9 @@ const CANCEL_JOBS: &str = "UPDATE jobs SET state = 'failed', fail_reason = 'canc
      WHERE batch_id = $1 AND state IN ('posted', 'pending', 'leased')";
 const UNSCORED: &str = "SELECT r.job_id, r.batch_id, r.version, r.payload, j.prompt FROM results r \
      JOIN jobs j ON j.id = r.job_id WHERE r.cursor IS NULL ORDER BY r.id LIMIT $1";
+const UNSCORED_JOBS: &str = "SELECT job_id FROM results WHERE cursor IS NULL ORDER BY id LIMIT $1";
+const UNSCORED_JOB: &str = "SELECT r.job_id, r.batch_id, r.version, r.payload, j.prompt FROM results r \
+     JOIN jobs j ON j.id = r.job_id WHERE r.job_id = $1 AND r.cursor IS NULL";
 const SCORE_RESULT: &str =
     "UPDATE results SET payload = $2, cursor = $3 WHERE job_id = $1 AND cursor IS NULL";
 const UNSCORED_OF_JOB: &str = "SELECT COUNT(*) FROM results WHERE job_id = $1 AND cursor IS NULL";
@@ -241,6 +244,16 @@ fn reason_counts<R: Get>(rows: &[R]) -> Result<Vec<(String, u64)>, sqlx::Error> 
     rows.iter()
         .map(|r| Ok((r.string("reason")?, u64::try_from(r.i64("n")?).unwrap_or(0))))
         .collect()
+}
+
+fn unscored_row<R: Get>(r: &R) -> Result<Unscored, sqlx::Error> {
+    Ok(Unscored {
+        job: JobId(r.i64("job_id")?),
+        batch: BatchId(r.i64("batch_id")?),
+        version: Version::from_db(r.i64("version")?)?,
+        payload: r.bytes("payload")?,
+        prompt: r.bytes("prompt")?,
+    })
 }
 
 fn accepted<R: Get>(r: &R) -> Result<AcceptedResult, sqlx::Error> {
@@ -473,15 +486,46 @@ impl Ledger {
     }
 
     /// Cancels a batch: its unfinished jobs become failed (their leases end; results for them
-    /// are refused as `Cancelled`). Returns how many jobs were cancelled.
-    pub async fn cancel_batch(&self, id: BatchId, now: Timestamp) -> Result<u64, CancelError> {
+    /// are refused as `Cancelled`). Returns how many jobs were cancelled, or `None` when the
+    /// batch had already finished (every job done or failed and no result waiting for its
+    /// reward service, or archived): then nothing changes and it is not marked cancelled.
+    /// Whether it finished is decided inside the cancelling transaction, so a batch whose last
+    /// group is accepted or scored while it is cancelled is either cancelled with its open
+    /// jobs or found finished, never marked cancelled with nothing to cancel.
+    pub async fn cancel_batch(
+        &self,
+        id: BatchId,
+        now: Timestamp,
+    ) -> Result<Option<u64>, CancelError> {
         durably!(self, tx => {
-            let exists: Option<i64> = sqlx::query_scalar(BATCH_STATUS_ID)
+            let row = sqlx::query(BATCH_FOR_CANCEL)
                 .bind(id.0)
                 .fetch_optional(&mut *tx)
-                .await?;
-            if exists.is_none() {
-                return Err(CancelError::UnknownBatch(id));
+                .await?
+                .ok_or(CancelError::UnknownBatch(id))?;
+            if row.opt_i64("cancelled_at")?.is_some() {
+                return Err(CancelError::AlreadyCancelled(id));
+            }
+            if row.opt_i64("archived_at")?.is_some() {
+                return Ok(None);
+            }
+            // The open jobs first: each row is taken as it is when this statement runs (on
+            // PostgreSQL after a concurrent submit that holds it commits), so `n` counts
+            // exactly the jobs this cancels.
+            let n = sqlx::query(CANCEL_JOBS)
+                .bind(id.0)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected();
+            if n == 0 {
+                let scoring: i64 = sqlx::query_scalar(BATCH_SCORING)
+                    .bind(id.0)
+                    .fetch_one(&mut *tx)
+                    .await?;
+                if scoring == 0 {
+                    // Nothing was open and nothing waits: finished. Nothing was written.
+                    return Ok(None);
+                }
             }
             let marked = sqlx::query(CANCEL_BATCH)
                 .bind(id.0)
@@ -492,12 +536,7 @@ impl Ledger {
             if marked == 0 {
                 return Err(CancelError::AlreadyCancelled(id));
             }
-            let n = sqlx::query(CANCEL_JOBS)
-                .bind(id.0)
-                .execute(&mut *tx)
-                .await?
-                .rows_affected();
-            Ok(n)
+            Ok(Some(n))
         })
     }
 
@@ -574,17 +613,33 @@ impl Ledger {
     pub async fn unscored(&self, limit: u32) -> Result<Vec<Unscored>, ReadError> {
         with_reader!(self, p => {
             let rows = sqlx::query(UNSCORED).bind(i64::from(limit)).fetch_all(p).await?;
-            rows.iter()
-                .map(|r| {
-                    Ok(Unscored {
-                        job: JobId(r.i64("job_id")?),
-                        batch: BatchId(r.i64("batch_id")?),
-                        version: Version::from_db(r.i64("version")?)?,
-                        payload: r.bytes("payload")?,
-                        prompt: r.bytes("prompt")?,
-                    })
-                })
-                .collect()
+            Ok(rows.iter().map(unscored_row).collect::<Result<_, _>>()?)
+        })
+    }
+
+    /// The jobs whose accepted result waits for its reward service, oldest first, at most
+    /// `limit` (ids only: cheap to list past the ones a scorer is waiting to try again).
+    pub async fn unscored_jobs(&self, limit: u32) -> Result<Vec<JobId>, ReadError> {
+        with_reader!(self, p => {
+            let ids: Vec<i64> = sqlx::query_scalar(UNSCORED_JOBS)
+                .bind(i64::from(limit))
+                .fetch_all(p)
+                .await?;
+            Ok(ids.into_iter().map(JobId).collect())
+        })
+    }
+
+    /// The results of `jobs` that wait for their reward service, in the order asked (jobs
+    /// with none waiting are left out).
+    pub async fn unscored_of(&self, jobs: &[JobId]) -> Result<Vec<Unscored>, ReadError> {
+        with_reader!(self, p => {
+            let mut out = Vec::with_capacity(jobs.len());
+            for j in jobs {
+                if let Some(r) = sqlx::query(UNSCORED_JOB).bind(j.0).fetch_optional(p).await? {
+                    out.push(unscored_row(&r)?);
+                }
+            }
+            Ok(out)
         })
     }
 
@@ -665,7 +720,7 @@ pub(crate) fn page_len(sizes: &[(i64, u64)], limit: usize, max_bytes: u64) -> us
     n
 }
 
-const BATCH_STATUS_ID: &str = "SELECT id FROM batches WHERE id = $1";
+const BATCH_FOR_CANCEL: &str = "SELECT cancelled_at, archived_at FROM batches WHERE id = $1";
 
 #[cfg(test)]
 mod tests {

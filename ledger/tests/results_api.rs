@@ -181,6 +181,14 @@ async fn results_waiting_for_scoring_are_readable_only_once_scored(l: &Ledger) {
     );
     assert_eq!(waiting[0].prompt, b"prompt 0");
     assert_eq!(waiting[0].version, v(0));
+    // Listed by id alone, and read for the jobs asked (in that order; none for others).
+    assert_eq!(l.unscored_jobs(10).await.unwrap(), [jobs[0].id, jobs[1].id]);
+    assert_eq!(l.unscored_jobs(1).await.unwrap(), [jobs[0].id]);
+    let some = l
+        .unscored_of(&[jobs[1].id, jobs[2].id, jobs[0].id])
+        .await
+        .unwrap();
+    assert_eq!(some, [waiting[1].clone(), waiting[0].clone()]);
     // Scored: readable after everything read before, with its new payload.
     let cursor = l.score(jobs[0].id, b"scored").await.unwrap();
     assert!(cursor.is_some_and(|c| c > read_to));

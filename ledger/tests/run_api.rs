@@ -170,7 +170,7 @@ async fn cancelled_batches_accept_nothing_more(l: &Ledger) {
     let jobs = l.claim(&actor("a"), 2, T0).await.unwrap();
     let out = l.submit(&actor("a"), &[result(&jobs[0], 0)], at(1)).await;
     assert!(out.unwrap()[0].verdict.is_ok());
-    assert_eq!(l.cancel_batch(batch, at(2)).await.unwrap(), 2);
+    assert_eq!(l.cancel_batch(batch, at(2)).await.unwrap(), Some(2));
     assert!(matches!(
         l.cancel_batch(batch, at(3)).await,
         Err(CancelError::AlreadyCancelled(_))
@@ -191,7 +191,7 @@ async fn cancelled_batches_accept_nothing_more(l: &Ledger) {
     assert_eq!(status.cancelled_at, Some(at(2)));
     // Posted (unscheduled) batches can be cancelled too.
     let posted = l.post_batch(v(0), &prompts(2), "{}", at(6)).await.unwrap();
-    assert_eq!(l.cancel_batch(posted, at(7)).await.unwrap(), 2);
+    assert_eq!(l.cancel_batch(posted, at(7)).await.unwrap(), Some(2));
     assert!(l.unscheduled_batches(10).await.unwrap().is_empty());
     l.check_invariants().await.unwrap();
 }
@@ -199,3 +199,52 @@ both_backends!(
     cancelled_batches_accept_nothing_more,
     LedgerConfig::default()
 );
+
+/// A batch that finished is not cancelled, and that is decided in the cancelling transaction
+/// (before, the hub read `finished` and cancelled in two calls: a batch whose last group was
+/// accepted in between was answered `{"cancelled": 0}` and flipped to cancelled).
+async fn finished_batches_are_not_cancelled(l: &Ledger) {
+    versions(l, 0).await;
+    actors_on(l, &["a"], 0, T0).await;
+    let batch = l.post_batch(v(0), &prompts(2), "{}", T0).await.unwrap();
+    l.schedule(batch, T0).await.unwrap();
+    let jobs = l.claim(&actor("a"), 2, T0).await.unwrap();
+    let subs: Vec<_> = jobs.iter().map(|j| result(j, 0)).collect();
+    l.submit(&actor("a"), &subs, at(1)).await.unwrap();
+    assert!(l.batch_status(batch).await.unwrap().finished());
+    assert_eq!(
+        l.cancel_batch(batch, at(2)).await.unwrap(),
+        None,
+        "finished: nothing cancelled"
+    );
+    let status = l.batch_status(batch).await.unwrap();
+    assert_eq!(status.cancelled_at, None, "and not marked cancelled");
+    assert_eq!((status.jobs.done, status.jobs.failed), (2, 0));
+    // Every job done but a result waiting for its reward service: not finished, so it is
+    // cancelled (nothing open to fail; the waiting result is scored or failed as usual).
+    let scoring = l.post_batch(v(0), &prompts(1), "{}", at(3)).await.unwrap();
+    l.schedule(scoring, at(3)).await.unwrap();
+    let jobs = l.claim(&actor("a"), 1, at(3)).await.unwrap();
+    let subs = [result(&jobs[0], 0)];
+    let unscored = [jobs[0].id];
+    let call = SubmitCall {
+        results: &subs,
+        unscored: &unscored,
+        ..SubmitCall::default()
+    };
+    l.submit_call(&actor("a"), call, at(4)).await.unwrap();
+    assert_eq!(l.cancel_batch(scoring, at(5)).await.unwrap(), Some(0));
+    assert_eq!(
+        l.batch_status(scoring).await.unwrap().cancelled_at,
+        Some(at(5))
+    );
+    // An archived batch is finished too.
+    l.mark_delivered(batch, at(6)).await.unwrap();
+    l.archive_batch(batch, "/archive/b.jsonl", 2, at(7))
+        .await
+        .unwrap();
+    assert_eq!(l.cancel_batch(batch, at(8)).await.unwrap(), None);
+    assert_eq!(l.batch_status(batch).await.unwrap().cancelled_at, None);
+    l.check_invariants().await.unwrap();
+}
+both_backends!(finished_batches_are_not_cancelled, LedgerConfig::default());

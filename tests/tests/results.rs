@@ -9,7 +9,8 @@
 //! - a verifier asked for without the answer it needs is refused at submit; `math` scores
 //!   the boxed answer;
 //! - reward services on a real HTTP server this test runs: good answers, a 5xx then a good
-//!   one (retried), timeouts, garbage, a 4xx (not retried) and a service that is down — the
+//!   one (retried), timeouts, garbage, a 4xx (not retried) and a service that is down (called
+//!   again with backoff until 30 × `--reward-timeout`, 15 s here, has passed) — the
 //!   actor is answered before any service is called, failing services fail their group
 //!   alone with `reward_service`, the rest are readable with the services' rewards;
 //! - retention: a batch the trainer read to its end is archived to a file and served from
