@@ -9,7 +9,7 @@
 //! timeout, a 5xx, a 408 or 429, or an answer that is not that JSON; any other 4xx is final.
 //! The answer is read into at most `MAX_ANSWER` bytes. So one call takes at most `TRIES` ×
 //! the timeout plus the pauses. Every failure is a `CallError` naming what went wrong; a
-//! [transient](CallError::transient) one (the service is down, overloaded or restarting) has
+//! transient one (`CallError::transient`: the service is down, overloaded or restarting) has
 //! the scorer keep the result and call again later (`scoring`), any other fails that group
 //! alone.
 //!
@@ -115,7 +115,7 @@ pub struct RewardServices {
     /// How long one try of a call may take.
     pub timeout: Duration,
     /// How long after its first failed call a group whose calls keep failing transiently is
-    /// still tried ([`RETRY_FOR_TIMEOUTS`] × `timeout`).
+    /// still tried (`RETRY_FOR_TIMEOUTS` × `timeout`).
     pub retry_for: Duration,
 }
 
