@@ -385,12 +385,39 @@ fn rewards(
         .collect()
 }
 
+/// Reads one HTTP request, its head and its `content-length` body, from a test's reward
+/// service; `false` if the connection ended first.
+#[cfg(test)]
+pub(crate) async fn read_request(conn: &mut tokio::net::TcpStream) -> bool {
+    use tokio::io::AsyncReadExt;
+    let mut req = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        let n = conn.read(&mut buf).await.unwrap_or(0);
+        if n == 0 {
+            return false;
+        }
+        req.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&req).to_lowercase();
+        if let Some(end) = text.find("\r\n\r\n") {
+            let len: usize = text
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            if req.len() >= end + 4 + len {
+                return true;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
 
     use super::*;
 
@@ -517,27 +544,7 @@ mod tests {
                     return;
                 };
                 seen.fetch_add(1, Ordering::SeqCst);
-                // Read the request head and its body (content-length).
-                let mut req = Vec::new();
-                let mut buf = [0u8; 4096];
-                loop {
-                    let n = conn.read(&mut buf).await.unwrap_or(0);
-                    if n == 0 {
-                        break;
-                    }
-                    req.extend_from_slice(&buf[..n]);
-                    let text = String::from_utf8_lossy(&req).to_lowercase();
-                    if let Some(end) = text.find("\r\n\r\n") {
-                        let len: usize = text
-                            .lines()
-                            .find_map(|l| l.strip_prefix("content-length:"))
-                            .and_then(|v| v.trim().parse().ok())
-                            .unwrap_or(0);
-                        if req.len() >= end + 4 + len {
-                            break;
-                        }
-                    }
-                }
+                read_request(&mut conn).await;
                 let answer = format!(
                     "HTTP/1.1 {status} X\r\n{headers}content-length: {}\r\nconnection: close\r\n\r\n{body}",
                     body.len()

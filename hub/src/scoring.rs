@@ -62,15 +62,19 @@ pub(crate) struct Scorer {
 enum Outcome {
     /// Scored, or its group failed: nothing more to do.
     Settled,
-    /// Left waiting: try again later, after at least `retry_after` if the service asked.
-    Again { retry_after: Option<Duration> },
+    /// Left waiting because the service was unavailable: try again later, after at least
+    /// `retry_after` if the service asked. These count towards the bound.
+    Unavailable { retry_after: Option<Duration> },
+    /// Left waiting for a fault of the hub's own (a ledger write, a panicked task): tried
+    /// again with the same backoff, without counting against the service.
+    Retry,
 }
 
 /// A result waiting for its next try.
 #[derive(Debug, Clone, Copy)]
 struct Backoff {
-    /// Its first failed try.
-    first: Instant,
+    /// Its first try that found the service unavailable (the bound counts from it).
+    first: Option<Instant>,
     /// Failed tries so far.
     failures: u32,
     /// Not tried before this.
@@ -78,21 +82,29 @@ struct Backoff {
 }
 
 impl Backoff {
-    /// After another failed try at `now`: the next try doubles the pause (or waits what the
-    /// service asked, both at most [`MAX_BACKOFF`]), and falls no later than `first +
-    /// retry_for`, so the last try is made at the bound.
+    /// After another failed try at `now` (`unavailable`: the service's; else the hub's own):
+    /// the next try doubles the pause (or waits what the service asked, both at most
+    /// [`MAX_BACKOFF`]), and falls no later than `first + retry_for` while that is ahead, so
+    /// the last try is made at the bound. Past it the pause still holds: a try that finds
+    /// the service unavailable there fails the group, so only the hub's own faults are
+    /// retried past it, never in a tight loop.
     fn failed(
         prev: Option<Backoff>,
         now: Instant,
         retry_after: Option<Duration>,
         retry_for: Duration,
+        unavailable: bool,
     ) -> Backoff {
-        let (first, failures) = prev.map_or((now, 1), |b| (b.first, b.failures.saturating_add(1)));
+        let failures = prev.map_or(1, |b| b.failures.saturating_add(1));
+        let first = prev.and_then(|b| b.first).or(unavailable.then_some(now));
         let doubled = FIRST_BACKOFF.saturating_mul(1 << failures.saturating_sub(1).min(16));
         let pause = doubled
             .max(retry_after.unwrap_or_default())
             .min(MAX_BACKOFF);
-        let next = (now + pause).min((first + retry_for).max(now));
+        let mut next = now + pause;
+        if let Some(bound) = first.map(|f| f + retry_for).filter(|&b| b > now) {
+            next = next.min(bound);
+        }
         Backoff {
             first,
             failures,
@@ -115,7 +127,7 @@ pub(crate) async fn run(scorer: Scorer) {
             Some(done) = tasks.join_next_with_id() => {
                 let (id, outcome) = match done {
                     Ok((id, o)) => (id, o),
-                    Err(e) => (e.id(), Outcome::Again { retry_after: None }),
+                    Err(e) => (e.id(), Outcome::Retry),
                 };
                 if let Some(job) = running.remove(&id) {
                     busy.remove(&job);
@@ -123,12 +135,23 @@ pub(crate) async fn run(scorer: Scorer) {
                         Outcome::Settled => {
                             waiting.remove(&job);
                         }
-                        Outcome::Again { retry_after } => {
+                        Outcome::Unavailable { retry_after } => {
                             let b = Backoff::failed(
                                 waiting.get(&job).copied(),
                                 Instant::now(),
                                 retry_after,
                                 scorer.services.retry_for,
+                                true,
+                            );
+                            waiting.insert(job, b);
+                        }
+                        Outcome::Retry => {
+                            let b = Backoff::failed(
+                                waiting.get(&job).copied(),
+                                Instant::now(),
+                                None,
+                                scorer.services.retry_for,
+                                false,
                             );
                             waiting.insert(job, b);
                         }
@@ -184,7 +207,7 @@ async fn take_due(
         Ok(found) => {
             for u in found {
                 let job = u.job;
-                let since = waiting.get(&job).map(|b| b.first);
+                let since = waiting.get(&job).and_then(|b| b.first);
                 busy.insert(job);
                 let handle = tasks.spawn(score_one(scorer.clone(), u, since));
                 running.insert(handle.id(), job);
@@ -198,7 +221,7 @@ async fn take_due(
 }
 
 /// Scores one result, leaves it waiting for another try, or fails its group. `since` is its
-/// first failed try, if it had one.
+/// first try that found the service unavailable, if it had one.
 async fn score_one(scorer: Scorer, u: Unscored, since: Option<Instant>) -> Outcome {
     let batch = u.batch.raw();
     let job = u.job.raw();
@@ -223,7 +246,7 @@ async fn score_one(scorer: Scorer, u: Unscored, since: Option<Instant>) -> Outco
                     "store a scored result: {}",
                     starling_process::error_chain(&e)
                 );
-                return Outcome::Again { retry_after: None };
+                return Outcome::Retry;
             }
         },
         Err(Failure::Transient(e, why))
@@ -234,7 +257,7 @@ async fn score_one(scorer: Scorer, u: Unscored, since: Option<Instant>) -> Outco
                 batch,
                 "reward service unavailable, tried again later: {why}"
             );
-            return Outcome::Again {
+            return Outcome::Unavailable {
                 retry_after: e.retry_after(),
             };
         }
@@ -266,7 +289,7 @@ async fn score_one(scorer: Scorer, u: Unscored, since: Option<Instant>) -> Outco
                 "fail a group whose scoring failed: {}",
                 starling_process::error_chain(&e)
             );
-            Outcome::Again { retry_after: None }
+            Outcome::Retry
         }
     }
 }
@@ -354,7 +377,7 @@ mod tests {
     use starling_ledger::{
         ActorId, Digest, JobState, LedgerConfig, ResultSubmission, SubmitCall, Timestamp, Version,
     };
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::io::AsyncWriteExt;
 
     use super::*;
     use crate::reward_service::RewardService;
@@ -368,25 +391,8 @@ mod tests {
         tokio::spawn(async move {
             while let Ok((mut conn, _)) = listener.accept().await {
                 tokio::spawn(async move {
-                    let mut req = Vec::new();
-                    let mut buf = [0u8; 4096];
-                    loop {
-                        let n = conn.read(&mut buf).await.unwrap_or(0);
-                        if n == 0 {
-                            return;
-                        }
-                        req.extend_from_slice(&buf[..n]);
-                        let text = String::from_utf8_lossy(&req).to_lowercase();
-                        if let Some(end) = text.find("\r\n\r\n") {
-                            let len: usize = text
-                                .lines()
-                                .find_map(|l| l.strip_prefix("content-length:"))
-                                .and_then(|v| v.trim().parse().ok())
-                                .unwrap_or(0);
-                            if req.len() >= end + 4 + len {
-                                break;
-                            }
-                        }
+                    if !crate::reward_service::read_request(&mut conn).await {
+                        return;
                     }
                     let reply = format!(
                         "HTTP/1.1 200 OK\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
@@ -515,7 +521,7 @@ mod tests {
         let job = u.job;
         // Within the bound: left waiting, nothing failed.
         let outcome = score_one(scorer.clone(), u.clone(), Some(Instant::now())).await;
-        assert_eq!(outcome, Outcome::Again { retry_after: None });
+        assert_eq!(outcome, Outcome::Unavailable { retry_after: None });
         assert_eq!(scorer.ledger.unscored(10).await.expect("unscored").len(), 1);
         // Past it: the group fails as `reward_service`.
         let long_ago = Instant::now()
@@ -543,27 +549,41 @@ mod tests {
     fn backoff_doubles_honours_retry_after_and_ends_at_the_bound() {
         let t0 = Instant::now();
         let bound = Duration::from_secs(300);
-        let b = Backoff::failed(None, t0, None, bound);
+        let b = Backoff::failed(None, t0, None, bound, true);
         assert_eq!((b.failures, b.next - t0), (1, FIRST_BACKOFF));
-        let b = Backoff::failed(Some(b), t0, None, bound);
+        let b = Backoff::failed(Some(b), t0, None, bound, true);
         assert_eq!((b.failures, b.next - t0), (2, FIRST_BACKOFF * 2));
-        let asked = Backoff::failed(Some(b), t0, Some(Duration::from_secs(30)), bound);
+        let asked = Backoff::failed(Some(b), t0, Some(Duration::from_secs(30)), bound, true);
         assert_eq!(
             asked.next - t0,
             Duration::from_secs(30),
             "what the service asked"
         );
-        let asked = Backoff::failed(Some(b), t0, Some(Duration::from_secs(3600)), bound);
+        let asked = Backoff::failed(Some(b), t0, Some(Duration::from_secs(3600)), bound, true);
         assert_eq!(asked.next - t0, MAX_BACKOFF, "at most the longest pause");
         let mut b = b;
         for _ in 0..40 {
-            b = Backoff::failed(Some(b), t0, None, bound);
+            b = Backoff::failed(Some(b), t0, None, bound, true);
         }
         assert_eq!(b.next - t0, MAX_BACKOFF, "never longer, never overflowing");
         // Near the bound: the next try is at the bound, not past it.
         let late = t0 + bound - Duration::from_secs(5);
-        let b = Backoff::failed(Some(b), late, None, bound);
+        let b = Backoff::failed(Some(b), late, None, bound, true);
         assert_eq!(b.next, t0 + bound);
-        assert_eq!(b.first, t0);
+        assert_eq!(b.first, Some(t0));
+        // Past the bound (only the hub's own faults are retried there): still a pause, not
+        // a tight loop.
+        let past = t0 + bound + Duration::from_secs(5);
+        let b = Backoff::failed(Some(b), past, None, bound, false);
+        assert_eq!(b.next - past, MAX_BACKOFF);
+        // The hub's own faults do not start the service's clock.
+        let own = Backoff::failed(None, t0, None, bound, false);
+        assert_eq!(own.first, None);
+        let then = Backoff::failed(Some(own), t0 + bound * 2, None, bound, true);
+        assert_eq!(
+            then.first,
+            Some(t0 + bound * 2),
+            "counted from the service's failure"
+        );
     }
 }
