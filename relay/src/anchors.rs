@@ -50,6 +50,14 @@ impl RelayAnchors {
             .with_context(|| format!("list {}", anchors.dir.display()))?;
         for entry in listing.flatten() {
             let path = entry.path();
+            if path.extension().is_some_and(|e| e == "partial") {
+                // A download a stop or a crash cut short (named after its version, so the
+                // next one would not overwrite it): up to a model's size nothing refers to.
+                if let Err(e) = std::fs::remove_file(&path) {
+                    tracing::warn!(path = %path.display(), "remove a partial anchor: {e}");
+                }
+                continue;
+            }
             if path.extension().is_none_or(|e| e != "seal") {
                 continue;
             }
@@ -136,5 +144,31 @@ impl AnchorSource for RelayAnchors {
     fn newest(&self) -> Option<(PathBuf, AnchorSeal)> {
         let seal = (*self.lock())?;
         Some((self.file(seal.version), seal))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_partial_download_is_removed_when_the_anchors_are_opened() {
+        let root = std::env::temp_dir().join(format!(
+            "starling-relay-anchors-{}-{}",
+            std::process::id(),
+            line!()
+        ));
+        let _ = std::fs::remove_dir_all(&root);
+        let dir = root.join("anchors");
+        std::fs::create_dir_all(&dir).expect("dir");
+        let partial = dir.join("100.safetensors.partial");
+        std::fs::write(&partial, b"cut short").expect("write");
+        let other = dir.join("notes.txt");
+        std::fs::write(&other, b"kept").expect("write");
+        let anchors = RelayAnchors::open(&root, "m", &TrustPolicy::AnySigner).expect("open");
+        assert!(!partial.exists(), "the partial download is removed");
+        assert!(other.exists(), "nothing else is touched");
+        assert!(anchors.lock().is_none());
+        let _ = std::fs::remove_dir_all(&root);
     }
 }
