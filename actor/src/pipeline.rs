@@ -74,8 +74,10 @@ pub(crate) struct Pipeline<'a> {
     /// would be up to the allocator's policy for idle memory (`apply::StagingBuffers`).
     pub(crate) staging_buffers: Arc<StagingBuffers>,
     /// The engine does not hold the active version: loading it failed after the version was
-    /// committed (a vLLM server down or restarting). The engine's fingerprint then does not
-    /// match, so the worker takes no work, and every tick tries to load it again.
+    /// committed (a vLLM server down or restarting). The engine's fingerprint then names the
+    /// version it still holds, or none where it fenced itself, so the worker generates only
+    /// with weights the engine proves and tags results with them; every tick tries to load
+    /// the active version again.
     pub(crate) engine_behind: bool,
 }
 

@@ -133,7 +133,8 @@ const TOKENIZER_FILES: [&str; 4] = [
 ];
 
 /// Requests that touch weights or digest the whole model may take this long, at least
-/// ([`VllmEngine::rpc_timeout`] adds [`RPC_TIME_PER_PARAMETER`] for each parameter).
+/// ([`VllmEngine::rpc_timeout`] adds [`RPC_TIME_PER_PARAMETER`] for each parameter to the
+/// `/collective_rpc` calls; `/pause` and `/resume` digest nothing and keep this bound).
 const RPC_TIMEOUT: Duration = Duration::from_secs(600);
 /// What a whole-model digest in the extension may take per parameter, with a margin: it
 /// measured ~0.1 µs on 2 CPU cores (14 s for 135 M), so an 8B model's takes ~15 minutes,
@@ -407,7 +408,7 @@ impl VllmEngine {
     }
 
     fn resume(&self) -> Result<()> {
-        let r = self.call("POST", "/resume", None, Limits::timeout(self.rpc_timeout()))?;
+        let r = self.call("POST", "/resume", None, Limits::timeout(RPC_TIMEOUT))?;
         if !r.ok() {
             bail!("vLLM did not resume ({}): {}", r.status, r.body.trim());
         }
@@ -609,7 +610,7 @@ impl VllmEngine {
             "POST",
             "/pause?mode=wait",
             None,
-            Limits::timeout(self.rpc_timeout()),
+            Limits::timeout(RPC_TIMEOUT),
         )?;
         if !r.ok() {
             bail!("vLLM refused to pause ({}): {}", r.status, r.body.trim());
@@ -705,7 +706,7 @@ impl VllmEngine {
             "POST",
             "/pause?mode=wait",
             None,
-            Limits::timeout(self.rpc_timeout()),
+            Limits::timeout(RPC_TIMEOUT),
         )?;
         if !r.ok() {
             bail!("vLLM refused to pause ({}): {}", r.status, r.body.trim());
@@ -850,7 +851,7 @@ impl VllmEngine {
                     );
                 }
                 let len = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
-                let finish = match c["finish_reason"].as_str() {
+                let mut finish = match c["finish_reason"].as_str() {
                     Some("length") => FinishReason::Length,
                     Some("stop") => FinishReason::Stop,
                     _ => FinishReason::Aborted,
@@ -858,15 +859,18 @@ impl VllmEngine {
                 if finish == FinishReason::Length && len < s.max_new_tokens {
                     // vLLM shortens max_tokens to what its --max-model-len leaves after the
                     // prompt, without a word: such a sample would train as if the model had
-                    // stopped there.
-                    bail!(
-                        "vLLM ended a sample at its length limit after {len} of the job's \
-                         {} new tokens: its --max-model-len is below the prompt's {} tokens \
-                         plus max_new_tokens; start vLLM with a --max-model-len of at least {}",
+                    // stopped there. It goes back as aborted, which the hub refuses for this
+                    // job alone; the other jobs of the call keep their samples.
+                    tracing::error!(
+                        job = job.job,
+                        "vLLM ended a sample at its length limit after {len} of the job's {} \
+                         new tokens: its --max-model-len is below the prompt's {} tokens plus \
+                         max_new_tokens; start vLLM with a --max-model-len of at least {}",
                         s.max_new_tokens,
                         job.prompt.len(),
                         job.prompt.len() as u64 + u64::from(s.max_new_tokens)
                     );
+                    finish = FinishReason::Aborted;
                 }
                 Ok(Sample {
                     spans: whole_span(fp.version, len),
