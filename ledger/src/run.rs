@@ -490,8 +490,10 @@ impl Ledger {
     /// batch had already finished (every job done or failed and no result waiting for its
     /// reward service, or archived): then nothing changes and it is not marked cancelled.
     /// Whether it finished is decided inside the cancelling transaction, so a batch whose last
-    /// group is accepted or scored while it is cancelled is either cancelled with its open
-    /// jobs or found finished, never marked cancelled with nothing to cancel.
+    /// group is accepted while it is cancelled is either cancelled with its open jobs or found
+    /// finished. A batch with no open job but results waiting for their reward service is
+    /// marked cancelled with 0 jobs. Two cancels racing on PostgreSQL may see the second answered as finished rather
+    /// than already cancelled: the batch is not locked, its jobs are.
     pub async fn cancel_batch(
         &self,
         id: BatchId,
