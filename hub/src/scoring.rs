@@ -131,31 +131,22 @@ pub(crate) async fn run(scorer: Scorer) {
                 };
                 if let Some(job) = running.remove(&id) {
                     busy.remove(&job);
-                    match outcome {
+                    let (retry_after, unavailable) = match outcome {
                         Outcome::Settled => {
                             waiting.remove(&job);
+                            continue;
                         }
-                        Outcome::Unavailable { retry_after } => {
-                            let b = Backoff::failed(
-                                waiting.get(&job).copied(),
-                                Instant::now(),
-                                retry_after,
-                                scorer.services.retry_for,
-                                true,
-                            );
-                            waiting.insert(job, b);
-                        }
-                        Outcome::Retry => {
-                            let b = Backoff::failed(
-                                waiting.get(&job).copied(),
-                                Instant::now(),
-                                None,
-                                scorer.services.retry_for,
-                                false,
-                            );
-                            waiting.insert(job, b);
-                        }
-                    }
+                        Outcome::Unavailable { retry_after } => (retry_after, true),
+                        Outcome::Retry => (None, false),
+                    };
+                    let b = Backoff::failed(
+                        waiting.get(&job).copied(),
+                        Instant::now(),
+                        retry_after,
+                        scorer.services.retry_for,
+                        unavailable,
+                    );
+                    waiting.insert(job, b);
                 }
             }
             () = scorer.wake.notified() => {}
