@@ -402,8 +402,9 @@ pub(crate) fn judge_result(
             )));
         }
         // Tokens may come from versions after the job's (the weights moved on mid-sample),
-        // never from one this hub has not published: a trainer would look for it.
-        if let Some(sp) = s.spans.iter().find(|sp| sp.version > newest) {
+        // never from one this hub has not published: a trainer would look for it. (A result
+        // that claims an unpublished version itself is the ledger's to refuse, by name.)
+        if let Some(sp) = s.spans.iter().find(|sp| sp.version > newest.max(r.version)) {
             return Err(bad(format!(
                 "sample {i} has tokens from version {}, which this hub has not published \
                  (its newest is {newest})",
