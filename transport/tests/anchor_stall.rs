@@ -1,13 +1,15 @@
 //! An anchor whose sender stops sending is given up after the stall bound, over real QUIC on
 //! loopback, and its partial file is removed.
 
+mod common;
+
 use std::time::Duration;
 
 use starling_proto::delta::anchor::AnchorSeal;
 use starling_transport::anchor_file::{AnchorFileError, receive_within};
 use starling_transport::endpoint::{client_endpoint, connect, server_endpoint};
 use starling_transport::framed::DataStreamReader;
-use starling_transport::identity::{Credentials, Role, init_cluster, issue};
+use starling_transport::identity::Role;
 use starling_transport::link::LinkProfile;
 
 const LOOPBACK: &str = "127.0.0.1:0";
@@ -15,11 +17,7 @@ const LOOPBACK: &str = "127.0.0.1:0";
 #[tokio::test]
 async fn an_anchor_that_stops_coming_is_given_up() {
     let d = tempfile::tempdir().expect("tempdir");
-    let dir = d.path().join("cluster");
-    init_cluster(&dir, "test", [7; 32]).expect("init");
-    let hub = Credentials::load_hub(&dir).expect("hub creds");
-    issue(&dir, Role::Actor, "a1", &d.path().join("a1")).expect("issue a1");
-    let a1 = Credentials::load_peer(&d.path().join("a1")).expect("a1 creds");
+    let (hub, a1) = common::hub_and_actor(d.path());
 
     // The sender writes 1000 of the sealed 1 MB and then nothing, keeping the stream open.
     let server =

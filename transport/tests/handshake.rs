@@ -1,5 +1,7 @@
 //! Mutual TLS over real QUIC sockets on loopback: who gets in, who is refused, and when.
 
+mod common;
+
 use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::Arc;
@@ -286,15 +288,7 @@ async fn only_cluster_members_get_in_and_only_as_themselves() {
 #[tokio::test]
 async fn admission_takes_older_clients_down_to_the_floor_and_no_others() {
     let d = tempfile::tempdir().expect("tempdir");
-    let hub = cluster(&d.path().join("cluster"), "test");
-    issue(
-        &d.path().join("cluster"),
-        Role::Actor,
-        "a1",
-        &d.path().join("a1"),
-    )
-    .expect("issue a1");
-    let a1 = Credentials::load_peer(&d.path().join("a1")).expect("a1 creds");
+    let (hub, a1) = common::hub_and_actor(d.path());
     let (addr, _server, mut admitted) = spawn_admitting_hub(&hub);
     let t = Duration::from_secs(20);
     const { assert!(MIN_PEER_PROTOCOL < PROTOCOL_VERSION) };
@@ -345,15 +339,7 @@ async fn admission_takes_older_clients_down_to_the_floor_and_no_others() {
 async fn a_peer_not_yet_admitted_holds_little_for_little_time() {
     use starling_transport::admit::{HELLO_LIMIT, HELLO_TIMEOUT};
     let d = tempfile::tempdir().expect("tempdir");
-    let hub = cluster(&d.path().join("cluster"), "test");
-    issue(
-        &d.path().join("cluster"),
-        Role::Actor,
-        "a1",
-        &d.path().join("a1"),
-    )
-    .expect("issue a1");
-    let a1 = Credentials::load_peer(&d.path().join("a1")).expect("a1 creds");
+    let (hub, a1) = common::hub_and_actor(d.path());
     let (addr, _server, mut admitted) = spawn_admitting_hub(&hub);
     let client =
         client_endpoint(&a1, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN).expect("client");

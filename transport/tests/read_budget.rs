@@ -2,12 +2,14 @@
 //! budget before its body is read, a stream whose frame does not fit waits with next to
 //! nothing read, and it goes on once the earlier frame is handed on.
 
+mod common;
+
 use std::time::Duration;
 
 use starling_proto::delta::container::{FrameKind, encode_frame};
 use starling_transport::endpoint::{client_endpoint, connect, server_endpoint};
 use starling_transport::framed::{DataStreamReader, ReadBudget};
-use starling_transport::identity::{Credentials, Role, init_cluster, issue};
+use starling_transport::identity::Role;
 use starling_transport::link::LinkProfile;
 
 const LOOPBACK: &str = "127.0.0.1:0";
@@ -19,11 +21,7 @@ fn body(fill: u8, len: usize) -> Vec<u8> {
 #[tokio::test]
 async fn a_frame_that_does_not_fit_the_budget_waits_unread() {
     let d = tempfile::tempdir().expect("tempdir");
-    let dir = d.path().join("cluster");
-    init_cluster(&dir, "test", [7; 32]).expect("init");
-    let hub = Credentials::load_hub(&dir).expect("hub creds");
-    issue(&dir, Role::Actor, "a1", &d.path().join("a1")).expect("issue a1");
-    let a1 = Credentials::load_peer(&d.path().join("a1")).expect("a1 creds");
+    let (hub, a1) = common::hub_and_actor(d.path());
 
     // Three streams: two frames of 600 KiB, then one larger than the whole budget.
     let sizes = [600 << 10, 600 << 10, 1536 << 10];
