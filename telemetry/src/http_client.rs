@@ -9,6 +9,9 @@
 //! - an answer's body is read up to [`Limits::body_limit`] bytes ([`DEFAULT_BODY_LIMIT`]
 //!   unless a caller whose answers can be larger says more); a longer one is
 //!   [`HttpClientError::TooLarge`], never buffered;
+//! - a streamed answer ([`request_lines`]) may also be bounded per read ([`Limits::idle`]):
+//!   a server that stops sending mid-answer is given up after that long, however long the
+//!   whole answer may take;
 //! - every status is an answer: a 4xx or 5xx is a [`Response`] for the caller to read (the
 //!   hub's and vLLM's error bodies say why), and a redirect is not followed;
 //! - no proxy from the environment (`http_proxy` must not reroute loopback calls), no
@@ -18,7 +21,8 @@
 //!   (restarted, or timing out idle keep-alives) has closed would fail a `POST` that ureq
 //!   does not retry.
 
-use std::io;
+use std::io::{self, BufRead, BufReader};
+use std::ops::ControlFlow;
 use std::time::Duration;
 
 use ureq::Agent;
@@ -41,6 +45,9 @@ pub enum HttpClientError {
     /// The exchange took longer than the request's timeout.
     #[error("no whole answer from {addr} within {after:?}")]
     TimedOut { addr: String, after: Duration },
+    /// The server sent nothing for the request's idle bound ([`Limits::idle`]).
+    #[error("{addr} sent nothing for {after:?}")]
+    Silent { addr: String, after: Duration },
     /// The answer's body is longer than the request's body limit; the rest was not read.
     #[error("the answer from {addr} is larger than the limit of {limit} bytes")]
     TooLarge { addr: String, limit: u64 },
@@ -67,6 +74,7 @@ pub enum HttpClientError {
 pub struct Limits {
     timeout: Duration,
     body_limit: u64,
+    idle: Option<Duration>,
 }
 
 impl Limits {
@@ -75,6 +83,16 @@ impl Limits {
         Self {
             timeout,
             body_limit: DEFAULT_BODY_LIMIT,
+            idle: None,
+        }
+    }
+
+    /// The same, giving up once one read has waited `idle` for a byte: for answers that are
+    /// streamed over minutes, where the whole `timeout` says little about a server that hung.
+    pub fn idle(self, idle: Duration) -> Self {
+        Self {
+            idle: Some(idle),
+            ..self
         }
     }
 
@@ -112,6 +130,68 @@ pub fn request(
     body: Option<&str>,
     limits: Limits,
 ) -> Result<Response, HttpClientError> {
+    let mut answer = send(addr, method, path, headers, body, limits)?;
+    let status = answer.status().as_u16();
+    let body = read_whole(addr, answer.body_mut(), limits)?;
+    Ok(Response { status, body })
+}
+
+/// Like [`request`], for an answer streamed as lines (server-sent events, JSON lines): a
+/// success's body is handed to `line` one line at a time as it arrives (without its line
+/// ending; the `Response`'s `body` is then empty), until the body ends or `line` breaks. Any
+/// other status is read whole into the `Response`, as [`request`] does. The body limit
+/// counts every byte streamed, so a line is never longer than it.
+pub fn request_lines(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+    limits: Limits,
+    mut line: impl FnMut(&str) -> ControlFlow<()>,
+) -> Result<Response, HttpClientError> {
+    let mut answer = send(addr, method, path, headers, body, limits)?;
+    let status = answer.status().as_u16();
+    if !(200..300).contains(&status) {
+        let body = read_whole(addr, answer.body_mut(), limits)?;
+        return Ok(Response { status, body });
+    }
+    let mut reader = BufReader::new(
+        answer
+            .body_mut()
+            .with_config()
+            .limit(limits.body_limit)
+            .reader(),
+    );
+    let mut buf = Vec::new();
+    loop {
+        buf.clear();
+        let n = reader
+            .read_until(b'\n', &mut buf)
+            .map_err(|e| classify_io(addr, limits, e))?;
+        if n == 0 {
+            break;
+        }
+        let text = String::from_utf8_lossy(&buf);
+        if line(text.trim_end_matches(['\r', '\n'])).is_break() {
+            break;
+        }
+    }
+    Ok(Response {
+        status,
+        body: String::new(),
+    })
+}
+
+/// Sends the request and reads the answer's head.
+fn send(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: Option<&str>,
+    limits: Limits,
+) -> Result<http::Response<ureq::Body>, HttpClientError> {
     let bad_request = |source| HttpClientError::Request {
         addr: addr.to_owned(),
         method: method.to_owned(),
@@ -124,7 +204,7 @@ pub fn request(
     for (k, v) in headers {
         builder = builder.header(*k, *v);
     }
-    let agent = agent(limits.timeout);
+    let agent = agent(limits);
     let answer = match body {
         Some(body) => builder
             .header(http::header::CONTENT_TYPE, "application/json")
@@ -132,26 +212,60 @@ pub fn request(
             .map(|r| agent.run(r)),
         None => builder.body(()).map(|r| agent.run(r)),
     };
-    let mut answer = answer
+    answer
         .map_err(|e| bad_request(e.into()))?
-        .map_err(|e| classify(addr, limits, e).unwrap_or_else(bad_request))?;
-    let status = answer.status().as_u16();
-    let bytes = answer
-        .body_mut()
+        .map_err(|e| classify(addr, limits, e).unwrap_or_else(bad_request))
+}
+
+/// A body read whole, up to the limit, as text.
+fn read_whole(
+    addr: &str,
+    body: &mut ureq::Body,
+    limits: Limits,
+) -> Result<String, HttpClientError> {
+    let bytes = body
         .with_config()
         .limit(limits.body_limit)
         .read_to_vec()
-        .map_err(|e| classify(addr, limits, e).unwrap_or_else(bad_request))?;
-    Ok(Response {
-        status,
-        body: String::from_utf8_lossy(&bytes).into_owned(),
-    })
+        .map_err(|e| {
+            classify(addr, limits, e).unwrap_or_else(|source| HttpClientError::Malformed {
+                addr: addr.to_owned(),
+                source,
+            })
+        })?;
+    Ok(String::from_utf8_lossy(&bytes).into_owned())
+}
+
+/// The error a failed read of a streamed body is (ureq's errors come wrapped in `io::Error`).
+fn classify_io(addr: &str, limits: Limits, e: io::Error) -> HttpClientError {
+    if e.get_ref().is_some_and(|inner| inner.is::<ureq::Error>()) {
+        let inner = e
+            .into_inner()
+            .and_then(|inner| inner.downcast::<ureq::Error>().ok());
+        if let Some(inner) = inner {
+            return classify(addr, limits, *inner).unwrap_or_else(|source| {
+                HttpClientError::Malformed {
+                    addr: addr.to_owned(),
+                    source,
+                }
+            });
+        }
+        return HttpClientError::Unreachable {
+            addr: addr.to_owned(),
+            source: io::Error::other("read failed"),
+        };
+    }
+    HttpClientError::Unreachable {
+        addr: addr.to_owned(),
+        source: e,
+    }
 }
 
 /// The agent for one request, with every setting the module documentation lists.
-fn agent(timeout: Duration) -> Agent {
+fn agent(limits: Limits) -> Agent {
     Agent::config_builder()
-        .timeout_global(Some(timeout))
+        .timeout_global(Some(limits.timeout))
+        .timeout_per_read(limits.idle)
         .http_status_as_error(false)
         .max_redirects(0)
         .proxy(None)
@@ -166,6 +280,10 @@ fn agent(timeout: Duration) -> Agent {
 fn classify(addr: &str, limits: Limits, e: ureq::Error) -> Result<HttpClientError, ureq::Error> {
     let addr = addr.to_owned();
     Ok(match e {
+        ureq::Error::Timeout(ureq::Timeout::PerRead) => HttpClientError::Silent {
+            addr,
+            after: limits.idle.unwrap_or(limits.timeout),
+        },
         ureq::Error::Timeout(_) => HttpClientError::TimedOut {
             addr,
             after: limits.timeout,

@@ -1,6 +1,8 @@
 //! `http_client` against real local servers: a JSON round trip (also a chunked answer), an
 //! error status returned as a response, an oversized body refused, an address nobody listens
-//! on, and a server that never answers.
+//! on, and a server that never answers; answers streamed as lines (each handed over as it
+//! arrives, a server gone quiet mid-answer given up after the idle bound, an error status read
+//! whole, the limit counted over the whole stream).
 //!
 //! The servers are a few lines over a `std` listener that write canned answers by hand, so
 //! each test decides exactly what the client receives (a length that is too large, a chunked
@@ -8,6 +10,8 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::ops::ControlFlow;
+use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -324,4 +328,160 @@ fn bad_request_is_refused_before_sending() {
     )
     .expect_err("an invalid header name");
     assert!(matches!(e, HttpClientError::Request { .. }), "{e:?}");
+}
+
+/// One chunk of a chunked body.
+fn chunk(data: &str) -> Vec<u8> {
+    format!("{:x}\r\n{data}\r\n", data.len()).into_bytes()
+}
+
+const STREAM_HEAD: &[u8] =
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n";
+
+#[test]
+fn streamed_lines_arrive_one_by_one() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let (seen_tx, seen_rx) = mpsc::channel::<String>();
+    // Sends the second line only once the client has handed over the first: a client that
+    // waited for the whole body would wait for ever (the test's timeout).
+    let server = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().expect("accept");
+        read_request(&conn);
+        conn.write_all(STREAM_HEAD).expect("head");
+        conn.write_all(&chunk("data: one\r\n\n")).expect("first");
+        let got = seen_rx
+            .recv_timeout(TIMEOUT)
+            .expect("the first line handed over before the body ended");
+        assert_eq!(got, "data: one");
+        // A line split over two chunks is still one line.
+        conn.write_all(&chunk("data: t")).expect("half");
+        conn.write_all(&chunk("wo\n")).expect("rest");
+        conn.write_all(b"0\r\n\r\n").expect("end");
+    });
+    let mut lines = Vec::new();
+    let r = http_client::request_lines(
+        &addr,
+        "POST",
+        "/v1/completions",
+        &[],
+        Some("{}"),
+        Limits::timeout(TIMEOUT).idle(TIMEOUT),
+        |line| {
+            lines.push(line.to_owned());
+            let _ = seen_tx.send(line.to_owned());
+            ControlFlow::Continue(())
+        },
+    )
+    .expect("a streamed answer");
+    assert_eq!((r.status, r.body.as_str()), (200, ""));
+    assert_eq!(lines, ["data: one", "", "data: two"]);
+    server.join().expect("server");
+}
+
+#[test]
+fn a_stream_that_goes_quiet_is_given_up_after_the_idle_bound() {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let server = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().expect("accept");
+        read_request(&conn);
+        conn.write_all(STREAM_HEAD).expect("head");
+        conn.write_all(&chunk("data: one\n")).expect("first");
+        // Then silence, until the client has gone.
+        let _ = conn.read_to_end(&mut Vec::new());
+    });
+    let idle = Duration::from_millis(300);
+    let started = Instant::now();
+    let mut lines = 0;
+    let e = http_client::request_lines(
+        &addr,
+        "GET",
+        "/",
+        &[],
+        None,
+        Limits::timeout(TIMEOUT).idle(idle),
+        |_| {
+            lines += 1;
+            ControlFlow::Continue(())
+        },
+    )
+    .expect_err("the stream went quiet");
+    assert!(
+        matches!(&e, HttpClientError::Silent { after, .. } if *after == idle),
+        "{e:?}"
+    );
+    assert_eq!(lines, 1);
+    let took = started.elapsed();
+    assert!(took >= idle && took < TIMEOUT / 2, "took {took:?}");
+    server.join().expect("server");
+}
+
+#[test]
+fn a_streamed_request_answered_with_an_error_reads_it_whole() {
+    let (addr, server) = serve_once(|_| answer("400 Bad Request", "", br#"{"error":"too long"}"#));
+    let mut lines = 0;
+    let r = http_client::request_lines(
+        &addr,
+        "POST",
+        "/",
+        &[],
+        Some("{}"),
+        Limits::timeout(TIMEOUT),
+        |_| {
+            lines += 1;
+            ControlFlow::Continue(())
+        },
+    )
+    .expect("an answer");
+    assert_eq!(
+        (r.status, r.body.as_str(), lines),
+        (400, r#"{"error":"too long"}"#, 0)
+    );
+    server.join().expect("server");
+}
+
+#[test]
+fn a_stream_is_bounded_as_a_whole_and_a_break_stops_reading() {
+    let many = "data: 0123456789\n".repeat(100);
+    let body = chunk(&many);
+    let (addr, server) = serve_once(move |_| [STREAM_HEAD, &body, b"0\r\n\r\n"].concat());
+    let e = http_client::request_lines(
+        &addr,
+        "GET",
+        "/",
+        &[],
+        None,
+        Limits::timeout(TIMEOUT).body_limit(500),
+        |_| ControlFlow::Continue(()),
+    )
+    .expect_err("over the limit");
+    assert!(
+        matches!(e, HttpClientError::TooLarge { limit: 500, .. }),
+        "{e:?}"
+    );
+    server.join().expect("server");
+
+    let body = chunk(&many);
+    let (addr, server) = serve_once(move |_| [STREAM_HEAD, &body, b"0\r\n\r\n"].concat());
+    let mut lines = 0;
+    http_client::request_lines(
+        &addr,
+        "GET",
+        "/",
+        &[],
+        None,
+        Limits::timeout(TIMEOUT),
+        |_| {
+            lines += 1;
+            if lines == 3 {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        },
+    )
+    .expect("a streamed answer");
+    assert_eq!(lines, 3);
+    server.join().expect("server");
 }
