@@ -26,6 +26,8 @@
 mod anchor;
 mod claim_depth;
 pub mod cli;
+mod completion_stream;
+mod concurrent_jobs;
 mod config;
 pub mod engine;
 mod pipeline;

@@ -10,10 +10,16 @@
 //!   an HTTP error) fences the engine — its fingerprint is withdrawn, so the worker takes no
 //!   work — and falls back to a full reload (`starling_load_full` of the committed weights,
 //!   written once as `STORE/vllm/model/model.safetensors`), then to restarting the server.
-//! - **Generation.** `POST /v1/completions` with the prompt's token ids, `n` samples, the
-//!   job's sampling parameters and seed, one log-probability per token and token ids back
-//!   (`return_tokens_as_token_ids`). Loads take the swap lock for writing and `generate` for
-//!   reading, so a call never spans two versions: every sample's tokens carry one version.
+//! - **Generation.** One streamed `POST /v1/completions` per job, with the prompt's token
+//!   ids, `n` samples, the job's sampling parameters and seed, one log-probability per token
+//!   and token ids back (`return_tokens_as_token_ids`). A call's jobs are sent side by side,
+//!   up to `--max-batch` sequences in flight ([`crate::concurrent_jobs`]), so vLLM batches
+//!   them; each streamed token counts in the job's progress as it arrives
+//!   ([`crate::completion_stream`]), which keeps a long generation's lease alive. A stream
+//!   silent for [`GENERATE_IDLE`] is given up; there is no bound on a generation's length as
+//!   such, only a generous one per token. Loads take the swap lock for writing and
+//!   `generate` for reading, so a call never spans two versions: every sample's tokens carry
+//!   one version.
 //! - **The server.** With `--vllm-cmd` the actor starts vLLM itself (`{model}` in the command
 //!   is replaced by the directory holding the actor's committed version), waits for
 //!   `/health`, attaches (`starling_attach`: vLLM digests all its parameters) and checks the
@@ -40,6 +46,7 @@
 //! extension, a model whose parameters do not map, a patch for another model or base.
 
 use std::collections::BTreeMap;
+use std::ops::ControlFlow;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -55,6 +62,8 @@ use starling_proto::delta::manifest::{hex, parse_hex};
 use starling_proto::protocol::rollout::{FinishReason, JobResult, JobSpec, Sample};
 use starling_telemetry::http_client::{self, DEFAULT_BODY_LIMIT, Limits, Response};
 
+use crate::completion_stream::CompletionStream;
+use crate::concurrent_jobs::run_within;
 use crate::engine::{Capabilities, Engine, Fingerprint, JobProgress, group_seed, whole_span};
 
 /// How the actor reaches (and possibly runs) its vLLM server.
@@ -140,19 +149,35 @@ const RPC_TIMEOUT: Duration = Duration::from_secs(600);
 /// measured ~0.1 µs on 2 CPU cores (14 s for 135 M), so an 8B model's takes ~15 minutes,
 /// beyond the fixed bound.
 const RPC_TIME_PER_PARAMETER: Duration = Duration::from_nanos(250);
-/// Generation requests (one job's samples).
-const GENERATE_TIMEOUT: Duration = Duration::from_secs(600);
-/// A generous bound on what one generated token costs in a completion's JSON (its
-/// `token_id:N`, its log-probability, its top log-probabilities, its text offset and text):
-/// about 100 bytes in vLLM's answers.
-const COMPLETION_BYTES_PER_TOKEN: u64 = 512;
+/// A streamed completion that sends nothing for this long is given up: vLLM hung, or a
+/// request waits in its queue behind others (the engine keeps its requests within
+/// `--max-batch` sequences so that none should). Prefilling a long prompt on a slow server
+/// fits well inside it.
+pub const GENERATE_IDLE: Duration = Duration::from_secs(300);
+/// What a completion may take in all, beyond [`GENERATE_TIME_PER_TOKEN`] per new token: the
+/// prompt's prefill and the wait for a slot.
+const GENERATE_BASE: Duration = Duration::from_secs(600);
+/// What each of a sample's new tokens may take at most (4 tokens/s per sequence, far below
+/// any server that keeps up with RL): a bound for a server that trickles, not a pace.
+const GENERATE_TIME_PER_TOKEN: Duration = Duration::from_millis(250);
+/// A generous bound on what one generated token costs in a streamed completion: an event of
+/// its own (the answer's id, the model's name, the token as `token_id:N`, its
+/// log-probability, its top log-probabilities, its text offset and text), about 300 bytes
+/// plus the model's name in vLLM's answers.
+const STREAMED_BYTES_PER_TOKEN: u64 = 1024;
 
-/// The largest completion read for `n` samples of at most `max_new_tokens` tokens each: every
-/// token at [`COMPLETION_BYTES_PER_TOKEN`], plus the default body limit for the rest.
-fn completion_limit(n: u32, max_new_tokens: u32) -> u64 {
+/// The longest a completion of `max_new_tokens` new tokens per sample may take.
+fn completion_timeout(max_new_tokens: u32) -> Duration {
+    GENERATE_BASE.saturating_add(GENERATE_TIME_PER_TOKEN.saturating_mul(max_new_tokens))
+}
+
+/// The most bytes read of a streamed completion of `n` samples of at most `max_new_tokens`
+/// tokens each, served as `served`: every token at [`STREAMED_BYTES_PER_TOKEN`] plus the
+/// name, plus the default body limit for the rest.
+fn completion_limit(n: u32, max_new_tokens: u32, served: &str) -> u64 {
     u64::from(n)
         .saturating_mul(u64::from(max_new_tokens))
-        .saturating_mul(COMPLETION_BYTES_PER_TOKEN)
+        .saturating_mul(STREAMED_BYTES_PER_TOKEN.saturating_add(served.len() as u64))
         .saturating_add(DEFAULT_BODY_LIMIT)
 }
 
@@ -768,13 +793,21 @@ impl VllmEngine {
         Ok(())
     }
 
-    /// One job's samples through `/v1/completions`. Greedy (temperature 0) samples are one
-    /// request's answer `n` times: vLLM refuses `n > 1` with greedy sampling, and greedy
-    /// decoding of one prompt on one version has one answer.
-    fn complete(&self, served: &str, job: &JobSpec, fp: Fingerprint) -> Result<Vec<Sample>> {
+    /// One job's samples through a streamed `/v1/completions`, counting each token in
+    /// `progress` as it arrives. Greedy (temperature 0) samples are one request's answer `n`
+    /// times: vLLM refuses `n > 1` with greedy sampling, and greedy decoding of one prompt on
+    /// one version has one answer (each of its tokens counts `n` times).
+    fn complete(
+        &self,
+        served: &str,
+        job: &JobSpec,
+        fp: Fingerprint,
+        progress: impl Fn(u64),
+    ) -> Result<Vec<Sample>> {
         let s = &job.sampling;
         let greedy = s.temperature == 0.0;
         let n = if greedy { 1 } else { job.n };
+        let copies = u64::from(job.n / n);
         let body = json!({
             "model": served,
             "prompt": job.prompt,
@@ -785,6 +818,7 @@ impl VllmEngine {
             "seed": group_seed(s.seed, job.group) & 0x7fff_ffff_ffff_ffff,
             "logprobs": 1,
             "return_tokens_as_token_ids": true,
+            "stream": true,
             // Stop only on the job's stop tokens, as the built-in engine does.
             "ignore_eos": true,
             "stop_token_ids": s.stop_token_ids,
@@ -796,64 +830,86 @@ impl VllmEngine {
             "repetition_penalty": 1.0,
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
-        });
+        })
+        .to_string();
         let started = Instant::now();
-        let limits =
-            Limits::timeout(GENERATE_TIMEOUT).body_limit(completion_limit(n, s.max_new_tokens));
-        let r = self.call("POST", "/v1/completions", Some(&body), limits)?;
+        let limits = Limits::timeout(completion_timeout(s.max_new_tokens))
+            .idle(GENERATE_IDLE)
+            .body_limit(completion_limit(n, s.max_new_tokens, served));
+        let mut stream = CompletionStream::new(n as usize, started);
+        let mut malformed = None;
+        let r = http_client::request_lines(
+            &self.settings.addr,
+            "POST",
+            "/v1/completions",
+            &[],
+            Some(&body),
+            limits,
+            |line| match stream.line(line, Instant::now()) {
+                Ok(tokens) => {
+                    progress(tokens * copies);
+                    if stream.is_done() {
+                        ControlFlow::Break(())
+                    } else {
+                        ControlFlow::Continue(())
+                    }
+                }
+                Err(e) => {
+                    malformed = Some(e);
+                    ControlFlow::Break(())
+                }
+            },
+        )
+        .with_context(|| {
+            format!(
+                "job {}: no whole completion from the vLLM server at {}",
+                job.job, self.settings.addr
+            )
+        })?;
+        if r.status == 400 {
+            // vLLM refuses this job's request itself (its prompt leaves no room under the
+            // server's --max-model-len, say): the job goes back aborted, which the hub refuses
+            // for this job alone; the call's other jobs keep their samples, and the actor its
+            // connection.
+            tracing::error!(
+                job = job.job,
+                "vLLM refused the job's completion (400), so it goes back as aborted: {}",
+                r.body.chars().take(400).collect::<String>()
+            );
+            let aborted = Sample {
+                tokens: Vec::new(),
+                logprobs: Vec::new(),
+                finish: FinishReason::Aborted,
+                spans: whole_span(fp.version, 0),
+                ttft_us: 0,
+                decode_us: 0,
+            };
+            return Ok(vec![aborted; job.n as usize]);
+        }
         if !r.ok() {
             bail!(
-                "vLLM answered {} to a completion: {}",
+                "job {}: vLLM answered {} to a completion: {}",
+                job.job,
                 r.status,
                 r.body.chars().take(400).collect::<String>()
             );
         }
-        let elapsed = started.elapsed();
-        let v: Value = serde_json::from_str(&r.body).context("completion is not JSON")?;
-        let mut choices: Vec<&Value> = v["choices"]
-            .as_array()
-            .context("completion without choices")?
-            .iter()
-            .collect();
-        choices.sort_by_key(|c| c["index"].as_u64().unwrap_or(0));
-        if choices.len() != n as usize {
-            bail!("vLLM answered {} samples, not {n}", choices.len());
+        if let Some(e) = malformed {
+            bail!("job {}: vLLM's streamed completion: {e}", job.job);
         }
+        let mut samples = stream
+            .samples()
+            .with_context(|| format!("job {}: vLLM's streamed completion", job.job))?;
         if greedy {
-            choices = vec![choices[0]; job.n as usize];
+            samples = vec![samples[0].clone(); job.n as usize];
         }
-        choices
+        Ok(samples
             .into_iter()
-            .map(|c| {
-                let lp = &c["logprobs"];
-                let tokens = lp["tokens"]
-                    .as_array()
-                    .context("a sample without tokens")?
-                    .iter()
-                    .map(|t| {
-                        t.as_str()
-                            .and_then(|t| t.strip_prefix("token_id:"))
-                            .and_then(|id| id.parse::<u32>().ok())
-                            .context("a token that is not token_id:N")
-                    })
-                    .collect::<Result<Vec<u32>>>()?;
-                let logprobs = lp["token_logprobs"]
-                    .as_array()
-                    .context("a sample without log-probabilities")?
-                    .iter()
-                    .map(|x| x.as_f64().map(|x| x as f32).context("a log-probability"))
-                    .collect::<Result<Vec<f32>>>()?;
-                if logprobs.len() != tokens.len() {
-                    bail!(
-                        "{} tokens but {} log-probabilities",
-                        tokens.len(),
-                        logprobs.len()
-                    );
-                }
-                let len = u32::try_from(tokens.len()).unwrap_or(u32::MAX);
-                let mut finish = match c["finish_reason"].as_str() {
-                    Some("length") => FinishReason::Length,
-                    Some("stop") => FinishReason::Stop,
+            .map(|sample| {
+                let len = u32::try_from(sample.tokens.len()).unwrap_or(u32::MAX);
+                let mut finish = match sample.finish_reason.as_str() {
+                    "length" => FinishReason::Length,
+                    "stop" => FinishReason::Stop,
                     _ => FinishReason::Aborted,
                 };
                 if finish == FinishReason::Length && len < s.max_new_tokens {
@@ -872,17 +928,16 @@ impl VllmEngine {
                     );
                     finish = FinishReason::Aborted;
                 }
-                Ok(Sample {
+                Sample {
                     spans: whole_span(fp.version, len),
                     finish,
-                    // vLLM's completion answer has no per-sample timings: the call's share.
-                    ttft_us: 0,
-                    decode_us: u64::try_from(elapsed.as_micros()).unwrap_or(u64::MAX),
-                    tokens,
-                    logprobs,
-                })
+                    ttft_us: u64::try_from(sample.ttft.as_micros()).unwrap_or(u64::MAX),
+                    decode_us: u64::try_from(sample.decode.as_micros()).unwrap_or(u64::MAX),
+                    tokens: sample.tokens,
+                    logprobs: sample.logprobs,
+                }
             })
-            .collect()
+            .collect())
     }
 }
 
@@ -1000,20 +1055,29 @@ impl Engine for VllmEngine {
             bail!("vLLM holds no verified version (fenced)");
         };
         let started = Instant::now();
-        let mut results = Vec::with_capacity(jobs.len());
-        for (i, j) in jobs.iter().enumerate() {
-            let samples = self.complete(&served, j, fp)?;
-            // A completion answers all at once: its job's tokens count when it returns.
-            progress.add(i, samples.iter().map(|s| s.tokens.len() as u64).sum());
-            results.push(JobResult {
+        // Greedy jobs send one sequence (their samples are copies of it).
+        let sizes: Vec<u32> = jobs
+            .iter()
+            .map(|j| {
+                if j.sampling.temperature == 0.0 {
+                    1
+                } else {
+                    j.n
+                }
+            })
+            .collect();
+        let mut results = run_within(&sizes, self.max_batch, |i| {
+            let j = &jobs[i];
+            let samples = self.complete(&served, j, fp, |tokens| progress.add(i, tokens))?;
+            Ok(JobResult {
                 job: j.job,
                 attempt: j.attempt,
                 version: fp.version,
                 digest: fp.digest,
                 elapsed_us: 0,
                 samples,
-            });
-        }
+            })
+        })?;
         // The call's time, shared in proportion to each job's samples (the ledger's τ).
         let total: u64 = jobs.iter().map(|j| u64::from(j.n)).sum::<u64>().max(1);
         let elapsed = started.elapsed();
@@ -1084,13 +1148,20 @@ mod tests {
     }
 
     #[test]
-    fn a_completion_may_be_as_large_as_its_tokens_allow() {
-        assert_eq!(completion_limit(0, 100), DEFAULT_BODY_LIMIT);
+    fn a_completion_may_be_as_large_and_as_long_as_its_tokens_allow() {
+        assert_eq!(completion_limit(0, 100, "m"), DEFAULT_BODY_LIMIT);
         assert_eq!(
-            completion_limit(8, 1024),
-            DEFAULT_BODY_LIMIT + 8 * 1024 * COMPLETION_BYTES_PER_TOKEN
+            completion_limit(8, 1024, "/store/vllm/model"),
+            DEFAULT_BODY_LIMIT + 8 * 1024 * (STREAMED_BYTES_PER_TOKEN + 17)
         );
-        assert_eq!(completion_limit(u32::MAX, u32::MAX), u64::MAX);
+        assert_eq!(completion_limit(u32::MAX, u32::MAX, "m"), u64::MAX);
+        assert_eq!(completion_timeout(0), GENERATE_BASE);
+        // A 32k-token reasoning trace is not cut short by the bound.
+        assert!(completion_timeout(32_768) > Duration::from_secs(8000));
+        assert_eq!(
+            completion_timeout(u32::MAX),
+            Duration::MAX.min(completion_timeout(u32::MAX))
+        );
     }
 
     #[test]

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -31,6 +32,9 @@ BIN = Path(os.environ.get("STARLING_BIN_DIR", "/var/tmp/starling-ci-target/relea
 VERSIONS = 3
 VERIFY_EVERY_S = 3
 PROMPT = [1, 17, 230, 4711, 99]
+# Room for a generation that lasts seconds, below the test model's context (2048) so that the
+# hub takes prompts that vLLM cannot.
+MAX_MODEL_LEN = 1024
 
 
 def binary(name: str) -> str:
@@ -91,7 +95,7 @@ class Cluster:
             # No --host: the actor binds vLLM to --vllm-url's loopback address itself.
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "{model}",
             "--port", str(self.vllm_port), "--skip-tokenizer-init",
-            "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", "256", "--max-num-seqs", "8",
+            "--enforce-eager", "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8",
             "--seed", "0", "--logprobs-mode", "processed_logprobs", "--worker-extension-cls", EXTENSION,
         ])
         env = dict(os.environ)
@@ -219,6 +223,114 @@ def test_rollouts_from_vllm_are_accepted_under_their_version(cluster):
         assert s["tokens"] == ids
         assert s["logprobs"] == pytest.approx([float(x) for x in lp["token_logprobs"]], abs=0, rel=1e-6)
         assert s["versions"] == [{"version": VERSIONS, "start": 0, "end": len(ids)}]
+
+
+def hub_metric(c: Cluster, name: str) -> float:
+    text = requests.get(f"http://127.0.0.1:{c.http}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + " ") or line.startswith(name + "{"))
+
+
+def results_of(c: Cluster, batch: dict, groups: int) -> dict:
+    return wait(f"the {groups} groups' results", lambda: (lambda p: p if len(p["results"]) == groups else None)(
+        c.api("GET", f"/v1/batches/{batch['batch']}/results?wait_ms=2000")), 600, c.actor, c.actor_log)
+
+
+def assert_whole(page: dict, tokens: int) -> None:
+    """Every sample ran to `tokens` or to a stop token (the model's EOS), on one version."""
+    for g in page["results"]:
+        assert g["version"] == VERSIONS
+        for s in g["samples"]:
+            n = len(s["tokens"])
+            assert (n == tokens and s["finish"] == "length") or (0 < n <= tokens and s["finish"] == "stop"), \
+                (n, s["finish"])
+            assert len(s["logprobs"]) == n
+            assert s["versions"] == [{"version": VERSIONS, "start": 0, "end": n}]
+
+
+def test_a_long_generation_streams_its_progress_and_keeps_its_lease(cluster):
+    """One group of long samples (seconds on this model): the actor streams vLLM's tokens and reports them as they
+    come, so the hub extends the group's lease while it generates. (Read whole, the answer
+    reported nothing until it ended, and a lone group's lease was never extended.)"""
+    c = cluster
+    c.engine_holds(VERSIONS)
+    before = hub_metric(c, "starling_hub_leases_extended_total")
+    t0 = time.time()
+    batch = c.api("POST", "/v1/batches", {
+        "sampling": {"max_new_tokens": 1000, "temperature": 1.0, "seed": 11, "stop_token_ids": []},
+        "groups": [{"prompt_ids": PROMPT, "n": 2, "verifier": "none"}],
+    })
+    assert_whole(results_of(c, batch, 1), 1000)
+    took = time.time() - t0
+    extended = hub_metric(c, "starling_hub_leases_extended_total") - before
+    assert extended >= 2, f"{extended} lease extensions in a {took:.1f} s generation"
+
+
+def test_a_calls_groups_are_generated_side_by_side(cluster):
+    """Two groups in one generation call (`--claim 2`) go to vLLM together, where they used to
+    go one after the other: vLLM's own gauge sees both requests running at once."""
+    c = cluster
+    c.engine_holds(VERSIONS)
+    most, seen, stop = [0.0], [], threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            try:
+                text = requests.get(f"http://127.0.0.1:{c.vllm_port}/metrics", timeout=5).text
+                running = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                              if line.startswith("vllm:num_requests_running"))
+                most[0] = max(most[0], running)
+                seen.append(running)
+            except (requests.RequestException, ValueError, IndexError) as e:
+                seen.append(repr(e))
+            time.sleep(0.1)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        batch = c.api("POST", "/v1/batches", {
+            "sampling": {"max_new_tokens": 600, "temperature": 1.0, "seed": 12, "stop_token_ids": []},
+            "groups": [{"prompt_ids": PROMPT, "n": 2, "verifier": "none"} for _ in range(2)],
+        })
+        assert_whole(results_of(c, batch, 2), 600)
+    finally:
+        stop.set()
+        watcher.join()
+    assert most[0] >= 2, f"at most {most[0]} requests ran at once in vLLM: {seen}"
+
+
+def test_jobs_past_vllms_context_fail_their_own_groups_only(cluster):
+    """Two groups that vLLM's --max-model-len cannot hold, though the model's context can (the
+    hub takes them), beside one that fits, in one call. vLLM refuses the first outright (400)
+    and cuts the second's samples short at its limit ("length" before max_new_tokens); both go
+    back aborted and are refused by the hub, each for itself, while the third group's samples
+    are accepted. (A refusal used to fail the whole call and the actor's connection with it; a
+    cut sample used to be trained on as if the model had stopped.)"""
+    c = cluster
+    c.engine_holds(VERSIONS)
+    batch = c.api("POST", "/v1/batches", {
+        "sampling": {"max_new_tokens": 100, "temperature": 1.0, "seed": 13, "stop_token_ids": []},
+        "groups": [{"prompt_ids": [5] * (MAX_MODEL_LEN + 10), "n": 2, "verifier": "none"},
+                   {"prompt_ids": [5] * (MAX_MODEL_LEN - 50), "n": 2, "verifier": "none"},
+                   {"prompt_ids": PROMPT, "n": 2, "verifier": "none"}],
+    })
+    page = results_of(c, batch, 1)
+    assert page["results"][0]["prompt_ids"] == PROMPT
+    assert_whole(page, 100)
+
+    def both_refused():
+        s = c.api("GET", f"/v1/batches/{batch['batch']}")
+        log = c.actor_log.read_text(errors="replace")
+        return s if ("refused the job's completion (400)" in log
+                     and "ended a sample at its length limit" in log
+                     and s["refused"].get("invalid_result", 0) >= 2) else None
+
+    status = wait("both refusals", both_refused, 120, c.actor, c.actor_log)
+    assert set(status["refused"]) == {"invalid_result"}, status
+    # Leave nothing running for the next test (the groups may have run out of attempts).
+    r = requests.post(f"http://127.0.0.1:{c.http}/v1/batches/{batch['batch']}/cancel", timeout=30,
+                      headers={"authorization": f"Bearer {c.token}"})
+    assert r.status_code in (200, 409), r.text[:400]
 
 
 def listening_addresses(port: int) -> set[str]:
