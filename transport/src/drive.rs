@@ -215,7 +215,8 @@ pub async fn actions<S: Shell>(
                 let source = match &n {
                     Notice::SourceDropped { source, .. }
                     | Notice::Returning { from: source }
-                    | Notice::NothingToOffer { source, .. } => feed.source(*source),
+                    | Notice::NothingToOffer { source, .. }
+                    | Notice::Unanswered { source, .. } => feed.source(*source),
                     Notice::Received { .. } => None,
                 };
                 shell.notice(n, source)?;

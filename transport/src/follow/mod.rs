@@ -20,6 +20,9 @@
 //! - Versions are activated in order, one at a time, each only once every frame of it is
 //!   here, staged without error, and its `Commit` came: never out of order, never
 //!   half-applied (the shell's activation verifies the whole before it writes anything).
+//!   An anchor restore replaces the active version too: it never overlaps an activation (an
+//!   anchor offered while one is under way is restored once it ended, and nothing activates
+//!   while the anchor is restored).
 //! - An actor stages a version only on top of its base ([`FollowConfig::stage_ahead`] off):
 //!   later versions are buffered here until their base is active, then staged.
 //! - A version that failed staging or activation, or came with a segment numbered beyond its
@@ -30,10 +33,15 @@
 //! - What a source sends is bounded before it is held ([`Bounds`]): a version at most the model
 //!   coded densely, every version in flight at most twice that, none too far ahead. A source
 //!   that breaks a bound is dropped with everything it sent and left alone for a while.
+//! - A source that sends no frame for [`REQUEST_PATIENCE`] after it was asked for (part of) a
+//!   version (`Fetch`, `Resume`) is left as lost: a source that withholds what it announced
+//!   cannot hold a receiver for ever.
 //! - Events of a connection the core has left are ignored (each carries its [`ConnId`]).
 //! - On a new connection a half-received version continues (`Resume`) only where the source
 //!   holds it whole (its `Welcome` says so); otherwise the source streams it again and what is
-//!   already here is dropped as duplicate.
+//!   already here is dropped as duplicate. A refusal that comes once versions after the
+//!   subscription's start are active here (they were here already) subscribes afresh to the
+//!   same source rather than asking it for an anchor.
 
 pub mod policy;
 #[cfg(test)]
@@ -51,6 +59,15 @@ pub use policy::{GaveUp, PolicyConfig, SourceId, SourcePolicy};
 /// source (which then has neither the next delta nor a newer anchor).
 pub const ANCHOR_PATIENCE: Duration = Duration::from_secs(2);
 
+/// How long a source may send no frame at all after it was asked for (part of) a version
+/// (`Fetch`, `Resume`) before the receiver leaves it as lost: an honest source answers at
+/// once, with frames or a refusal (it sent those frames before, or holds the version whole);
+/// one that stays silent is withholding, or its connection is dead without a word. Far
+/// beyond QUIC's idle timeout (5 s), so that a busy receiver whose reads wait on its read
+/// budget, or a congested link, is not taken for a withholding source: leaving a source costs a
+/// WAN copy, while waiting this long on a hostile one costs only this delay.
+pub const REQUEST_PATIENCE: Duration = Duration::from_secs(30);
+
 /// One connection to a source, numbered by the core; events name the connection they came on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ConnId(pub u64);
@@ -65,8 +82,10 @@ pub struct Bounds {
     /// again once the versions before them are active.
     pub version_cap: u64,
     /// The furthest ahead of the active version a source may announce a version out of
-    /// order (an honest source never skips one: it streams each version after the one
-    /// before, so a subscriber far behind sees a run of versions, never a jump).
+    /// order, and the furthest past the newest version it announced (an honest source never
+    /// skips one: it streams each version after the one before, so a subscriber far behind
+    /// sees a run of versions, never a jump; but the stripes of a run overtake each other on
+    /// the way, so the next versions of a run may be announced before the last ones).
     pub max_ahead: u64,
     /// The furthest ahead a source may announce at all (what a long honest catch-up needs,
     /// and a bound on what the versions in flight cost here).
@@ -244,6 +263,9 @@ pub enum Notice {
     Returning { from: SourceId },
     /// `source` has neither the next delta nor an anchor newer than `after`.
     NothingToOffer { source: SourceId, after: u64 },
+    /// `source` sent nothing for `waited` after it was asked for (part of) a version: left as
+    /// lost.
+    Unanswered { source: SourceId, waited: Duration },
 }
 
 /// One line for a log: what happened (the source is named by the shell, which knows it).
@@ -260,6 +282,10 @@ impl std::fmt::Display for Notice {
             Notice::NothingToOffer { after, .. } => write!(
                 f,
                 "neither the delta after {after} nor a newer anchor here; trying the next source"
+            ),
+            Notice::Unanswered { waited, .. } => write!(
+                f,
+                "nothing came for {waited:?} after a request for a version; trying the next source"
             ),
         }
     }
@@ -338,10 +364,18 @@ enum Link {
     Up {
         conn: ConnId,
         source: SourceId,
+        /// The subscription on this connection streams the versions after this one.
+        after: u64,
         /// When an anchor was asked for on this connection.
         anchor_asked: Option<Instant>,
-        /// An anchor is being restored from it.
+        /// An anchor is being restored from it (or was offered, and waits for `offered`).
         restoring: bool,
+        /// The anchor offered, not yet handed to the shell: an activation is under way, and
+        /// the two never overlap (both replace the active version).
+        offered: Option<u64>,
+        /// When the oldest request for (part of) a version was sent that no frame has
+        /// followed yet (see [`REQUEST_PATIENCE`]).
+        asked: Option<Instant>,
     },
     /// Shut down or given up.
     Stopped,
@@ -460,10 +494,19 @@ impl<F> Follower<F> {
             } => Some(at + ANCHOR_PATIENCE),
             _ => None,
         };
-        [retry, probe, anchor].into_iter().flatten().min()
+        let answer = match self.link {
+            Link::Up {
+                asked: Some(at),
+                restoring: false,
+                ..
+            } => Some(at + REQUEST_PATIENCE),
+            _ => None,
+        };
+        [retry, probe, anchor, answer].into_iter().flatten().min()
     }
 
-    /// Runs what is due at `now`: the next connection attempt, a probe.
+    /// Runs what is due at `now`: the next connection attempt, leaving a source that does
+    /// not answer, a probe.
     pub fn handle_timeout(&mut self, now: Instant) {
         if let Link::Down { retry_at } = self.link
             && retry_at <= now
@@ -490,6 +533,15 @@ impl<F> Follower<F> {
             && at + ANCHOR_PATIENCE <= now
         {
             self.nothing_to_offer(now);
+        }
+        if let Link::Up {
+            asked: Some(at),
+            restoring: false,
+            ..
+        } = self.link
+            && at + REQUEST_PATIENCE <= now
+        {
+            self.unanswered(now);
         }
         if matches!(self.link, Link::Up { .. })
             && let Some(source) = self.policy.start_probe(now)
@@ -545,6 +597,10 @@ impl<F> Follower<F> {
                 frame,
             } => {
                 if self.receiving(conn) {
+                    // The source answers: whatever was asked of it is on its way.
+                    if let Link::Up { asked, .. } = &mut self.link {
+                        *asked = None;
+                    }
                     self.frame(now, version, delta_id, transmission, info, bytes, frame);
                 }
             }
@@ -573,17 +629,28 @@ impl<F> Follower<F> {
                 }
             }
             Event::Refused { conn, reason } => {
-                if self.receiving(conn) && reason == RefuseReason::VersionUnavailable {
-                    self.unavailable(now);
+                if self.receiving(conn) {
+                    if let Link::Up { asked, .. } = &mut self.link {
+                        *asked = None;
+                    }
+                    if reason == RefuseReason::VersionUnavailable {
+                        self.unavailable(now);
+                    }
                 }
             }
             Event::AnchorOffered { conn, version } => {
                 if self.receiving(conn) {
                     if version > self.done_through() && self.cfg.anchors {
-                        if let Link::Up { restoring, .. } = &mut self.link {
+                        // Nothing more is taken from the source, and nothing more activated,
+                        // until the anchor is in (`restore_ready` hands it to the shell once
+                        // no activation is under way).
+                        if let Link::Up {
+                            restoring, offered, ..
+                        } = &mut self.link
+                        {
                             *restoring = true;
+                            *offered = Some(version);
                         }
-                        self.out.push_back(Action::RestoreAnchor { conn, version });
                     } else {
                         self.leave(now, false);
                     }
@@ -648,6 +715,7 @@ impl<F> Follower<F> {
             }
         }
         self.check_bounds(now);
+        self.restore_ready();
         self.activate_ready();
     }
 
@@ -690,6 +758,7 @@ impl<F> Follower<F> {
             .map(|p| p.reception.have())
             .filter(|have| latest >= next && !have.is_empty() && have.len() <= MAX_SEQS);
         let after = if resume.is_some() { next } else { next - 1 };
+        let asked = resume.is_some().then_some(now);
         self.newest_announced = after;
         self.out.push_back(Action::Send {
             conn,
@@ -709,8 +778,11 @@ impl<F> Follower<F> {
         self.link = Link::Up {
             conn,
             source,
+            after,
             anchor_asked: None,
             restoring: false,
+            offered: None,
+            asked,
         };
     }
 
@@ -727,7 +799,10 @@ impl<F> Follower<F> {
             return;
         }
         if let Some(b) = self.cfg.bounds {
-            let jump = version > self.newest_announced.saturating_add(1);
+            // A run of versions streamed back to back reaches the receiver on several
+            // stripes each, not always in order: a version up to `max_ahead` past the newest
+            // announced is the run going on, not a jump.
+            let jump = version > self.newest_announced.saturating_add(b.max_ahead);
             if version > self.active.saturating_add(b.max_versions)
                 || (jump && version > self.active.saturating_add(b.max_ahead))
             {
@@ -893,9 +968,19 @@ impl<F> Follower<F> {
     /// connection. Refusals that follow are of requests sent before (a `Subscribe` and a
     /// `Resume` can both be refused); whether an anchor comes is decided by
     /// [`ANCHOR_PATIENCE`] in [`handle_timeout`](Self::handle_timeout).
+    ///
+    /// Where versions after the subscription's start became active here meanwhile (what was
+    /// already here when it subscribed), what was refused may be only what is no longer
+    /// needed: the receiver subscribes afresh on a new connection to the same source (a
+    /// refused subscription ends there), after what it holds now. Asking for an anchor
+    /// instead would find none newer, and leave a source that holds every version it needs.
     fn unavailable(&mut self, now: Instant) {
+        let done = self.done_through();
         let Link::Up {
-            conn, anchor_asked, ..
+            conn,
+            after,
+            anchor_asked,
+            ..
         } = &mut self.link
         else {
             return;
@@ -903,6 +988,9 @@ impl<F> Follower<F> {
         let conn = *conn;
         if anchor_asked.is_some() {
             return;
+        }
+        if done > *after {
+            return self.leave(now, true);
         }
         if !self.cfg.anchors {
             return self.nothing_to_offer(now);
@@ -1039,7 +1127,13 @@ impl<F> Follower<F> {
     fn refetch(&mut self, now: Instant, version: u64, seqs: Vec<u32>, failed: bool) {
         // Only on a subscription: a connection still being made streams every version after
         // what is done once it subscribes.
-        let Link::Up { conn, source, .. } = self.link else {
+        let Link::Up {
+            conn,
+            source,
+            asked,
+            ..
+        } = self.link
+        else {
             return;
         };
         if failed {
@@ -1060,6 +1154,11 @@ impl<F> Follower<F> {
                     },
                 );
             }
+        }
+        if asked.is_none()
+            && let Link::Up { asked, .. } = &mut self.link
+        {
+            *asked = Some(now);
         }
         self.out.push_back(Action::Send {
             conn,
@@ -1115,10 +1214,50 @@ impl<F> Follower<F> {
         }
     }
 
+    /// Asks the shell to restore the anchor offered once no activation is under way (an
+    /// anchor replaces the active version too: the two never overlap, and no activation
+    /// starts while a restore is under way, see [`activate_ready`](Self::activate_ready)).
+    fn restore_ready(&mut self) {
+        if self.activating.is_some() {
+            return;
+        }
+        if let Link::Up { conn, offered, .. } = &mut self.link
+            && let Some(version) = offered.take()
+        {
+            let conn = *conn;
+            self.out.push_back(Action::RestoreAnchor { conn, version });
+        }
+    }
+
+    /// The source sent no frame for [`REQUEST_PATIENCE`] after it was asked for (part of) a
+    /// version: it is left as lost (what is here of the versions stays), and the next source
+    /// is tried.
+    fn unanswered(&mut self, now: Instant) {
+        let Link::Up { conn, source, .. } = self.link else {
+            return;
+        };
+        self.out.push_back(Action::Notice(Notice::Unanswered {
+            source,
+            waited: REQUEST_PATIENCE,
+        }));
+        self.out.push_back(Action::Disconnect { conn });
+        self.link = Link::Down { retry_at: now };
+        if let Err(e) = self.policy.lost(source) {
+            self.give_up(e);
+        }
+    }
+
     /// Asks the shell to activate the next version once it is whole, staged and committed
-    /// (one at a time, in order).
+    /// (one at a time, in order, never while an anchor is being restored).
     fn activate_ready(&mut self) {
-        if self.activating.is_some() || self.is_stopped() {
+        let restoring = matches!(
+            self.link,
+            Link::Up {
+                restoring: true,
+                ..
+            }
+        );
+        if self.activating.is_some() || self.is_stopped() || restoring {
             return;
         }
         let next = self.active + 1;
@@ -1180,12 +1319,24 @@ mod tests {
 
     /// Transmission `tx` of version 1 on one stripe: `frames` in order, then its end.
     fn transmit(c: &mut Follower<u32>, now: Instant, conn: ConnId, tx: u32, frames: &[u32]) {
+        transmit_version(c, now, conn, 1, tx, frames);
+    }
+
+    /// Transmission `tx` of `version` (of [`SEGMENTS`] segments, like version 1) on one stripe.
+    fn transmit_version(
+        c: &mut Follower<u32>,
+        now: Instant,
+        conn: ConnId,
+        version: u64,
+        tx: u32,
+        frames: &[u32],
+    ) {
         c.handle(
             now,
             Event::StreamStarted {
                 conn,
-                version: 1,
-                base: 0,
+                version,
+                base: version - 1,
                 delta_id: ID,
                 transmission: tx,
                 stripes: 1,
@@ -1203,7 +1354,7 @@ mod tests {
                 now,
                 Event::Frame {
                     conn,
-                    version: 1,
+                    version,
                     delta_id: ID,
                     transmission: tx,
                     info,
@@ -1216,7 +1367,7 @@ mod tests {
             now,
             Event::StreamEnded {
                 conn,
-                version: 1,
+                version,
                 delta_id: ID,
                 transmission: tx,
                 stripes: 1,
@@ -1411,5 +1562,215 @@ mod tests {
         assert_eq!(c.source(), Some(SourceId(0)));
         let a = fails_activation(&mut c, now, conn, 0);
         assert!(matches!(dropped(&a), Some((SourceId(0), _))), "{a:?}");
+    }
+    fn started_anchor(actions: &[Action<u32>]) -> Option<u64> {
+        actions.iter().find_map(|a| match a {
+            Action::RestoreAnchor { version, .. } => Some(*version),
+            _ => None,
+        })
+    }
+
+    fn activates(actions: &[Action<u32>]) -> Vec<u64> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Activate { version, .. } => Some(*version),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// An anchor offered while a version activates is restored once the activation ended,
+    /// and nothing activates while it is restored: both replace the active version (seeds
+    /// 24447, 69772, 71724 and 115375 had the shell activate versions under a restore, and
+    /// come out at the older one).
+    #[test]
+    fn an_anchor_and_an_activation_never_overlap() {
+        let now = Instant::now();
+        let mut c = actor(now, 1);
+        let conn = connect(&mut c, now);
+        // Versions 1 and 2 whole and committed: 1 activates, 2 waits for it.
+        transmit_version(&mut c, now, conn, 1, 0, &[0, 1, 2, MANIFEST]);
+        transmit_version(&mut c, now, conn, 2, 1, &[0, 1, 2, MANIFEST]);
+        c.handle(now, Event::Commit { conn, version: 1 });
+        c.handle(now, Event::Commit { conn, version: 2 });
+        assert_eq!(activates(&drain(&mut c)), [1]);
+        c.handle(now, Event::AnchorOffered { conn, version: 8 });
+        let a = drain(&mut c);
+        assert_eq!(started_anchor(&a), None, "1 still activates: {a:?}");
+        c.handle(now, Event::Activated { version: 1 });
+        let a = drain(&mut c);
+        assert_eq!(started_anchor(&a), Some(8), "{a:?}");
+        assert_eq!(
+            activates(&a),
+            [] as [u64; 0],
+            "2 waits for the anchor: {a:?}"
+        );
+        c.handle(now, Event::AnchorRestored { conn, version: 8 });
+        let a = drain(&mut c);
+        assert_eq!(c.active(), 8);
+        assert_eq!(activates(&a), [] as [u64; 0], "{a:?}");
+    }
+
+    /// A source that sends nothing after it was asked for a version is left as lost after
+    /// [`REQUEST_PATIENCE`], for the next source; one that answers is not (seed 10420: a
+    /// hostile relay that cut its own flood short under the bound and ignored every `Fetch`
+    /// held an actor forever).
+    #[test]
+    fn a_source_that_does_not_answer_a_fetch_is_left() {
+        let now = Instant::now();
+        let mut c = actor(now, 2);
+        let conn = connect(&mut c, now);
+        // Two segments, the stripe ends: the rest is asked for.
+        transmit(&mut c, now, conn, 0, &[0, 1]);
+        assert!(fetched_whole(&drain(&mut c)));
+        assert_eq!(c.poll_timeout(), Some(now + REQUEST_PATIENCE));
+        // It answers (a frame comes): it stays past the patience since the first request;
+        // its stripe ends without the manifest, which is asked for in turn.
+        let later = now + REQUEST_PATIENCE / 2;
+        transmit(&mut c, later, conn, 1, &[2]);
+        drain(&mut c);
+        c.handle_timeout(now + REQUEST_PATIENCE);
+        assert_eq!(c.connection(), Some(conn));
+        // Nothing more comes: it is left, and the next source is tried.
+        let asked = c.poll_timeout().expect("a request outstanding");
+        assert_eq!(asked, later + REQUEST_PATIENCE);
+        c.handle_timeout(asked - Duration::from_millis(1));
+        assert_eq!(c.connection(), Some(conn), "not yet");
+        c.handle_timeout(asked);
+        let a = drain(&mut c);
+        assert!(
+            a.iter().any(|a| matches!(
+                a,
+                Action::Notice(Notice::Unanswered {
+                    source: SourceId(0),
+                    ..
+                })
+            )),
+            "{a:?}"
+        );
+        assert!(
+            a.iter()
+                .any(|a| matches!(a, Action::Disconnect { conn: c } if *c == conn)),
+            "{a:?}"
+        );
+        c.handle_timeout(asked);
+        assert_eq!(c.source(), Some(SourceId(1)), "{a:?}");
+    }
+
+    /// A refusal that comes once the receiver is past where its subscription started (versions
+    /// that were here already became active meanwhile) subscribes afresh to the same source
+    /// after what is active, instead of asking for an anchor it does not need (seeds 10008
+    /// and 97450: no newer anchor there, the actor left a relay holding every version it
+    /// needed, for the hub).
+    #[test]
+    fn a_refusal_of_what_is_no_longer_needed_subscribes_afresh() {
+        let now = Instant::now();
+        let mut c = actor(now, 2);
+        let conn = connect(&mut c, now);
+        transmit_version(&mut c, now, conn, 1, 0, &[0, 1, 2, MANIFEST]);
+        transmit_version(&mut c, now, conn, 2, 1, &[0, 1, 2, MANIFEST]);
+        c.handle(now, Event::Commit { conn, version: 1 });
+        c.handle(now, Event::Commit { conn, version: 2 });
+        assert_eq!(activates(&drain(&mut c)), [1]);
+        c.handle(now, Event::Lost { conn });
+        drain(&mut c);
+        // The next source, subscribed after 1 (being activated), while 2 is here.
+        let conn = connect(&mut c, now);
+        assert_eq!(c.source(), Some(SourceId(1)));
+        c.handle(now, Event::Activated { version: 1 });
+        assert_eq!(activates(&drain(&mut c)), [2]);
+        c.handle(
+            now,
+            Event::Refused {
+                conn,
+                reason: RefuseReason::VersionUnavailable,
+            },
+        );
+        c.handle_timeout(now);
+        let a = drain(&mut c);
+        assert!(
+            !a.iter().any(|a| matches!(
+                a,
+                Action::Send {
+                    message: Message::FetchAnchor { .. },
+                    ..
+                }
+            )),
+            "{a:?}"
+        );
+        assert!(
+            a.iter().any(|a| matches!(
+                a,
+                Action::Connect {
+                    source: SourceId(1),
+                    ..
+                }
+            )),
+            "{a:?}"
+        );
+        // Refused again after the new subscription: now it asks for an anchor.
+        let conn = c.connection().expect("connecting");
+        c.handle(now, Event::Connected { conn, latest: 2 });
+        drain(&mut c);
+        c.handle(
+            now,
+            Event::Refused {
+                conn,
+                reason: RefuseReason::VersionUnavailable,
+            },
+        );
+        let a = drain(&mut c);
+        assert!(
+            a.iter().any(|a| matches!(
+                a,
+                Action::Send {
+                    message: Message::FetchAnchor { after_version: 2 },
+                    ..
+                }
+            )),
+            "{a:?}"
+        );
+    }
+
+    /// The stripes of a run of versions overtake each other: a version announced up to
+    /// `max_ahead` past the newest one announced is the run going on, one further is a jump
+    /// (seeds 83353 and 173895: an honest relay streaming a run was dropped as too far ahead).
+    #[test]
+    fn a_run_announced_out_of_order_is_not_a_jump() {
+        let max_ahead = Bounds::for_model(1 << 20).max_ahead;
+        let now = Instant::now();
+        let started = |c: &mut Follower<u32>, conn, version| {
+            c.handle(
+                now,
+                Event::StreamStarted {
+                    conn,
+                    version,
+                    base: version - 1,
+                    delta_id: ID,
+                    transmission: version as u32,
+                    stripes: 2,
+                },
+            );
+            drain(c)
+        };
+        let mut c = actor(now, 2);
+        let conn = connect(&mut c, now);
+        for v in 1..=max_ahead - 1 {
+            started(&mut c, conn, v);
+        }
+        // Past `max_ahead` ahead of the active 0, before the one before it.
+        let a = started(&mut c, conn, max_ahead + 1);
+        assert_eq!(dropped(&a), None, "{a:?}");
+        let a = started(&mut c, conn, max_ahead);
+        assert_eq!(dropped(&a), None, "{a:?}");
+        let a = started(&mut c, conn, 2 * max_ahead + 2);
+        assert!(
+            matches!(
+                dropped(&a),
+                Some((SourceId(0), Misbehaviour::TooFarAhead { .. }))
+            ),
+            "{a:?}"
+        );
     }
 }
