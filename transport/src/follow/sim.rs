@@ -136,6 +136,9 @@ const REGRESSION_SEEDS: &[u64] = &[
     // An anchor restore that failed because the connection to the relay dropped, not
     // counted as losing the relay ("more than one WAN copy").
     46900, 72377, 129948, 146318, 147598, 169462, 170818, 179757,
+    // A relay whose frames failed verification six times (injected faults), rightly left:
+    // its catch-up from the hub was counted as a second WAN copy (found beyond 200,000).
+    231270,
 ];
 
 /// How long after its relay is back and caught up a region must be fed one copy per version:
@@ -250,7 +253,8 @@ struct Node {
     /// Core connection → simulated connection.
     nets: BTreeMap<ConnId, usize>,
     wake: Option<Duration>,
-    /// When an actor last lost its relay through no choice of its own.
+    /// When an actor last lost its relay through no choice of its own (or, after it dropped
+    /// its relay for failing verification, when that relay's quarantine ends).
     left_relay: Duration,
     restarted: Duration,
 }
@@ -891,6 +895,25 @@ impl Sim {
                 }
                 if let Some(area) = self.nodes[node].areas.get_mut(&version) {
                     area.said = true;
+                }
+            }
+            // An actor that leaves its relay because the relay's frames keep failing
+            // verification (here, from the faults injected on its links) rightly takes the
+            // next versions from the hub while the relay is quarantined: that is the cost of
+            // the broken relay, as of a lost one, so the relay counts as left until the
+            // quarantine ends. Only this reason: a relay dropped for a bound it did not break
+            // is the core's fault, and must still count (seed 83353).
+            Action::Notice(Notice::SourceDropped {
+                source,
+                why: Misbehaviour::KeepsFailing { .. },
+            }) => {
+                let relay = matches!(self.nodes[node].role, Role::Actor { .. })
+                    && matches!(
+                        self.nodes[node].sources.get(source.0),
+                        Some(Server::Relay(_))
+                    );
+                if relay {
+                    self.nodes[node].left_relay = self.now + PolicyConfig::actor().quarantine;
                 }
             }
             Action::Notice(_) => {}
