@@ -153,8 +153,13 @@ pub enum Command {
         /// Most live worker connections one actor certificate may hold (a reconnect may
         /// overlap its dead predecessor until the idle timeout); more are refused
         /// (TooManyConnections).
-        #[arg(long, default_value_t = 2)]
+        #[arg(long, default_value_t = starling_transport::connections::DEFAULT_MAX)]
         actor_connections: usize,
+        /// Most live subscription connections one relay or actor certificate may hold (a
+        /// reconnect may overlap its dead predecessor until the idle timeout); more are refused
+        /// (TooManyConnections) and closed.
+        #[arg(long, default_value_t = starling_transport::connections::DEFAULT_MAX)]
+        subscriber_connections: usize,
         /// An actor silent this long (seconds) gets no new work and its reserved share goes
         /// back to the shared pool.
         #[arg(long, default_value_t = 60.0)]
@@ -455,6 +460,7 @@ pub fn run(cli: Cli) -> Result<()> {
             actor_heartbeat_rate,
             actor_submit_rate,
             actor_connections,
+            subscriber_connections,
             actor_timeout,
             uniform_split,
             full_broadcast,
@@ -500,6 +506,9 @@ pub fn run(cli: Cli) -> Result<()> {
             };
             if actor_connections == 0 {
                 anyhow::bail!("--actor-connections must be at least 1");
+            }
+            if subscriber_connections == 0 {
+                anyhow::bail!("--subscriber-connections must be at least 1");
             }
             let worker_limits = crate::limits::WorkerLimits {
                 heartbeats_per_s: rate("actor-heartbeat-rate", actor_heartbeat_rate)?,
@@ -561,6 +570,7 @@ pub fn run(cli: Cli) -> Result<()> {
                 ledger_config,
                 schedule_tick: std::time::Duration::from_millis(100),
                 worker_limits,
+                subscriber_connections,
                 reward_services,
                 retention,
                 results_archive,

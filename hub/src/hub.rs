@@ -18,6 +18,7 @@ use starling_ledger::{Ledger, LedgerConfig};
 use starling_proto::delta::digest::StateDigest;
 use starling_telemetry::Metrics;
 use starling_transport::book::VersionBook;
+use starling_transport::connections::ConnectionCap;
 use starling_transport::link::LinkProfile;
 use tokio::sync::Mutex;
 use tokio_util::sync::CancellationToken;
@@ -75,6 +76,9 @@ pub struct ServeConfig {
     pub schedule_tick: std::time::Duration,
     /// Per-actor limits on the job protocol.
     pub worker_limits: crate::limits::WorkerLimits,
+    /// Live subscription connections one relay or actor certificate may hold
+    /// (`starling_transport::connections`).
+    pub subscriber_connections: usize,
     /// The reward services groups may name as their verifier (`--reward-service`).
     pub reward_services: crate::reward_service::RewardServices,
     /// Which delivered batches are archived out of the ledger.
@@ -129,7 +133,9 @@ pub(crate) struct Hub {
     pub(crate) anchors: Arc<Anchors>,
     pub(crate) ledger: Arc<Ledger>,
     /// Live worker connections per actor certificate.
-    pub(crate) workers: Arc<crate::limits::WorkerConnections>,
+    pub(crate) workers: Arc<ConnectionCap>,
+    /// Live subscriptions per relay or actor certificate.
+    pub(crate) subscribers: Arc<ConnectionCap>,
     /// The key trainer tokens are checked with.
     pub(crate) trainer_seed: [u8; 32],
     /// What prompts must fit (vocabulary, context).

@@ -36,15 +36,16 @@ use starling_ledger::{
     ActorId, ClaimLimit, Digest, HubRefusal, JobId, Ledger, RefusalEffect, Rejection,
     ResultSubmission, ScheduleError, Session, SubmitCall, Version,
 };
-use starling_proto::protocol::msg::{MAX_MESSAGE_BODY, Message, RefuseReason};
+use starling_proto::protocol::msg::{MAX_MESSAGE_BODY, Message, RefuseReason, Role as MsgRole};
 use starling_proto::protocol::rollout::{JobResult, MAX_NEW_TOKENS, MAX_SAMPLES, Verdict};
 use starling_telemetry::Metrics;
+use starling_transport::connections::ConnectionCap;
 use starling_transport::framed::{Incoming, MessageReader, send};
 use tokio::sync::Notify;
 
 use crate::board::{Board, FaultKind};
 use crate::clock::{now, now_ms};
-use crate::limits::{Kind, RateLimiter, WorkerConnections, WorkerLimits};
+use crate::limits::{Kind, RateLimiter, WorkerLimits};
 use crate::rollouts::{GroupSpec, NONFINITE_LOGPROB, RESULT_TOO_LARGE, judge_result};
 use crate::verify::Verifier;
 use tracing::Instrument;
@@ -74,7 +75,7 @@ pub(crate) struct WorkerContext {
     /// The model's tokenizer: completions are decoded with it before they are scored.
     pub(crate) text: Arc<starling_text::ModelText>,
     /// The live worker connections per certificate (shared by all connections).
-    pub(crate) connections: Arc<WorkerConnections>,
+    pub(crate) connections: Arc<ConnectionCap>,
     pub(crate) limits: WorkerLimits,
     /// Woken when results were stored waiting for their reward service.
     pub(crate) scorer: Arc<Notify>,
@@ -121,20 +122,8 @@ pub(crate) async fn serve_worker(
         let _ = tx.finish();
         return Ok(());
     }
-    let Some((slot, alone)) = cx.connections.open(&name) else {
+    let Some(slot) = cx.connections.take(MsgRole::Actor, &name, &mut tx).await? else {
         cx.metrics.worker_refused("connections");
-        let detail = format!(
-            "{name} already holds {} worker connections, the most one certificate may hold: \
-             close one (or wait for a dead one to time out) and connect again",
-            cx.connections.max()
-        );
-        tracing::warn!("worker refused: {detail}");
-        let refuse = Message::Refuse {
-            reason: RefuseReason::TooManyConnections,
-            detail,
-        };
-        send(&mut tx, &refuse).await?;
-        let _ = tx.finish();
         return Ok(());
     };
     let session = cx
@@ -143,7 +132,7 @@ pub(crate) async fn serve_worker(
         .await
         .with_context(|| format!("register actor {name}"))?;
     tracing::info!(engine = %label, session = session.raw(), "worker registered");
-    if alone {
+    if slot.first() {
         // No other connection of this actor is live here: what its earlier sessions hold
         // (a connection that died, or one a previous hub process served) is no one's work.
         match cx.ledger.release_others(&actor, session).await {

@@ -1,5 +1,7 @@
 //! Per-actor limits on the job protocol: how fast one worker connection may send each kind of
-//! message, and how many worker connections one certificate may hold at once.
+//! message, and how many worker connections one certificate may hold at once (counted by a
+//! [`starling_transport::connections::ConnectionCap`], the type that bounds subscriptions
+//! too).
 //!
 //! An honest worker stays far below every bound (a heartbeat a second and on each version
 //! change, a progress report a second, a claim per generation call or per 100 ms while idle,
@@ -11,8 +13,6 @@
 //! connection (`burst` = 2 s worth of the rate): a few lines of arithmetic on the caller's
 //! clock, so it needs no crate and is tested without sleeping.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Instant;
 
 /// The bounds, from `starling-hub serve`'s flags.
@@ -32,7 +32,7 @@ impl Default for WorkerLimits {
         WorkerLimits {
             heartbeats_per_s: 20.0,
             submits_per_s: 50.0,
-            connections: 2,
+            connections: starling_transport::connections::DEFAULT_MAX,
         }
     }
 }
@@ -150,78 +150,6 @@ impl RateLimiter {
     }
 }
 
-/// The live worker connections per certificate name, shared by the hub's connections.
-#[derive(Debug, Default)]
-pub(crate) struct WorkerConnections {
-    max: usize,
-    live: Mutex<HashMap<String, usize>>,
-}
-
-/// One admitted connection; dropping it frees its place.
-#[derive(Debug)]
-pub(crate) struct ConnectionSlot {
-    owner: Arc<WorkerConnections>,
-    name: String,
-}
-
-impl Drop for ConnectionSlot {
-    fn drop(&mut self) {
-        let mut live = self
-            .owner
-            .live
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(n) = live.get_mut(&self.name) {
-            *n = n.saturating_sub(1);
-            if *n == 0 {
-                live.remove(&self.name);
-            }
-        }
-    }
-}
-
-impl ConnectionSlot {
-    /// Whether this is its name's only live connection now.
-    pub(crate) fn alone(&self) -> bool {
-        let live = self
-            .owner
-            .live
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        live.get(&self.name).is_none_or(|&n| n <= 1)
-    }
-}
-
-impl WorkerConnections {
-    pub(crate) fn new(max: usize) -> Arc<WorkerConnections> {
-        Arc::new(WorkerConnections {
-            max: max.max(1),
-            live: Mutex::default(),
-        })
-    }
-
-    /// The most connections one name may hold.
-    pub(crate) fn max(&self) -> usize {
-        self.max
-    }
-
-    /// A place for one more connection of `name`, if it holds fewer than the bound, and
-    /// whether it is `name`'s only live connection.
-    pub(crate) fn open(self: &Arc<Self>, name: &str) -> Option<(ConnectionSlot, bool)> {
-        let mut live = self.live.lock().unwrap_or_else(PoisonError::into_inner);
-        let n = live.entry(name.to_owned()).or_default();
-        if *n >= self.max {
-            return None;
-        }
-        *n += 1;
-        let slot = ConnectionSlot {
-            owner: self.clone(),
-            name: name.to_owned(),
-        };
-        Some((slot, *n == 1))
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -261,20 +189,5 @@ mod tests {
             })
             .count();
         assert!(refused >= 40, "{refused} of 100 refused");
-    }
-
-    #[test]
-    fn connections_per_name_are_bounded_and_freed_on_drop() {
-        let c = WorkerConnections::new(2);
-        let (a, alone) = c.open("a1").expect("first");
-        assert!(alone);
-        let (b, alone) = c.open("a1").expect("second");
-        assert!(!alone);
-        assert!(c.open("a1").is_none(), "third of the same name");
-        assert!(c.open("A1").is_some(), "names compare exactly");
-        drop(a);
-        let _c = c.open("a1").expect("a place was freed");
-        drop(b);
-        assert_eq!(c.max(), 2);
     }
 }

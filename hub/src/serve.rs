@@ -6,8 +6,10 @@
 //! trainer's API in `crate::api`, status and dashboard in `crate::status`), and accepts QUIC
 //! connections from relays, actors and the trainer (all with cluster credentials; see
 //! `starling_transport`). A subscriber is sent versions (striping, `Fetch`, `Ping`: shared
-//! with the relays, `starling_transport::fanout`); an actor's work connection goes to
-//! `crate::jobs`; the trainer's `Publish` to `crate::publish`. On shutdown it drains.
+//! with the relays, `starling_transport::fanout`), at most `--subscriber-connections` live
+//! subscriptions per certificate (`starling_transport::connections`); an actor's work
+//! connection goes to `crate::jobs`; the trainer's `Publish` to `crate::publish`. On
+//! shutdown it drains.
 //!
 //! This module sits on top of the hub's modules: it imports them, none of them imports it.
 //! [`publish_remote`] is the trainer's end of `Publish`, for `starling-hub publish`.
@@ -27,6 +29,7 @@ use starling_telemetry::{Component, Metrics};
 use starling_transport::admit::admit;
 use starling_transport::book::VersionBook;
 use starling_transport::ceiling::RateCeiling;
+use starling_transport::connections::ConnectionCap;
 use starling_transport::endpoint::{
     accept_capped, client_endpoint, connect, server_config, server_endpoint,
 };
@@ -177,7 +180,8 @@ pub async fn serve(cfg: ServeConfig, shutdown: impl Future<Output = ()>) -> Resu
             cfg.keep_anchors,
         )?),
         ledger: Arc::new(ledger),
-        workers: crate::limits::WorkerConnections::new(cfg.worker_limits.connections),
+        workers: ConnectionCap::new("worker", cfg.worker_limits.connections),
+        subscribers: ConnectionCap::new("subscription", cfg.subscriber_connections),
         trainer_seed,
         limits,
         rewards: Arc::new(cfg.reward_services.clone()),
@@ -329,7 +333,7 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
     // The book, not the publish lock: admission never waits for an encode to finish.
     let latest = hub.book.latest();
     let serves = [MsgRole::Relay, MsgRole::Actor, MsgRole::Trainer];
-    let Some(a) = admit(&conn, "hub", &hub.cfg.model_id, &serves, latest).await? else {
+    let Some(mut a) = admit(&conn, "hub", &hub.cfg.model_id, &serves, latest).await? else {
         return Ok(());
     };
     if a.role == MsgRole::Trainer {
@@ -373,6 +377,13 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
         }
         other => bail!("expected Subscribe (or Work from an actor), got {other:?}"),
     };
+    let Some(slot) = hub
+        .subscribers
+        .take(a.role, &a.name, &mut a.control)
+        .await?
+    else {
+        return Ok(());
+    };
     // The operator's statement for this peer wins over the peer's own; `*` fills in for
     // peers that state none. A stated link can only lower the sending rate, never raise it.
     let named = hub.cfg.peer_links.get(&a.name).copied();
@@ -410,6 +421,7 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
     )
     .instrument(span.clone())
     .await;
+    drop(slot);
     hub.metrics.peer_connected(role.as_str(), -1);
     // A connection that ended on its own is still a fault when the peer did not close it.
     let why = match (&served, conn.close_reason()) {

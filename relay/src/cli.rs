@@ -51,6 +51,11 @@ struct Args {
     /// Print each control round trip as `rtt-us MICROS` (benchmarks).
     #[arg(long)]
     print_rtt: bool,
+    /// Most live subscription connections one actor certificate may hold (a reconnect may
+    /// overlap its dead predecessor until the idle timeout); more are refused
+    /// (TooManyConnections) and closed.
+    #[arg(long, default_value_t = starling_transport::connections::DEFAULT_MAX)]
+    subscriber_connections: usize,
     #[command(flatten)]
     log: starling_process::logging::LogArgs,
 }
@@ -75,6 +80,10 @@ where
         );
         return std::process::ExitCode::from(2);
     }
+    if a.subscriber_connections == 0 {
+        eprintln!("error: --subscriber-connections must be at least 1");
+        return std::process::ExitCode::from(2);
+    }
     let cfg = crate::RelayConfig {
         credentials: a.credentials,
         hub: a.hub,
@@ -93,6 +102,7 @@ where
         retain: a.retain,
         ping: Duration::from_millis(a.ping_ms.max(1)),
         print_rtt: a.print_rtt,
+        subscriber_connections: a.subscriber_connections,
     };
     starling_process::service::run_service(|stop| crate::run(cfg, stop))
 }

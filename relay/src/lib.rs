@@ -47,6 +47,7 @@ use starling_proto::delta::manifest::TrustPolicy;
 use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
 use starling_telemetry::{Component, Metrics};
 use starling_transport::book::{LiveVersion, VersionBook, WireFrame};
+use starling_transport::connections::ConnectionCap;
 use starling_transport::downstream::{Downstream, accept_subscribers};
 use starling_transport::drive::Shell;
 use starling_transport::endpoint::{
@@ -94,6 +95,9 @@ pub struct RelayConfig {
     pub ping: Duration,
     /// Print each control round trip (`rtt-us MICROS`), for benchmarks.
     pub print_rtt: bool,
+    /// Live subscription connections one actor certificate may hold
+    /// (`starling_transport::connections`).
+    pub subscriber_connections: usize,
 }
 
 /// Runs the relay until the hub refuses it or `stop` is cancelled (a lost hub connection is
@@ -170,6 +174,7 @@ pub async fn run(cfg: RelayConfig, stop: CancellationToken) -> Result<()> {
         server: "relay".into(),
         model_id: cfg.model_id.clone(),
         serves: vec![MsgRole::Actor],
+        subscriptions: ConnectionCap::new("subscription", cfg.subscriber_connections),
         fanout,
         metrics: metrics.clone(),
     };

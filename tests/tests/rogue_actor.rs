@@ -3,17 +3,23 @@
 //! it does not hold, the wrong weight digest, a version nobody published, the wrong number of
 //! samples, a duplicate, a result after its lease expired, garbage bytes. Each is refused
 //! with its reason, counted in `/metrics` and in the batch's status, and the ledger's
-//! invariants hold; the honest result is accepted exactly once.
+//! invariants hold; the honest result is accepted exactly once. A certificate that opens more
+//! subscriptions than the hub's bound is refused by name until one of them ends.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use serde_json::{Value, json};
 use starling_proto::delta::apply::full_digest;
+use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
 use starling_proto::protocol::rollout::{
     FinishReason, JobResult, JobSpec, Sample, Verdict, VersionSpan,
 };
 use starling_tests::{Testbed, WorkClient, http_request, metric};
+use starling_transport::endpoint::{client_config, client_endpoint};
+use starling_transport::identity::{Credentials, Role};
+use starling_transport::link::LinkProfile;
+use starling_transport::upstream::{Upstream, UpstreamEvent};
 
 /// A well-formed result for `job` claiming `version` with `digest`, `n` samples.
 fn result(job: &JobSpec, version: u64, digest: [u8; 16], n: u32) -> JobResult {
@@ -182,4 +188,95 @@ fn a_rogue_actor_is_refused_with_reasons_and_the_ledger_stays_consistent() {
             .expect("open ledger");
         l.check_invariants().await.expect("invariants");
     });
+}
+
+/// Subscribes to the hub as `name` on an endpoint of its own and pings: the first answer
+/// (anything streamed before it skipped) says whether the subscription is served (`Pong`) or
+/// refused.
+async fn subscribe_to_hub(tb: &Testbed, name: &str, nonce: u64) -> (Upstream, UpstreamEvent) {
+    let creds = Credentials::load_peer(&tb.root.join(name)).expect("credentials");
+    let bind = "127.0.0.1:0".parse().expect("addr");
+    let ep = client_endpoint(&creds, bind, &LinkProfile::LAN).expect("endpoint");
+    let config = client_config(&creds, &LinkProfile::LAN).expect("client config");
+    let hello = Message::Hello {
+        protocol: PROTOCOL_VERSION,
+        role: MsgRole::Actor,
+        name: name.into(),
+        region: "nowhere".into(),
+        model_id: "tiny".into(),
+        active: None,
+        link: None,
+    };
+    let hub = tb.hub_addr.parse().expect("hub addr");
+    let mut up = Upstream::connect(&ep, config, hub, Role::Hub, "hub", &hello)
+        .await
+        .expect("admitted");
+    up.subscribe(0).await.expect("subscribe");
+    up.send(&Message::Ping { nonce }).await.expect("ping");
+    loop {
+        let ev = tokio::time::timeout(Duration::from_secs(10), up.next_event())
+            .await
+            .expect("an answer in time")
+            .expect("an event");
+        if matches!(
+            ev,
+            UpstreamEvent::Pong(_) | UpstreamEvent::Refused { .. } | UpstreamEvent::Closed(_)
+        ) {
+            return (up, ev);
+        }
+    }
+}
+
+#[test]
+fn the_hub_serves_one_certificate_at_most_its_bound_of_subscriptions() {
+    let tb = Testbed::new(1, 3, &[("actor", "rogue")], &[]);
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let mut held = Vec::new();
+        for nonce in 0..2 {
+            let (up, ev) = subscribe_to_hub(&tb, "rogue", nonce).await;
+            assert!(
+                matches!(ev, UpstreamEvent::Pong(n) if n == nonce),
+                "subscription {nonce} within the default bound of 2: {ev:?}"
+            );
+            held.push(up);
+        }
+        let (_over, ev) = subscribe_to_hub(&tb, "rogue", 10).await;
+        match ev {
+            UpstreamEvent::Refused { reason, detail } => {
+                assert_eq!(reason, RefuseReason::TooManyConnections);
+                assert!(
+                    detail.contains("rogue already holds 2 subscription connections"),
+                    "{detail}"
+                );
+            }
+            other => panic!("a third subscription: expected a refusal, got {other:?}"),
+        }
+        // One leaves: a new one gets in once the hub has seen it end.
+        held.remove(0).close();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let (up, ev) = subscribe_to_hub(&tb, "rogue", 20).await;
+            if matches!(ev, UpstreamEvent::Pong(20)) {
+                held.push(up);
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no place freed after a subscription ended: {ev:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        for up in held {
+            up.close();
+        }
+    });
+    // The hub logs the refusal (stderr; the line starts with its time and level).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let logged = std::iter::from_fn(|| {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        tb.hub_log.recv_timeout(left).ok()
+    })
+    .any(|line| line.contains("subscription connection refused: rogue already holds 2"));
+    assert!(logged, "the hub did not log the refusal");
 }

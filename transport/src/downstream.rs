@@ -1,13 +1,15 @@
 //! A server's subscribers on its own endpoint (a relay's region): every connection is
-//! admitted ([`admit`]), sends its `Subscribe`, and is served ([`serve_subscription`]) in a
-//! task this accept loop owns, until the connection ends. When the loop is told to stop
+//! admitted ([`admit`]), sends its `Subscribe`, takes a place among its certificate's
+//! subscriptions ([`Downstream::subscriptions`]; over the bound it is refused
+//! `TooManyConnections` and closed), and is served ([`serve_subscription`]) in a task this
+//! accept loop owns, until the connection ends. When the loop is told to stop
 //! accepting it takes no new connections and keeps serving the ones it has until they end
 //! (a stopping relay forwards what it verified to the actors subscribed), so its caller
 //! decides how long the drain may last by when it drops the loop's future.
 //!
 //! The hub does not use this loop: its connections carry work as well as subscriptions, so
-//! it reads each connection's first message itself and calls [`serve_subscription`] for the
-//! subscribers.
+//! it reads each connection's first message itself, and bounds and serves the subscribers
+//! the same way.
 
 use std::sync::Arc;
 
@@ -21,6 +23,7 @@ use tracing::Instrument;
 
 use crate::admit::{AdmitError, admit};
 use crate::book::VersionBook;
+use crate::connections::ConnectionCap;
 use crate::fanout::{FanoutConfig, FanoutError, serve_subscription};
 use crate::framed::FramedError;
 
@@ -35,6 +38,8 @@ pub struct Downstream {
     pub model_id: String,
     /// The roles admitted.
     pub serves: Vec<MsgRole>,
+    /// The live subscriptions each certificate holds, and how many it may.
+    pub subscriptions: Arc<ConnectionCap>,
     /// How versions are sent; its observer is also told when each subscriber arrives and
     /// leaves.
     pub fanout: FanoutConfig,
@@ -86,15 +91,24 @@ pub async fn accept_subscribers(
     }
 }
 
-/// One connection: admission, its `Subscribe`, then versions until it ends.
+/// One connection: admission, its `Subscribe`, its place among its certificate's
+/// subscriptions, then versions until it ends.
 async fn serve_connection(d: &Downstream, conn: Connection) -> Result<(), DownstreamError> {
-    let Some(a) = admit(&conn, &d.server, &d.model_id, &d.serves, d.book.latest()).await? else {
+    let Some(mut a) = admit(&conn, &d.server, &d.model_id, &d.serves, d.book.latest()).await?
+    else {
         return Ok(());
     };
     let mut reader = a.reader;
     let after = match reader.next().await? {
         Some(Message::Subscribe { after_version }) => after_version,
         other => return Err(FanoutError::NoSubscribe(format!("{other:?}")).into()),
+    };
+    let Some(slot) = d
+        .subscriptions
+        .take(a.role, &a.name, &mut a.control)
+        .await?
+    else {
+        return Ok(());
     };
     let span = tracing::info_span!("peer", peer = %a.name, role = ?a.role);
     span.in_scope(|| tracing::info!(after_version = after, "subscribed"));
@@ -115,6 +129,8 @@ async fn serve_connection(d: &Downstream, conn: Connection) -> Result<(), Downst
     )
     .instrument(span.clone())
     .await;
+    // The place is free before anyone hears the subscriber left.
+    drop(slot);
     if let Some(o) = &observer {
         o.left(&name);
     }

@@ -11,8 +11,10 @@
 //!   a peer's stated link rate × measured minimum RTT, so a bulk transfer leaves no standing
 //!   queue for control messages to wait behind;
 //! - [`framed`]: control messages over QUIC streams;
-//! - [`admit`]: the Hello/Welcome/Refuse admission every server runs; [`downstream`]: a
-//!   relay's accept loop (admission, `Subscribe`, serving until the subscriber leaves);
+//! - [`admit`]: the Hello/Welcome/Refuse admission every server runs; [`connections`]: how
+//!   many live connections of one kind (subscriptions, worker connections) an admitted
+//!   certificate may hold; [`downstream`]: a relay's accept loop (admission, `Subscribe`, the
+//!   subscription bound, serving until the subscriber leaves);
 //! - [`book`]: the versions a server can send, each sendable while it still grows
 //!   (cut-through);
 //! - [`fanout`] and [`upstream`]: sending versions striped over several streams, and
@@ -31,6 +33,7 @@ pub mod admit;
 pub mod anchor_file;
 pub mod book;
 pub mod ceiling;
+pub mod connections;
 pub mod downstream;
 pub mod drive;
 pub mod endpoint;

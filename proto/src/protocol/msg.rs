@@ -44,7 +44,7 @@ pub const MAX_STRIPES: u16 = 64;
 pub const MAX_SEQS: usize = 1 << 16;
 
 /// What a peer is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Role {
     Relay = 1,
