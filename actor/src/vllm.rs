@@ -13,9 +13,9 @@
 //! - **Generation.** One streamed `POST /v1/completions` per job, with the prompt's token
 //!   ids, `n` samples, the job's sampling parameters and seed, one log-probability per token
 //!   and token ids back (`return_tokens_as_token_ids`). A call's jobs are sent side by side,
-//!   up to `--max-batch` sequences in flight ([`crate::concurrent_jobs`]), so vLLM batches
+//!   up to `--max-batch` sequences in flight (`concurrent_jobs.rs`), so vLLM batches
 //!   them; each streamed token counts in the job's progress as it arrives
-//!   ([`crate::completion_stream`]), which keeps a long generation's lease alive. A stream
+//!   (`completion_stream.rs`), which keeps a long generation's lease alive. A stream
 //!   silent for [`GENERATE_IDLE`] is given up; there is no bound on a generation's length as
 //!   such, only a generous one per token. Loads take the swap lock for writing and
 //!   `generate` for reading, so a call never spans two versions: every sample's tokens carry
