@@ -14,7 +14,8 @@
 //! `choices` hold one sample's new tokens: `index`, `logprobs.tokens` (`"token_id:N"` with
 //! `return_tokens_as_token_ids`), `logprobs.token_logprobs`, and `finish_reason` on the
 //! sample's last event. A generation that fails mid-way sends an event with an `error` object
-//! instead, then `[DONE]`. A usage event, if the server is configured to send one, has no
+//! instead (its `code` 400 where vLLM's own checks of the request, run once the stream has
+//! begun, refuse it), then `[DONE]`. A usage event, if the server is configured to send one, has no
 //! choices. Anything else is refused by name: a sample index out of range, tokens after a
 //! sample finished, a token that is not `token_id:N`, an event after `[DONE]`, a stream that
 //! ends before `[DONE]` or with a sample unfinished.
@@ -27,8 +28,8 @@ use thiserror::Error;
 /// Why a streamed completion cannot be used.
 #[derive(Debug, Error, PartialEq, Eq)]
 pub(crate) enum StreamError {
-    #[error("vLLM reported an error mid-stream: {0}")]
-    Reported(String),
+    #[error("vLLM reported an error mid-stream (code {code:?}): {message}")]
+    Reported { message: String, code: Option<u64> },
     #[error("an event is not JSON: {0}")]
     NotJson(String),
     #[error("an event for sample {index}, of {n}")]
@@ -113,7 +114,8 @@ impl CompletionStream {
                 .get("message")
                 .and_then(Value::as_str)
                 .map_or_else(|| clip(&error.to_string()), clip);
-            return Err(StreamError::Reported(message));
+            let code = error.get("code").and_then(Value::as_u64);
+            return Err(StreamError::Reported { message, code });
         }
         let mut added = 0;
         for choice in event["choices"].as_array().into_iter().flatten() {
@@ -322,7 +324,17 @@ mod tests {
                 &[r#"data: {"error":{"message":"KV cache exhausted","code":500}}"#.into()],
                 1
             ),
-            StreamError::Reported("KV cache exhausted".into())
+            StreamError::Reported {
+                message: "KV cache exhausted".into(),
+                code: Some(500)
+            }
+        );
+        assert_eq!(
+            bad(&[r#"data: {"error":{"object":"error"}}"#.into()], 1),
+            StreamError::Reported {
+                message: r#"{"object":"error"}"#.into(),
+                code: None
+            }
         );
         assert_eq!(
             bad(&["data: {not json".into()], 1),

@@ -1,62 +1,139 @@
-//! A generation call's jobs run side by side, within a budget of sequences.
+//! Jobs run side by side within one budget of sequences, shared by every generation call the
+//! engine runs at once.
 //!
 //! vLLM batches whatever requests are in flight. The `vllm` engine used to send its jobs one
 //! completion at a time, so it decoded one group's `n` samples while up to `--max-batch`
-//! sequences could run together. Here each job is a thread of its own, started in job order
-//! while the sequences in flight fit the budget (`--max-batch`, which says how many sequences
-//! the engine decodes together), and a job larger than the budget runs alone. Keeping to the
-//! budget also keeps requests out of vLLM's waiting queue: a request that waits there streams
-//! nothing, and the engine gives up on a stream that stays silent too long.
+//! sequences could run together. Here each job is a thread of its own, started in its call's
+//! job order as soon as its sequences fit the [`SequenceBudget`] (`--max-batch`: how many
+//! sequences the engine decodes together); a job larger than the whole budget runs alone.
+//! The budget belongs to the engine, not to a call: the worker overlaps two calls on such an
+//! engine, so when a call's last, longest jobs leave most of the budget idle, the next call's
+//! jobs take it up at once (continuous batching at the granularity of jobs, where one call
+//! at a time was static batching). Keeping to the budget also keeps requests out of vLLM's
+//! waiting queue: a request that waits there streams nothing, and the engine gives up on a
+//! stream that stays silent too long.
 //!
-//! After the first failure no further job is started (the call fails as a whole, as it did);
-//! the jobs already in flight run to their end, since a blocking request cannot be withdrawn.
+//! After a job of a call fails no further job of that call starts, and its jobs in flight are
+//! told to stop (the flag `run` is given: the `vllm` engine then stops reading their streams,
+//! and vLLM aborts a request whose client has gone), so the call fails as a whole at once
+//! rather than after its longest generation, holding the engine's version meanwhile. A job
+//! that panics fails its call like an error.
 
-use std::sync::mpsc;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex, PoisonError, mpsc};
 
 use anyhow::{Result, anyhow};
 
-/// Runs `run(i)` for every job `i` (whose sequences are `sizes[i]`) on threads of their own,
-/// at most `budget` sequences in flight unless one job alone is larger, and returns the
-/// results in job order, or the first error.
+/// The sequences an engine decodes at once, shared by all its generation calls.
+#[derive(Debug)]
+pub(crate) struct SequenceBudget {
+    max: u64,
+    in_flight: Mutex<u64>,
+    freed: Condvar,
+}
+
+/// Sequences taken from a [`SequenceBudget`], given back when dropped.
+#[derive(Debug)]
+pub(crate) struct Permit<'a> {
+    budget: &'a SequenceBudget,
+    sequences: u64,
+}
+
+impl Drop for Permit<'_> {
+    fn drop(&mut self) {
+        let mut in_flight = self.budget.lock();
+        *in_flight = in_flight.saturating_sub(self.sequences);
+        drop(in_flight);
+        self.budget.freed.notify_all();
+    }
+}
+
+impl SequenceBudget {
+    /// At most `max` sequences at once (at least 1).
+    pub(crate) fn new(max: u32) -> Self {
+        Self {
+            max: u64::from(max.max(1)),
+            in_flight: Mutex::new(0),
+            freed: Condvar::new(),
+        }
+    }
+
+    /// Waits until `sequences` more fit (or nothing else runs, for a job larger than the
+    /// whole budget), and takes them.
+    pub(crate) fn acquire(&self, sequences: u32) -> Permit<'_> {
+        let sequences = u64::from(sequences);
+        let mut in_flight = self.lock();
+        while *in_flight > 0 && *in_flight + sequences > self.max {
+            in_flight = self
+                .freed
+                .wait(in_flight)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+        *in_flight += sequences;
+        Permit {
+            budget: self,
+            sequences,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, u64> {
+        self.in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// Runs `run(i, stop)` for every job `i` (whose sequences are `sizes[i]`) on a thread of its
+/// own, each started in job order once its sequences fit `budget`, and returns the results
+/// in job order, or the first error. `stop` is set once a job has failed: the others should
+/// end as soon as they can (their results are not used).
 pub(crate) fn run_within<T: Send>(
     sizes: &[u32],
-    budget: u32,
-    run: impl Fn(usize) -> Result<T> + Sync,
+    budget: &SequenceBudget,
+    run: impl Fn(usize, &AtomicBool) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
     let run = &run;
+    let stop = &AtomicBool::new(false);
     std::thread::scope(|scope| {
         let (done_tx, done_rx) = mpsc::channel::<(usize, Result<T>)>();
         let mut results: Vec<Option<T>> = sizes.iter().map(|_| None).collect();
         let mut first_error = None;
-        let (mut next, mut running, mut in_flight) = (0, 0usize, 0u64);
-        loop {
-            while first_error.is_none()
-                && next < sizes.len()
-                && (running == 0 || in_flight + u64::from(sizes[next]) <= u64::from(budget))
-            {
-                let (i, tx) = (next, done_tx.clone());
-                scope.spawn(move || {
-                    // The receiver outlives every sender: the loop below reads until none runs.
-                    let _ = tx.send((i, run(i)));
-                });
-                running += 1;
-                in_flight += u64::from(sizes[i]);
-                next += 1;
+        let mut running = 0usize;
+        let mut take = |(i, result): (usize, Result<T>), first_error: &mut Option<_>| match result {
+            Ok(r) => results[i] = Some(r),
+            Err(e) => {
+                stop.store(true, Ordering::Relaxed);
+                first_error.get_or_insert(e);
             }
-            if running == 0 {
+        };
+        for (i, &size) in sizes.iter().enumerate() {
+            let permit = budget.acquire(size);
+            // What ended meanwhile (a job sends its result before it gives its sequences
+            // back), so that a failure stops the call before its next start.
+            while let Ok(done) = done_rx.try_recv() {
+                running -= 1;
+                take(done, &mut first_error);
+            }
+            if first_error.is_some() {
                 break;
             }
-            let (i, result) = done_rx
+            let tx = done_tx.clone();
+            scope.spawn(move || {
+                let result = catch_unwind(AssertUnwindSafe(|| run(i, stop)))
+                    .unwrap_or_else(|_| Err(anyhow!("job {i}'s generation thread panicked")));
+                // The receiver outlives every sender: the loop below reads until none runs.
+                let _ = tx.send((i, result));
+                drop(permit);
+            });
+            running += 1;
+        }
+        while running > 0 {
+            let done = done_rx
                 .recv()
                 .map_err(|_| anyhow!("a generation thread ended without a result"))?;
             running -= 1;
-            in_flight -= u64::from(sizes[i]);
-            match result {
-                Ok(r) => results[i] = Some(r),
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
+            take(done, &mut first_error);
         }
         if let Some(e) = first_error {
             return Err(e);
@@ -71,23 +148,39 @@ pub(crate) fn run_within<T: Send>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::Mutex;
     use std::sync::atomic::{AtomicU64, Ordering};
     use std::time::Duration;
 
-    /// Runs jobs that hold their sequences for `hold`, recording the most in flight at once.
-    fn peak(sizes: &[u32], budget: u32, hold: Duration) -> (Vec<usize>, u64) {
-        let (now, most) = (AtomicU64::new(0), AtomicU64::new(0));
-        let got = run_within(sizes, budget, |i| {
-            let n = u64::from(sizes[i]);
-            let was = now.fetch_add(n, Ordering::SeqCst);
-            most.fetch_max(was + n, Ordering::SeqCst);
+    /// Counts the sequences in flight and the most at once.
+    #[derive(Default)]
+    struct Peak {
+        now: AtomicU64,
+        most: AtomicU64,
+    }
+
+    impl Peak {
+        fn hold(&self, n: u32, hold: Duration) {
+            let n = u64::from(n);
+            let was = self.now.fetch_add(n, Ordering::SeqCst);
+            self.most.fetch_max(was + n, Ordering::SeqCst);
             std::thread::sleep(hold);
-            now.fetch_sub(n, Ordering::SeqCst);
+            self.now.fetch_sub(n, Ordering::SeqCst);
+        }
+
+        fn most(&self) -> u64 {
+            self.most.load(Ordering::SeqCst)
+        }
+    }
+
+    /// Runs jobs that hold their sequences for `hold`: their order and the most in flight.
+    fn peak(sizes: &[u32], budget: u32, hold: Duration) -> (Vec<usize>, u64) {
+        let p = Peak::default();
+        let got = run_within(sizes, &SequenceBudget::new(budget), |i, _| {
+            p.hold(sizes[i], hold);
             Ok(i)
         })
         .expect("all run");
-        (got, most.load(Ordering::SeqCst))
+        (got, p.most())
     }
 
     #[test]
@@ -116,7 +209,7 @@ mod tests {
         let (a_tx, a_rx) = mpsc::channel::<()>();
         let (b_tx, b_rx) = mpsc::channel::<()>();
         let ends = Mutex::new((Some((a_tx, b_rx)), Some((b_tx, a_rx))));
-        let got = run_within(&[1, 1], 2, |i| {
+        let got = run_within(&[1, 1], &SequenceBudget::new(2), |i, _| {
             let (tx, rx) = {
                 let mut e = ends.lock().expect("ends");
                 if i == 0 { e.0.take() } else { e.1.take() }.expect("once")
@@ -131,9 +224,81 @@ mod tests {
     }
 
     #[test]
+    fn two_calls_share_one_budget_and_fill_each_others_gaps() {
+        // Call A: one long job and one short; call B: two short ones. With a budget of 3,
+        // B's jobs start as A's short job ends, while A's long job still runs: the budget
+        // stays full, and B ends long before A.
+        let budget = SequenceBudget::new(3);
+        let p = Peak::default();
+        let ms = Duration::from_millis;
+        let started = std::time::Instant::now();
+        let (a, b) = std::thread::scope(|s| {
+            let a = s.spawn(|| {
+                run_within(&[2, 1], &budget, |i, _| {
+                    p.hold(
+                        if i == 0 { 2 } else { 1 },
+                        if i == 0 { ms(400) } else { ms(50) },
+                    );
+                    Ok(started.elapsed())
+                })
+            });
+            std::thread::sleep(ms(10));
+            let b = s.spawn(|| {
+                run_within(&[1, 1], &budget, |_, _| {
+                    p.hold(1, ms(50));
+                    Ok(started.elapsed())
+                })
+            });
+            (
+                a.join().expect("call A").expect("A runs"),
+                b.join().expect("call B").expect("B runs"),
+            )
+        });
+        assert_eq!(p.most(), 3, "never over the shared budget");
+        assert!(
+            b[1] < a[0],
+            "B ended at {:?}, before A's long job at {:?}",
+            b[1],
+            a[0]
+        );
+    }
+
+    #[test]
+    fn a_failure_stops_the_jobs_in_flight_and_a_panic_is_a_failure() {
+        // Job 1 fails while job 0 runs "for ever": job 0 sees the flag and ends, and the call
+        // answers with job 1's error at once.
+        let started = std::time::Instant::now();
+        let e = run_within(&[1, 1], &SequenceBudget::new(2), |i, stop| {
+            if i == 1 {
+                std::thread::sleep(Duration::from_millis(20));
+                return Err(anyhow!("job 1 failed"));
+            }
+            while !stop.load(Ordering::Relaxed) {
+                if started.elapsed() > Duration::from_secs(10) {
+                    return Ok(0);
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(anyhow!("job 0 stopped"))
+        })
+        .expect_err("fails");
+        assert_eq!(e.to_string(), "job 1 failed");
+        assert!(started.elapsed() < Duration::from_secs(5));
+
+        let e = run_within(&[1, 1], &SequenceBudget::new(2), |i, _| {
+            if i == 0 {
+                panic!("a bug");
+            }
+            Ok(i)
+        })
+        .expect_err("a panic fails the call");
+        assert_eq!(e.to_string(), "job 0's generation thread panicked");
+    }
+
+    #[test]
     fn after_a_failure_nothing_more_starts() {
         let started = AtomicU64::new(0);
-        let e = run_within(&[1, 1, 1, 1], 1, |i| {
+        let e = run_within(&[1, 1, 1, 1], &SequenceBudget::new(1), |i, _| {
             started.fetch_add(1, Ordering::SeqCst);
             if i == 1 {
                 return Err(anyhow!("job 1 failed"));
@@ -143,6 +308,10 @@ mod tests {
         .expect_err("fails");
         assert_eq!(e.to_string(), "job 1 failed");
         assert_eq!(started.load(Ordering::SeqCst), 2);
-        assert!(run_within(&[], 4, Ok).expect("none").is_empty());
+        assert!(
+            run_within(&[], &SequenceBudget::new(4), |i, _| Ok(i))
+                .expect("none")
+                .is_empty()
+        );
     }
 }

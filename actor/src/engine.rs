@@ -37,6 +37,9 @@ pub struct Capabilities {
     pub engine: String,
     /// Sequences it decodes together.
     pub max_batch: u32,
+    /// Generation calls the worker may run at once (they share `max_batch`): 1 for an engine
+    /// that batches within a call only, more for one that batches whatever is in flight.
+    pub calls: u32,
 }
 
 /// The weights an engine generates with: their version and state digest.
@@ -196,6 +199,7 @@ impl Engine for BuiltinEngine {
         Capabilities {
             engine: "builtin".into(),
             max_batch: self.max_batch,
+            calls: 1,
         }
     }
 

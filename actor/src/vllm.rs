@@ -13,8 +13,8 @@
 //! - **Generation.** One streamed `POST /v1/completions` per job, with the prompt's token
 //!   ids, `n` samples, the job's sampling parameters and seed, one log-probability per token
 //!   and token ids back (`return_tokens_as_token_ids`). A call's jobs are sent side by side,
-//!   up to `--max-batch` sequences in flight (`concurrent_jobs.rs`), so vLLM batches
-//!   them; each streamed token counts in the job's progress as it arrives
+//!   up to `--max-batch` sequences in flight (`concurrent_jobs.rs`) shared with the next
+//!   call, which the worker overlaps with it, so vLLM batches them continuously; each streamed token counts in the job's progress as it arrives
 //!   (`completion_stream.rs`), which keeps a long generation's lease alive. A stream
 //!   silent for [`GENERATE_IDLE`] is given up; there is no bound on a generation's length as
 //!   such, only a generous one per token. Loads take the swap lock for writing and
@@ -50,6 +50,7 @@ use std::ops::ControlFlow;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -62,8 +63,8 @@ use starling_proto::delta::manifest::{hex, parse_hex};
 use starling_proto::protocol::rollout::{FinishReason, JobResult, JobSpec, Sample};
 use starling_telemetry::http_client::{self, DEFAULT_BODY_LIMIT, Limits, Response};
 
-use crate::completion_stream::CompletionStream;
-use crate::concurrent_jobs::run_within;
+use crate::completion_stream::{CompletionStream, StreamError};
+use crate::concurrent_jobs::{SequenceBudget, run_within};
 use crate::engine::{Capabilities, Engine, Fingerprint, JobProgress, group_seed, whole_span};
 
 /// How the actor reaches (and possibly runs) its vLLM server.
@@ -122,6 +123,27 @@ fn flag_value<'a>(cmd: &'a str, flag: &str) -> Option<&'a str> {
     None
 }
 
+/// The sequences the actor keeps in flight on vLLM: `--max-batch`, but no more than the
+/// `--max-num-seqs` a started server runs at once. A request beyond that waits in vLLM's
+/// queue, streaming nothing, and a long wait there would be taken for a hung server
+/// ([`GENERATE_IDLE`]). An attached server's setting cannot be read: `--max-batch` should
+/// not exceed it.
+fn sequence_budget(max_batch: u32, cmd: Option<&str>) -> u32 {
+    let runs = cmd
+        .and_then(|c| flag_value(c, "--max-num-seqs"))
+        .and_then(|v| v.parse::<u32>().ok());
+    match runs {
+        Some(runs) if runs < max_batch => {
+            tracing::info!(
+                "--max-batch {max_batch} is above the --max-num-seqs {runs} that --vllm-cmd \
+                 gives vLLM: keeping {runs} sequences in flight"
+            );
+            runs.max(1)
+        }
+        _ => max_batch.max(1),
+    }
+}
+
 /// A server started from `--vllm-cmd` is given `--generation-config vllm` unless the command
 /// names one: with vLLM's default (`auto`) the model's `generation_config.json` fills every
 /// sampling parameter a request leaves out (`top_k`, `repetition_penalty`, …) and adds its
@@ -150,10 +172,11 @@ const RPC_TIMEOUT: Duration = Duration::from_secs(600);
 /// beyond the fixed bound.
 const RPC_TIME_PER_PARAMETER: Duration = Duration::from_nanos(250);
 /// A streamed completion that sends nothing for this long is given up: vLLM hung, or a
-/// request waits in its queue behind others (the engine keeps its requests within
-/// `--max-batch` sequences so that none should). Prefilling a long prompt on a slow server
-/// fits well inside it.
-pub const GENERATE_IDLE: Duration = Duration::from_secs(300);
+/// request waited in its queue that long (the engine keeps its requests within `--max-batch`
+/// sequences, but vLLM also admits and preempts sequences by the KV cache's free blocks, so a
+/// request can wait under memory pressure). Prefilling a long prompt on a slow server fits
+/// well inside it.
+pub const GENERATE_IDLE: Duration = Duration::from_secs(600);
 /// What a completion may take in all, beyond [`GENERATE_TIME_PER_TOKEN`] per new token: the
 /// prompt's prefill and the wait for a slot.
 const GENERATE_BASE: Duration = Duration::from_secs(600);
@@ -199,6 +222,8 @@ pub struct VllmEngine {
     /// `STORE/vllm`: patch files and the materialized model directory.
     dir: PathBuf,
     max_batch: u32,
+    /// The sequences in flight on vLLM, shared by the generation calls that overlap.
+    budget: SequenceBudget,
     held: Mutex<Held>,
     /// The version vLLM's parameters hold, proven by its digest; none while fenced. Apart
     /// from `held`, which a load keeps for minutes while a server starts: status reads and
@@ -274,12 +299,14 @@ impl VllmEngine {
                 settings.apply_mode
             );
         }
+        let max_batch = sequence_budget(max_batch, settings.cmd.as_deref());
         Ok(Self {
             settings,
             model_id: model_id.to_owned(),
             config,
             dir,
-            max_batch: max_batch.max(1),
+            max_batch,
+            budget: SequenceBudget::new(max_batch),
             held: Mutex::new(Held::default()),
             proven: Mutex::new(None),
             swap: RwLock::new(()),
@@ -797,11 +824,15 @@ impl VllmEngine {
     /// `progress` as it arrives. Greedy (temperature 0) samples are one request's answer `n`
     /// times: vLLM refuses `n > 1` with greedy sampling, and greedy decoding of one prompt on
     /// one version has one answer (each of its tokens counts `n` times).
+    ///
+    /// `stop` set (another job of the call failed) ends the stream at its next line: the
+    /// connection closes, and vLLM aborts the request.
     fn complete(
         &self,
         served: &str,
         job: &JobSpec,
         fp: Fingerprint,
+        stop: &AtomicBool,
         progress: impl Fn(u64),
     ) -> Result<Vec<Sample>> {
         let s = &job.sampling;
@@ -846,6 +877,7 @@ impl VllmEngine {
             Some(&body),
             limits,
             |line| match stream.line(line, Instant::now()) {
+                _ if stop.load(Ordering::Relaxed) => ControlFlow::Break(()),
                 Ok(tokens) => {
                     progress(tokens * copies);
                     if stream.is_done() {
@@ -866,15 +898,26 @@ impl VllmEngine {
                 job.job, self.settings.addr
             )
         })?;
-        if r.status == 400 {
-            // vLLM refuses this job's request itself (its prompt leaves no room under the
-            // server's --max-model-len, say): the job goes back aborted, which the hub refuses
-            // for this job alone; the call's other jobs keep their samples, and the actor its
-            // connection.
-            tracing::error!(
+        // vLLM refuses this job's request itself (its prompt leaves no room under the
+        // server's --max-model-len, say), before streaming (HTTP 400) or in the stream (an
+        // error event with code 400, from checks vLLM runs once the stream has begun): the
+        // job goes back aborted, which the hub refuses for this job alone; the call's other
+        // jobs keep their samples, and the actor its connection.
+        let refused = match (&malformed, r.status) {
+            (_, 400) => Some(r.body.chars().take(400).collect::<String>()),
+            (
+                Some(StreamError::Reported {
+                    message,
+                    code: Some(400),
+                }),
+                _,
+            ) => Some(message.clone()),
+            _ => None,
+        };
+        if let Some(why) = refused {
+            tracing::warn!(
                 job = job.job,
-                "vLLM refused the job's completion (400), so it goes back as aborted: {}",
-                r.body.chars().take(400).collect::<String>()
+                "vLLM refused the job's completion (400), so it goes back as aborted: {why}"
             );
             let aborted = Sample {
                 tokens: Vec::new(),
@@ -896,6 +939,9 @@ impl VllmEngine {
         }
         if let Some(e) = malformed {
             bail!("job {}: vLLM's streamed completion: {e}", job.job);
+        }
+        if stop.load(Ordering::Relaxed) {
+            bail!("job {}: stopped, another job of the call failed", job.job);
         }
         let mut samples = stream
             .samples()
@@ -966,6 +1012,9 @@ impl Engine for VllmEngine {
         Capabilities {
             engine: "vllm".into(),
             max_batch: self.max_batch,
+            // Two calls overlap: the next one's jobs take up the sequences the current one's
+            // last jobs leave idle (`concurrent_jobs`).
+            calls: 2,
         }
     }
 
@@ -1066,9 +1115,9 @@ impl Engine for VllmEngine {
                 }
             })
             .collect();
-        let mut results = run_within(&sizes, self.max_batch, |i| {
+        let mut results = run_within(&sizes, &self.budget, |i, stop| {
             let j = &jobs[i];
-            let samples = self.complete(&served, j, fp, |tokens| progress.add(i, tokens))?;
+            let samples = self.complete(&served, j, fp, stop, |tokens| progress.add(i, tokens))?;
             Ok(JobResult {
                 job: j.job,
                 attempt: j.attempt,
@@ -1162,6 +1211,25 @@ mod tests {
             completion_timeout(u32::MAX),
             Duration::MAX.min(completion_timeout(u32::MAX))
         );
+    }
+
+    #[test]
+    fn the_sequences_in_flight_stay_within_what_a_started_server_runs() {
+        assert_eq!(sequence_budget(32, None), 32);
+        assert_eq!(
+            sequence_budget(32, Some("vllm serve {model} --max-num-seqs 8")),
+            8
+        );
+        assert_eq!(
+            sequence_budget(32, Some("vllm serve {model} --max-num-seqs=64")),
+            32
+        );
+        assert_eq!(
+            sequence_budget(32, Some("vllm serve {model} --max-num-seqs x")),
+            32
+        );
+        assert_eq!(sequence_budget(0, Some("vllm serve {model}")), 1);
+        assert_eq!(sequence_budget(4, Some("vllm --max-num-seqs 0")), 1);
     }
 
     #[test]

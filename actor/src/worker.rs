@@ -14,9 +14,11 @@
 //!   message before reading the next), so the loop matches them to a queue of what it asked.
 //!   An empty `Jobs` waits 100 ms before the next claim, or less: a version staged or
 //!   activated meanwhile (the share it may be waiting for) claims at once.
-//! - **Generation** runs on a blocking thread, one call at a time, after waiting (bounded)
-//!   until the engine holds at least each job's version (an actor scheduled while D(v) was
-//!   still arriving activates v first). Its results are submitted at once; the verdicts are
+//! - **Generation** runs on a blocking thread, after waiting (bounded) until the engine holds
+//!   at least each job's version (an actor scheduled while D(v) was still arriving activates
+//!   v first): one call at a time, or as many as the engine's `calls` (two for vLLM, whose
+//!   calls share its sequence budget, so the next call's jobs fill what the current call's
+//!   longest jobs leave idle). Its results are submitted at once; the verdicts are
 //!   read when they come, without holding up the next generation.
 //! - **Progress**, every second while it holds jobs: the tokens generated so far for each job
 //!   it holds (0 for the queued ones), which keeps their leases alive for as long as the
@@ -37,7 +39,10 @@
 //! the worker claims nothing until they agree again.
 
 use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -261,7 +266,10 @@ async fn session(
     let mut watching = true;
     let mut awaiting: VecDeque<Awaiting> = VecDeque::new();
     let mut queued: VecDeque<Vec<JobSpec>> = VecDeque::new();
-    let mut running: Option<Running> = None;
+    // The generations in flight, at most `caps.calls` (one for the built-in engine).
+    let mut running: Vec<Running> = Vec::new();
+    let calls = caps.calls.max(1) as usize;
+    let mut last_end: Option<Instant> = None;
     let mut next_claim = Instant::now();
     let mut progress_timer = tokio::time::interval(Duration::from_secs(1));
     progress_timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -274,7 +282,7 @@ async fn session(
             let dropped: usize = queued.iter().map(Vec::len).sum();
             queued.clear();
             tracing::info!(
-                generating = running.as_ref().map_or(0, |r| r.jobs.len()),
+                generating = running.iter().map(|r| r.jobs.len()).sum::<usize>(),
                 released = dropped,
                 "stopping: submitting the generation in flight"
             );
@@ -282,17 +290,17 @@ async fn session(
         if draining {
             queued.clear();
             let verdicts_due = awaiting.iter().any(|a| matches!(a, Awaiting::Verdicts(_)));
-            if running.is_none() && !verdicts_due {
+            if running.is_empty() && !verdicts_due {
                 return Ok(());
             }
         }
-        // Start the next generation as soon as the engine is free.
-        if running.is_none()
+        // Start the next generation as soon as the engine can take it.
+        while running.len() < calls
             && let Some(jobs) = queued.pop_front()
         {
-            running = Some(start_generation(engine, jobs));
+            running.push(start_generation(engine, jobs));
         }
-        let held = running.as_ref().map_or(0, |r| r.jobs.len())
+        let held = running.iter().map(|r| r.jobs.len()).sum::<usize>()
             + queued.iter().map(Vec::len).sum::<usize>();
         let claim = depth.size(conn.rtt()) as usize;
         let claiming = awaiting.contains(&Awaiting::Jobs);
@@ -333,10 +341,12 @@ async fn session(
                     (asked, other) => bail!("unexpected answer to {asked:?}: {other:?}"),
                 }
             }
-            done = finished(&mut running) => {
-                running = None;
+            (i, done) = finished(&mut running) => {
+                running.remove(i);
                 let (results, took) = done.context("generation task")?.context("generate")?;
-                depth.observe(results.len(), took);
+                // With calls overlapping, a call's own time counts only where no earlier
+                // call's end already covered it: the engine's rate, not each call's.
+                depth.observe(results.len(), own_time(took, Instant::now(), &mut last_end));
                 // Each `Submit` carries what fits one message; a result too large for any
                 // goes alone (the hub refuses it by name), so it sinks none of the others.
                 for part in split_for_messages(results, MAX_MESSAGE_BODY) {
@@ -347,7 +357,7 @@ async fn session(
             }
             _ = progress_timer.tick(), if held > 0 => {
                 let mut jobs: Vec<(u64, u64)> = Vec::with_capacity(held);
-                if let Some(r) = &running {
+                for r in &running {
                     jobs.extend(r.jobs.iter().copied().zip(r.progress.snapshot()));
                 }
                 for q in &queued {
@@ -382,14 +392,36 @@ impl Drop for CloseOnDrop {
     }
 }
 
-/// The end of the generation in flight (never, if none is).
+/// The first generation in flight to end, and its place (never, if none is in flight).
 async fn finished(
-    running: &mut Option<Running>,
-) -> Result<Result<(Vec<JobResult>, Duration)>, tokio::task::JoinError> {
-    match running {
-        Some(r) => (&mut r.task).await,
-        None => std::future::pending().await,
+    running: &mut [Running],
+) -> (
+    usize,
+    Result<Result<(Vec<JobResult>, Duration)>, tokio::task::JoinError>,
+) {
+    if running.is_empty() {
+        return std::future::pending().await;
     }
+    std::future::poll_fn(|cx| {
+        for (i, r) in running.iter_mut().enumerate() {
+            if let Poll::Ready(done) = Pin::new(&mut r.task).poll(cx) {
+                return Poll::Ready((i, done));
+            }
+        }
+        Poll::Pending
+    })
+    .await
+}
+
+/// The part of a call that took `took` and ended at `now` that no earlier call's end covered
+/// (`last_end`, moved to `now`): with calls overlapping, these parts tile the time the engine
+/// was busy, so jobs over them is the engine's rate, where each call's own time would count
+/// the overlap twice.
+fn own_time(took: Duration, now: Instant, last_end: &mut Option<Instant>) -> Duration {
+    let started = now.checked_sub(took).unwrap_or(now);
+    let from = last_end.map_or(started, |e| e.max(started));
+    *last_end = Some(last_end.map_or(now, |e| e.max(now)));
+    now.saturating_duration_since(from)
 }
 
 /// Whether the engine holds exactly what the pipeline committed (otherwise it is fenced).
@@ -515,7 +547,23 @@ pub(crate) fn start(
 
 #[cfg(test)]
 mod tests {
-    use super::PipelineStatus;
+    use super::{PipelineStatus, own_time};
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn overlapping_calls_count_the_busy_time_once() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut last = None;
+        // Calls of 10 s ending at 10 and 15 (the second began at 5): 10 s, then 5 s.
+        assert_eq!(own_time(s(10), t0 + s(10), &mut last), s(10));
+        assert_eq!(own_time(s(10), t0 + s(15), &mut last), s(5));
+        // A call that began after the last end counts whole: the engine was idle between.
+        assert_eq!(own_time(s(3), t0 + s(20), &mut last), s(3));
+        // A call ending within an earlier one counts nothing more.
+        let mut last = Some(t0 + s(30));
+        assert_eq!(own_time(s(2), t0 + s(29), &mut last), Duration::ZERO);
+    }
 
     #[test]
     fn a_version_that_fails_is_no_longer_reported_staged() {

@@ -21,7 +21,7 @@
 //!   (restarted, or timing out idle keep-alives) has closed would fail a `POST` that ureq
 //!   does not retry.
 
-use std::io::{self, BufRead, BufReader};
+use std::io::{self, BufRead, BufReader, Read};
 use std::ops::ControlFlow;
 use std::time::Duration;
 
@@ -31,6 +31,10 @@ use ureq::http;
 /// The largest answer body read when the caller does not say otherwise: far above what a
 /// status document, a digest or an error says, far below what would strain a process.
 pub const DEFAULT_BODY_LIMIT: u64 = 16 << 20;
+
+/// The longest line [`request_lines`] holds (with its line ending): far above one event of a
+/// streamed answer.
+pub const MAX_LINE: usize = 1 << 20;
 
 /// Why a request got no (acceptable) HTTP answer.
 #[derive(Debug, thiserror::Error)]
@@ -140,7 +144,8 @@ pub fn request(
 /// success's body is handed to `line` one line at a time as it arrives (without its line
 /// ending; the `Response`'s `body` is then empty), until the body ends or `line` breaks. Any
 /// other status is read whole into the `Response`, as [`request`] does. The body limit
-/// counts every byte streamed, so a line is never longer than it.
+/// counts every byte streamed; a line is at most [`MAX_LINE`] bytes besides (what is held
+/// at once).
 pub fn request_lines(
     addr: &str,
     method: &str,
@@ -166,11 +171,18 @@ pub fn request_lines(
     let mut buf = Vec::new();
     loop {
         buf.clear();
-        let n = reader
+        let n = (&mut reader)
+            .take(MAX_LINE as u64 + 1)
             .read_until(b'\n', &mut buf)
             .map_err(|e| classify_io(addr, limits, e))?;
         if n == 0 {
             break;
+        }
+        if n > MAX_LINE {
+            return Err(HttpClientError::TooLarge {
+                addr: addr.to_owned(),
+                limit: MAX_LINE as u64,
+            });
         }
         let text = String::from_utf8_lossy(&buf);
         if line(text.trim_end_matches(['\r', '\n'])).is_break() {

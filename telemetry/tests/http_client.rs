@@ -462,6 +462,26 @@ fn a_stream_is_bounded_as_a_whole_and_a_break_stops_reading() {
     );
     server.join().expect("server");
 
+    // One line longer than a line may be, under the body limit: refused once it passes.
+    let long = format!("data: {}\n", "x".repeat(http_client::MAX_LINE));
+    let body = chunk(&long);
+    let (addr, server) = serve_once(move |_| [STREAM_HEAD, &body, b"0\r\n\r\n"].concat());
+    let e = http_client::request_lines(
+        &addr,
+        "GET",
+        "/",
+        &[],
+        None,
+        Limits::timeout(TIMEOUT).body_limit(1 << 30),
+        |_| ControlFlow::Continue(()),
+    )
+    .expect_err("a line over the bound");
+    assert!(
+        matches!(e, HttpClientError::TooLarge { limit, .. } if limit == http_client::MAX_LINE as u64),
+        "{e:?}"
+    );
+    server.join().expect("server");
+
     let body = chunk(&many);
     let (addr, server) = serve_once(move |_| [STREAM_HEAD, &body, b"0\r\n\r\n"].concat());
     let mut lines = 0;
