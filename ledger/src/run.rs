@@ -24,7 +24,7 @@ use crate::error::{CancelError, ReadError, ScoreError, VersionError};
 use crate::ids::{ActorId, BatchId, Digest, JobId, Timestamp, Version};
 use crate::model::{ActorInfo, JobCounts, Unscored};
 use crate::sql::{self, Get};
-use crate::{Ledger, Store};
+use crate::{Backend, Ledger, Store};
 
 /// A published version as the ledger holds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -492,15 +492,21 @@ impl Ledger {
     /// Whether it finished is decided inside the cancelling transaction, so a batch whose last
     /// group is accepted while it is cancelled is either cancelled with its open jobs or found
     /// finished. A batch with no open job but results waiting for their reward service is
-    /// marked cancelled with 0 jobs. Two cancels racing on PostgreSQL may see the second answered as finished rather
-    /// than already cancelled: the batch is not locked, its jobs are.
+    /// marked cancelled with 0 jobs. Two cancels racing are answered once with the count and
+    /// once `AlreadyCancelled`: on PostgreSQL the batch row is locked first (on SQLite the
+    /// transactions are serial), so the second waits for the first and finds it cancelled
+    /// (before, it could find the jobs failed and answer "finished").
     pub async fn cancel_batch(
         &self,
         id: BatchId,
         now: Timestamp,
     ) -> Result<Option<u64>, CancelError> {
+        let for_cancel = match self.backend() {
+            Backend::Postgres => BATCH_FOR_CANCEL_LOCKED,
+            Backend::Sqlite => BATCH_FOR_CANCEL,
+        };
         durably!(self, tx => {
-            let row = sqlx::query(BATCH_FOR_CANCEL)
+            let row = sqlx::query(for_cancel)
                 .bind(id.0)
                 .fetch_optional(&mut *tx)
                 .await?
@@ -723,6 +729,10 @@ pub(crate) fn page_len(sizes: &[(i64, u64)], limit: usize, max_bytes: u64) -> us
 }
 
 const BATCH_FOR_CANCEL: &str = "SELECT cancelled_at, archived_at FROM batches WHERE id = $1";
+/// PostgreSQL's: the batch row locked for the transaction, before its jobs (the order
+/// scheduling takes too), so two cancels of one batch run one after the other.
+const BATCH_FOR_CANCEL_LOCKED: &str =
+    "SELECT cancelled_at, archived_at FROM batches WHERE id = $1 FOR UPDATE";
 
 #[cfg(test)]
 mod tests {

@@ -200,6 +200,40 @@ both_backends!(
     LedgerConfig::default()
 );
 
+/// Two cancels of one batch at once: one cancels its jobs, the other is told it was already
+/// cancelled. (On PostgreSQL the second used to wait on the job rows only, find them failed
+/// and answer that the batch had finished.)
+async fn racing_cancels_are_answered_once_each(l: &Ledger) {
+    versions(l, 0).await;
+    actors_on(l, &["a"], 0, T0).await;
+    for round in 0..20 {
+        let batch = l
+            .post_batch(v(0), &prompts(3), "{}", at(round))
+            .await
+            .unwrap();
+        l.schedule(batch, at(round)).await.unwrap();
+        let (a, b) = tokio::join!(
+            l.cancel_batch(batch, at(round + 1)),
+            l.cancel_batch(batch, at(round + 1))
+        );
+        let (won, lost) = if matches!(a, Ok(Some(_))) {
+            (a, b)
+        } else {
+            (b, a)
+        };
+        assert_eq!(won.unwrap(), Some(3), "round {round}");
+        assert!(
+            matches!(lost, Err(CancelError::AlreadyCancelled(_))),
+            "round {round}: {lost:?}"
+        );
+    }
+    l.check_invariants().await.unwrap();
+}
+both_backends!(
+    racing_cancels_are_answered_once_each,
+    LedgerConfig::default()
+);
+
 /// A batch that finished is not cancelled, and that is decided in the cancelling transaction
 /// (before, the hub read `finished` and cancelled in two calls: a batch whose last group was
 /// accepted in between was answered `{"cancelled": 0}` and flipped to cancelled).
