@@ -382,6 +382,7 @@ async fn serve_connection(hub: Arc<Hub>, conn: Connection, ceiling: RateCeiling)
         .take(a.role, &a.name, &mut a.control)
         .await?
     else {
+        hub.metrics.subscription_refused();
         return Ok(());
     };
     // The operator's statement for this peer wins over the peer's own; `*` fills in for

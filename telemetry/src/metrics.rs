@@ -25,6 +25,7 @@
 //! | `jobs_leased_total`, `leases_expired_total`, `leases_extended_total` | counter | ✓ | | | |
 //! | `leases_released_total` | counter | ✓ | | | `reason` (a fixed set of codes) |
 //! | `worker_refusals_total` | counter | ✓ | | | `reason` (a fixed set of codes) |
+//! | `subscriptions_refused_total` | counter | ✓ | ✓ | | |
 //! | `results_accepted_total`, `rollout_tokens_total` | counter | ✓ | | | |
 //! | `results_refused_total` | counter | ✓ | | | `reason` (a fixed set of codes) |
 //!
@@ -222,6 +223,7 @@ struct Inner {
     leases_released: Family<ReasonLabel, Counter>,
     leases_extended: Counter,
     worker_refusals: Family<ReasonLabel, Counter>,
+    subscriptions_refused: Counter,
     results_accepted: Counter,
     results_refused: Family<ReasonLabel, Counter>,
     rollout_tokens: Counter,
@@ -259,6 +261,7 @@ impl Metrics {
             leases_released: Family::default(),
             leases_extended: Counter::default(),
             worker_refusals: Family::default(),
+            subscriptions_refused: Counter::default(),
             results_accepted: Counter::default(),
             results_refused: Family::default(),
             rollout_tokens: Counter::default(),
@@ -404,6 +407,11 @@ impl Metrics {
             .inc();
     }
 
+    /// A subscription refused because its certificate holds as many as it may.
+    pub fn subscription_refused(&self) {
+        self.inner.subscriptions_refused.inc();
+    }
+
     /// A result accepted, with the tokens it generated.
     pub fn accepted(&self, tokens: u64) {
         self.inner.results_accepted.inc();
@@ -487,6 +495,11 @@ impl Inner {
                 "delta_sent_segments",
                 "Delta segments sent, by receiving peer",
                 self.segments_sent.clone(),
+            );
+            r.register(
+                "subscriptions_refused",
+                "Subscription connections refused because their certificate held as many as it may",
+                self.subscriptions_refused.clone(),
             );
         }
         if on(&[Relay, Actor]) {
@@ -640,8 +653,9 @@ mod tests {
     fn every_family_of_a_component_is_described() {
         // A per-peer family is left out of the exposition until it has a series.
         let empty = relay().encode();
-        assert_eq!(lines_with(&empty, "# TYPE ").len(), 5);
+        assert_eq!(lines_with(&empty, "# TYPE ").len(), 6);
         assert!(!empty.contains("starling_relay_delta_sent_bytes"));
+        assert!(empty.contains("# TYPE starling_relay_subscriptions_refused counter"));
 
         let m = relay();
         m.sent("eu-a1", 0, 0);
@@ -654,6 +668,7 @@ mod tests {
             [
                 "# TYPE starling_relay_delta_sent_bytes counter",
                 "# TYPE starling_relay_delta_sent_segments counter",
+                "# TYPE starling_relay_subscriptions_refused counter",
                 "# TYPE starling_relay_delta_received_bytes counter",
                 "# TYPE starling_relay_delta_received_segments counter",
                 "# TYPE starling_relay_refetches counter",

@@ -108,6 +108,7 @@ async fn serve_connection(d: &Downstream, conn: Connection) -> Result<(), Downst
         .take(a.role, &a.name, &mut a.control)
         .await?
     else {
+        d.metrics.subscription_refused();
         return Ok(());
     };
     let span = tracing::info_span!("peer", peer = %a.name, role = ?a.role);

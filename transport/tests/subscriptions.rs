@@ -40,6 +40,7 @@ impl SubscriberObserver for Departures {
 fn spawn_server(
     creds: &Credentials,
     accepting: CancellationToken,
+    metrics: &Metrics,
 ) -> (SocketAddr, mpsc::UnboundedReceiver<String>) {
     let ep =
         server_endpoint(creds, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN).expect("server");
@@ -55,7 +56,7 @@ fn spawn_server(
             observer: Some(Arc::new(Departures(left))),
             ..FanoutConfig::default()
         },
-        metrics: Metrics::new(Component::Relay),
+        metrics: metrics.clone(),
     };
     tokio::spawn(accept_subscribers(ep, downstream, accepting));
     (addr, departures)
@@ -97,7 +98,8 @@ async fn a_certificate_over_its_subscription_bound_is_refused_until_one_ends() {
     let d = tempfile::tempdir().expect("tempdir");
     let (hub, a1) = common::hub_and_actor(d.path());
     let accepting = CancellationToken::new();
-    let (addr, mut departures) = spawn_server(&hub, accepting.clone());
+    let metrics = Metrics::new(Component::Relay);
+    let (addr, mut departures) = spawn_server(&hub, accepting.clone(), &metrics);
 
     let mut held = Vec::new();
     for nonce in 0..K as u64 {
@@ -128,6 +130,18 @@ async fn a_certificate_over_its_subscription_bound_is_refused_until_one_ends() {
         matches!(end, Some(UpstreamEvent::Closed(_)) | None),
         "after the refusal: {end:?}"
     );
+    // Counted once the server is done with the refused connection.
+    let counted = async {
+        while !metrics
+            .encode_prometheus()
+            .contains("starling_relay_subscriptions_refused_total 1\n")
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    tokio::time::timeout(T, counted)
+        .await
+        .expect("the refusal counted in time");
 
     // One of the served ones leaves: its place is free once the server saw it end.
     held.remove(0).close();
