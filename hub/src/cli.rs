@@ -389,6 +389,10 @@ pub struct HttpArgs {
     /// (too_many_connections) and closed.
     #[arg(long, default_value_t = 256, env = "STARLING_HUB_HTTP_MAX_CONNECTIONS")]
     http_max_connections: usize,
+    /// Most HTTP connections served at once from one IP address (so one host reopening idle
+    /// connections cannot take every slot); one more from it is answered 503.
+    #[arg(long, default_value_t = 64, env = "STARLING_HUB_HTTP_MAX_PER_ADDRESS")]
+    http_max_per_address: usize,
     /// Seconds a request's line and headers may take to arrive, from the connection's start or
     /// the previous response's end (so also how long an idle keep-alive connection stays open).
     #[arg(long, default_value_t = 10.0, env = "STARLING_HUB_HTTP_HEADER_TIMEOUT")]
@@ -421,8 +425,12 @@ impl HttpArgs {
         if self.http_max_connections == 0 {
             bail!("--http-max-connections must be at least 1");
         }
+        if self.http_max_per_address == 0 {
+            bail!("--http-max-per-address must be at least 1");
+        }
         Ok(starling_telemetry::http::HttpLimits {
             max_connections: self.http_max_connections,
+            max_per_address: self.http_max_per_address,
             header_timeout: secs("http-header-timeout", self.http_header_timeout)?,
             request_timeout: secs("http-request-timeout", self.http_request_timeout)?,
             write_timeout: secs("http-write-timeout", self.http_write_timeout)?,

@@ -14,8 +14,9 @@
 //! owns no task besides its accept loop and its connections.
 //!
 //! What one client can cost is bounded ([`HttpLimits`], `docs/api.md` § Bounds): at most
-//! `max_connections` connections are served at once (one more is answered `503
-//! too_many_connections` and closed); a request's line and headers must arrive within
+//! `max_connections` connections are served at once, and at most `max_per_address` of them
+//! from one IP address, so one host reopening idle connections cannot take every slot (one
+//! more is answered `503 too_many_connections` and closed); a request's line and headers must arrive within
 //! `header_timeout` of the connection opening or of the previous response (so an idle
 //! keep-alive connection closes after it too) and fit `max_header_bytes`; a request must be
 //! answered — its body read, its handler run — within `request_timeout` (`408 timeout`
@@ -30,7 +31,7 @@ use std::time::Duration;
 
 use std::future::Future;
 use std::io;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 
 use axum::Json;
 use axum::Router;
@@ -93,6 +94,9 @@ pub async fn spawn(
 pub struct HttpLimits {
     /// Connections served at once; one more is answered 503 and closed.
     pub max_connections: usize,
+    /// Connections served at once from one IP address; one more from it is answered 503 and
+    /// closed.
+    pub max_per_address: usize,
     /// The request line and headers must arrive within this of the connection opening or of
     /// the previous response: the header timeout and the keep-alive idle timeout.
     pub header_timeout: Duration,
@@ -112,6 +116,7 @@ impl Default for HttpLimits {
     fn default() -> Self {
         HttpLimits {
             max_connections: 256,
+            max_per_address: 64,
             header_timeout: Duration::from_secs(10),
             max_header_bytes: 64 << 10,
             request_timeout: Duration::from_secs(60),
@@ -206,13 +211,14 @@ pub async fn serve_with(
         .max_header_size(limits.max_header_bytes)
         .keep_alive(true);
     let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    let per_address = Arc::new(PerAddress::default());
     let refusing = Arc::new(Semaphore::new(MAX_REFUSING));
     let (stop_tx, stop_rx) = watch::channel(false);
     // Every connection is a task of this set: none outlives the server.
     let mut connections = JoinSet::new();
     tokio::pin!(shutdown);
     loop {
-        let (stream, _peer) = tokio::select! {
+        let (stream, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(a) => a,
                 Err(e) => {
@@ -225,15 +231,31 @@ pub async fn serve_with(
             () = &mut shutdown => break,
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            if let Ok(permit) = refusing.clone().try_acquire_owned() {
-                let max = limits.max_connections;
-                connections.spawn(async move {
-                    refuse_connection(stream, max).await;
-                    drop(permit);
-                });
+        let slot = match (
+            per_address.take(peer.ip(), limits.max_per_address),
+            slots.clone().try_acquire_owned(),
+        ) {
+            (Some(mine), Ok(slot)) => (mine, slot),
+            (mine, _) => {
+                let why = match mine {
+                    None => format!(
+                        "this server serves at most {} connections at once from one address; \
+                         retry later",
+                        limits.max_per_address
+                    ),
+                    Some(_) => format!(
+                        "this server serves at most {} connections at once; retry later",
+                        limits.max_connections
+                    ),
+                };
+                if let Ok(permit) = refusing.clone().try_acquire_owned() {
+                    connections.spawn(async move {
+                        refuse_connection(stream, why).await;
+                        drop(permit);
+                    });
+                }
+                continue;
             }
-            continue;
         };
         let io = hyper_util::rt::TokioIo::new(WriteStall::new(stream, limits.write_timeout));
         let service = hyper_util::service::TowerToHyperService::new(app.clone());
@@ -260,12 +282,59 @@ pub async fn serve_with(
     Ok(())
 }
 
-/// The answer of a connection beyond [`HttpLimits::max_connections`]: a JSON 503, written
-/// without reading the request, then the connection is closed (within about a second).
-async fn refuse_connection(mut stream: TcpStream, max: usize) {
+/// The connections served per peer address.
+#[derive(Debug, Default)]
+struct PerAddress(std::sync::Mutex<std::collections::HashMap<IpAddr, usize>>);
+
+/// One served connection's place among its address's; dropping it frees the place.
+#[derive(Debug)]
+struct AddressSlot {
+    owner: Arc<PerAddress>,
+    ip: IpAddr,
+}
+
+impl PerAddress {
+    /// A place for one more connection from `ip`, if it holds fewer than `max`.
+    fn take(self: &Arc<Self>, ip: IpAddr, max: usize) -> Option<AddressSlot> {
+        let mut live = self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = live.entry(ip).or_default();
+        if *n >= max.max(1) {
+            return None;
+        }
+        *n += 1;
+        Some(AddressSlot {
+            owner: self.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        let mut live = self
+            .owner
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = live.get_mut(&self.ip) {
+            *n -= 1;
+            if *n == 0 {
+                live.remove(&self.ip);
+            }
+        }
+    }
+}
+
+/// The answer of a connection beyond [`HttpLimits::max_connections`] or
+/// [`HttpLimits::max_per_address`]: a JSON 503 saying `why`, written without reading the
+/// request, then the connection is closed (within about a second).
+async fn refuse_connection(mut stream: TcpStream, why: String) {
     let body = serde_json::json!({
         "code": "too_many_connections",
-        "message": format!("this server serves at most {max} connections at once; retry later"),
+        "message": why,
     })
     .to_string();
     let head = format!(

@@ -69,6 +69,29 @@ async fn request(addr: SocketAddr, method: &str, path: &str, body: &str) -> Resp
     request_with(addr, method, path, "", body).await
 }
 
+/// A connection to `addr` from the loopback address `from` (any of 127.0.0.0/8 on Linux).
+async fn connect_from(from: &str, addr: SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind(format!("{from}:0").parse().expect("address"))
+        .expect("bind");
+    socket.connect(addr).await.expect("connect")
+}
+
+/// `GET /healthz` on a fresh connection from `from`: the status and body.
+async fn healthz_from(from: &str, addr: SocketAddr) -> Response {
+    tokio::time::timeout(TIMEOUT, async {
+        let mut stream = connect_from(from, addr).await;
+        let head = format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+        stream.write_all(head.as_bytes()).await.expect("write head");
+        let mut raw = Vec::new();
+        stream.read_to_end(&mut raw).await.expect("read response");
+        parse(&String::from_utf8(raw).expect("response is UTF-8"))
+    })
+    .await
+    .expect("response within the timeout")
+}
+
 /// [`request`] with extra header lines (each ending in `\r\n`).
 async fn request_with(
     addr: SocketAddr,
@@ -322,6 +345,48 @@ async fn a_request_whose_headers_never_finish_is_closed_after_the_header_timeout
         String::from_utf8_lossy(&got).starts_with("HTTP/1.1 200"),
         "the request itself was answered"
     );
+}
+
+#[tokio::test]
+async fn one_address_cannot_take_every_connection() {
+    let limits = http::HttpLimits {
+        max_connections: 8,
+        max_per_address: 2,
+        header_timeout: Duration::from_secs(60),
+        ..Default::default()
+    };
+    let server = start_limited(limits, Router::new()).await;
+    // One host holds its two connections idle (within their header timeout).
+    let held_a = connect_from("127.0.0.1", server.addr).await;
+    let _held_b = connect_from("127.0.0.1", server.addr).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Its third is refused, naming the bound per address.
+    let r = healthz_from("127.0.0.1", server.addr).await;
+    assert_eq!(r.status, 503, "{r:?}");
+    assert!(r.body.contains("too_many_connections"), "{}", r.body);
+    assert!(
+        r.body
+            .contains("at most 2 connections at once from one address"),
+        "{}",
+        r.body
+    );
+    // Another address is served: the server has slots left, and they are not that host's.
+    let r = healthz_from("127.0.0.2", server.addr).await;
+    assert_eq!(r.status, 200, "{r:?}");
+    // A place freed is the host's again.
+    drop(held_a);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let r = healthz_from("127.0.0.1", server.addr).await;
+        if r.status == 200 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no place came free: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 #[tokio::test]
