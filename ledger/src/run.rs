@@ -730,9 +730,12 @@ pub(crate) fn page_len(sizes: &[(i64, u64)], limit: usize, max_bytes: u64) -> us
 
 const BATCH_FOR_CANCEL: &str = "SELECT cancelled_at, archived_at FROM batches WHERE id = $1";
 /// PostgreSQL's: the batch row locked for the transaction, before its jobs (the order
-/// scheduling takes too), so two cancels of one batch run one after the other.
+/// scheduling takes too), so two cancels of one batch run one after the other. `NO KEY
+/// UPDATE`, the lock an `UPDATE batches` takes anyway: a submit that holds its job rows and
+/// inserts a result or a refusal takes `KEY SHARE` on the batch row for the foreign key,
+/// which `FOR UPDATE` would block, deadlocking with this cancel waiting on those jobs.
 const BATCH_FOR_CANCEL_LOCKED: &str =
-    "SELECT cancelled_at, archived_at FROM batches WHERE id = $1 FOR UPDATE";
+    "SELECT cancelled_at, archived_at FROM batches WHERE id = $1 FOR NO KEY UPDATE";
 
 #[cfg(test)]
 mod tests {

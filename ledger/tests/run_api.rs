@@ -234,6 +234,35 @@ both_backends!(
     LedgerConfig::default()
 );
 
+/// A cancel racing a submit of the same batch: neither fails. (A cancel that locked the batch
+/// row `FOR UPDATE` deadlocked on PostgreSQL with a submit that held its job rows and took
+/// `KEY SHARE` on the batch row for the result's foreign key.)
+async fn a_cancel_racing_a_submit_fails_neither(l: &Ledger) {
+    versions(l, 0).await;
+    actors_on(l, &["a"], 0, T0).await;
+    for round in 0..30 {
+        let batch = l
+            .post_batch(v(0), &prompts(4), "{}", at(round))
+            .await
+            .unwrap();
+        l.schedule(batch, at(round)).await.unwrap();
+        let jobs = l.claim(&actor("a"), 4, at(round)).await.unwrap();
+        let subs: Vec<_> = jobs.iter().map(|j| result(j, 0)).collect();
+        let a = actor("a");
+        let (submitted, cancelled) = tokio::join!(
+            l.submit(&a, &subs, at(round + 1)),
+            l.cancel_batch(batch, at(round + 1))
+        );
+        submitted.unwrap_or_else(|e| panic!("round {round}: submit: {e:?}"));
+        cancelled.unwrap_or_else(|e| panic!("round {round}: cancel: {e:?}"));
+    }
+    l.check_invariants().await.unwrap();
+}
+both_backends!(
+    a_cancel_racing_a_submit_fails_neither,
+    LedgerConfig::default()
+);
+
 /// A batch that finished is not cancelled, and that is decided in the cancelling transaction
 /// (before, the hub read `finished` and cancelled in two calls: a batch whose last group was
 /// accepted in between was answered `{"cancelled": 0}` and flipped to cancelled).
