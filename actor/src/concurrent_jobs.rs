@@ -60,21 +60,28 @@ impl SequenceBudget {
     }
 
     /// Waits until `sequences` more fit (or nothing else runs, for a job larger than the
-    /// whole budget), and takes them.
-    pub(crate) fn acquire(&self, sequences: u32) -> Permit<'_> {
+    /// whole budget), and takes them; none once `stop` is set (seen when sequences are next
+    /// given back: a failing job sets it before it gives its own back).
+    pub(crate) fn acquire(&self, sequences: u32, stop: &AtomicBool) -> Option<Permit<'_>> {
         let sequences = u64::from(sequences);
         let mut in_flight = self.lock();
-        while *in_flight > 0 && *in_flight + sequences > self.max {
+        loop {
+            if stop.load(Ordering::Relaxed) {
+                return None;
+            }
+            if *in_flight == 0 || *in_flight + sequences <= self.max {
+                break;
+            }
             in_flight = self
                 .freed
                 .wait(in_flight)
                 .unwrap_or_else(PoisonError::into_inner);
         }
         *in_flight += sequences;
-        Permit {
+        Some(Permit {
             budget: self,
             sequences,
-        }
+        })
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, u64> {
@@ -86,15 +93,16 @@ impl SequenceBudget {
 
 /// Runs `run(i, stop)` for every job `i` (whose sequences are `sizes[i]`) on a thread of its
 /// own, each started in job order once its sequences fit `budget`, and returns the results
-/// in job order, or the first error. `stop` is set once a job has failed: the others should
-/// end as soon as they can (their results are not used).
+/// in job order, or the first error. `stop` is set by the failing job itself, or from
+/// outside (the caller no longer wants the results): the jobs in flight should end as soon
+/// as they can, and no further one starts.
 pub(crate) fn run_within<T: Send>(
     sizes: &[u32],
     budget: &SequenceBudget,
+    stop: &AtomicBool,
     run: impl Fn(usize, &AtomicBool) -> Result<T> + Sync,
 ) -> Result<Vec<T>> {
     let run = &run;
-    let stop = &AtomicBool::new(false);
     std::thread::scope(|scope| {
         let (done_tx, done_rx) = mpsc::channel::<(usize, Result<T>)>();
         let mut results: Vec<Option<T>> = sizes.iter().map(|_| None).collect();
@@ -103,12 +111,13 @@ pub(crate) fn run_within<T: Send>(
         let mut take = |(i, result): (usize, Result<T>), first_error: &mut Option<_>| match result {
             Ok(r) => results[i] = Some(r),
             Err(e) => {
-                stop.store(true, Ordering::Relaxed);
                 first_error.get_or_insert(e);
             }
         };
         for (i, &size) in sizes.iter().enumerate() {
-            let permit = budget.acquire(size);
+            let Some(permit) = budget.acquire(size, stop) else {
+                break;
+            };
             // What ended meanwhile (a job sends its result before it gives its sequences
             // back), so that a failure stops the call before its next start.
             while let Ok(done) = done_rx.try_recv() {
@@ -122,8 +131,14 @@ pub(crate) fn run_within<T: Send>(
             scope.spawn(move || {
                 let result = catch_unwind(AssertUnwindSafe(|| run(i, stop)))
                     .unwrap_or_else(|_| Err(anyhow!("job {i}'s generation thread panicked")));
+                if result.is_err() {
+                    // At once, not when the dispatcher next looks: it may be waiting for
+                    // sequences, and the call's other jobs should stop now.
+                    stop.store(true, Ordering::Relaxed);
+                }
                 // The receiver outlives every sender: the loop below reads until none runs.
                 let _ = tx.send((i, result));
+                // Wakes a dispatcher waiting for sequences, which then sees the flag.
                 drop(permit);
             });
             running += 1;
@@ -137,6 +152,9 @@ pub(crate) fn run_within<T: Send>(
         }
         if let Some(e) = first_error {
             return Err(e);
+        }
+        if stop.load(Ordering::Relaxed) {
+            return Err(anyhow!("the call was stopped"));
         }
         results
             .into_iter()
@@ -175,10 +193,15 @@ mod tests {
     /// Runs jobs that hold their sequences for `hold`: their order and the most in flight.
     fn peak(sizes: &[u32], budget: u32, hold: Duration) -> (Vec<usize>, u64) {
         let p = Peak::default();
-        let got = run_within(sizes, &SequenceBudget::new(budget), |i, _| {
-            p.hold(sizes[i], hold);
-            Ok(i)
-        })
+        let got = run_within(
+            sizes,
+            &SequenceBudget::new(budget),
+            &AtomicBool::new(false),
+            |i, _| {
+                p.hold(sizes[i], hold);
+                Ok(i)
+            },
+        )
         .expect("all run");
         (got, p.most())
     }
@@ -209,16 +232,21 @@ mod tests {
         let (a_tx, a_rx) = mpsc::channel::<()>();
         let (b_tx, b_rx) = mpsc::channel::<()>();
         let ends = Mutex::new((Some((a_tx, b_rx)), Some((b_tx, a_rx))));
-        let got = run_within(&[1, 1], &SequenceBudget::new(2), |i, _| {
-            let (tx, rx) = {
-                let mut e = ends.lock().expect("ends");
-                if i == 0 { e.0.take() } else { e.1.take() }.expect("once")
-            };
-            tx.send(()).expect("the other job's end");
-            rx.recv_timeout(Duration::from_secs(10))
-                .map_err(|_| anyhow!("job {i} ran alone"))?;
-            Ok(i)
-        })
+        let got = run_within(
+            &[1, 1],
+            &SequenceBudget::new(2),
+            &AtomicBool::new(false),
+            |i, _| {
+                let (tx, rx) = {
+                    let mut e = ends.lock().expect("ends");
+                    if i == 0 { e.0.take() } else { e.1.take() }.expect("once")
+                };
+                tx.send(()).expect("the other job's end");
+                rx.recv_timeout(Duration::from_secs(10))
+                    .map_err(|_| anyhow!("job {i} ran alone"))?;
+                Ok(i)
+            },
+        )
         .expect("both ran at once");
         assert_eq!(got, [0, 1]);
     }
@@ -234,7 +262,7 @@ mod tests {
         let started = std::time::Instant::now();
         let (a, b) = std::thread::scope(|s| {
             let a = s.spawn(|| {
-                run_within(&[2, 1], &budget, |i, _| {
+                run_within(&[2, 1], &budget, &AtomicBool::new(false), |i, _| {
                     p.hold(
                         if i == 0 { 2 } else { 1 },
                         if i == 0 { ms(400) } else { ms(50) },
@@ -244,7 +272,7 @@ mod tests {
             });
             std::thread::sleep(ms(10));
             let b = s.spawn(|| {
-                run_within(&[1, 1], &budget, |_, _| {
+                run_within(&[1, 1], &budget, &AtomicBool::new(false), |_, _| {
                     p.hold(1, ms(50));
                     Ok(started.elapsed())
                 })
@@ -268,50 +296,116 @@ mod tests {
         // Job 1 fails while job 0 runs "for ever": job 0 sees the flag and ends, and the call
         // answers with job 1's error at once.
         let started = std::time::Instant::now();
-        let e = run_within(&[1, 1], &SequenceBudget::new(2), |i, stop| {
-            if i == 1 {
-                std::thread::sleep(Duration::from_millis(20));
-                return Err(anyhow!("job 1 failed"));
-            }
-            while !stop.load(Ordering::Relaxed) {
-                if started.elapsed() > Duration::from_secs(10) {
-                    return Ok(0);
+        let e = run_within(
+            &[1, 1],
+            &SequenceBudget::new(2),
+            &AtomicBool::new(false),
+            |i, stop| {
+                if i == 1 {
+                    std::thread::sleep(Duration::from_millis(20));
+                    return Err(anyhow!("job 1 failed"));
                 }
-                std::thread::sleep(Duration::from_millis(1));
-            }
-            Err(anyhow!("job 0 stopped"))
-        })
+                while !stop.load(Ordering::Relaxed) {
+                    if started.elapsed() > Duration::from_secs(10) {
+                        return Ok(0);
+                    }
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(anyhow!("job 0 stopped"))
+            },
+        )
         .expect_err("fails");
         assert_eq!(e.to_string(), "job 1 failed");
         assert!(started.elapsed() < Duration::from_secs(5));
 
-        let e = run_within(&[1, 1], &SequenceBudget::new(2), |i, _| {
-            if i == 0 {
-                panic!("a bug");
-            }
-            Ok(i)
-        })
+        let e = run_within(
+            &[1, 1],
+            &SequenceBudget::new(2),
+            &AtomicBool::new(false),
+            |i, _| {
+                if i == 0 {
+                    panic!("a bug");
+                }
+                Ok(i)
+            },
+        )
         .expect_err("a panic fails the call");
         assert_eq!(e.to_string(), "job 0's generation thread panicked");
     }
 
     #[test]
+    fn a_failure_ends_a_call_waiting_for_sequences_another_call_holds() {
+        // Call B holds 2 of 4 sequences for 2 s. Call A's first job (1) fails at once; its
+        // second (3) cannot fit until B ends. A answers at once, not when B gives its
+        // sequences back.
+        let budget = SequenceBudget::new(4);
+        let ms = Duration::from_millis;
+        let (b_started_tx, b_started) = mpsc::channel();
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                run_within(&[2], &budget, &AtomicBool::new(false), |_, _| {
+                    b_started_tx.send(()).expect("started");
+                    std::thread::sleep(ms(2000));
+                    Ok(())
+                })
+            });
+            b_started.recv().expect("B runs");
+            let started = std::time::Instant::now();
+            let e = run_within(&[1, 3], &budget, &AtomicBool::new(false), |i, _| {
+                std::thread::sleep(ms(20));
+                Err::<(), _>(anyhow!("job {i} failed"))
+            })
+            .expect_err("A fails");
+            assert_eq!(e.to_string(), "job 0 failed");
+            assert!(
+                started.elapsed() < ms(1000),
+                "A took {:?}",
+                started.elapsed()
+            );
+        });
+    }
+
+    #[test]
+    fn a_call_stopped_from_outside_starts_nothing_more_and_fails() {
+        let stop = AtomicBool::new(false);
+        let ran = AtomicU64::new(0);
+        let e = run_within(&[1, 1, 1], &SequenceBudget::new(1), &stop, |_, _| {
+            ran.fetch_add(1, Ordering::SeqCst);
+            stop.store(true, Ordering::Relaxed);
+            Ok(())
+        })
+        .expect_err("stopped");
+        assert_eq!(e.to_string(), "the call was stopped");
+        assert_eq!(ran.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
     fn after_a_failure_nothing_more_starts() {
         let started = AtomicU64::new(0);
-        let e = run_within(&[1, 1, 1, 1], &SequenceBudget::new(1), |i, _| {
-            started.fetch_add(1, Ordering::SeqCst);
-            if i == 1 {
-                return Err(anyhow!("job 1 failed"));
-            }
-            Ok(i)
-        })
+        let e = run_within(
+            &[1, 1, 1, 1],
+            &SequenceBudget::new(1),
+            &AtomicBool::new(false),
+            |i, _| {
+                started.fetch_add(1, Ordering::SeqCst);
+                if i == 1 {
+                    return Err(anyhow!("job 1 failed"));
+                }
+                Ok(i)
+            },
+        )
         .expect_err("fails");
         assert_eq!(e.to_string(), "job 1 failed");
         assert_eq!(started.load(Ordering::SeqCst), 2);
         assert!(
-            run_within(&[], &SequenceBudget::new(4), |i, _| Ok(i))
-                .expect("none")
-                .is_empty()
+            run_within(
+                &[],
+                &SequenceBudget::new(4),
+                &AtomicBool::new(false),
+                |i, _| Ok(i)
+            )
+            .expect("none")
+            .is_empty()
         );
     }
 }

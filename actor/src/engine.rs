@@ -19,7 +19,7 @@
 //! machine.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -51,10 +51,12 @@ pub struct Fingerprint {
 
 /// Tokens generated so far for each job of one `generate` call (all its samples together), in
 /// job order. The engine adds to it as it generates; the worker reads it for its `Progress`
-/// reports from another thread.
+/// reports from another thread, and sets its stop flag when it no longer wants the call's
+/// results (its session ended), which an engine that can end a call early heeds.
 #[derive(Debug, Default)]
 pub struct JobProgress {
     tokens: Vec<AtomicU64>,
+    stop: AtomicBool,
 }
 
 impl JobProgress {
@@ -62,7 +64,18 @@ impl JobProgress {
     pub fn new(jobs: usize) -> JobProgress {
         JobProgress {
             tokens: (0..jobs).map(|_| AtomicU64::new(0)).collect(),
+            stop: AtomicBool::new(false),
         }
+    }
+
+    /// Asks the engine to end the call as soon as it can: its results are not wanted.
+    pub fn stop(&self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+
+    /// The stop flag (set by [`JobProgress::stop`]).
+    pub fn stop_flag(&self) -> &AtomicBool {
+        &self.stop
     }
 
     /// Counts `n` more tokens for job `index` (ignored beyond the call's jobs).

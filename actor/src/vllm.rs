@@ -1115,7 +1115,7 @@ impl Engine for VllmEngine {
                 }
             })
             .collect();
-        let mut results = run_within(&sizes, &self.budget, |i, stop| {
+        let mut results = run_within(&sizes, &self.budget, progress.stop_flag(), |i, stop| {
             let j = &jobs[i];
             let samples = self.complete(&served, j, fp, stop, |tokens| progress.add(i, tokens))?;
             Ok(JobResult {

@@ -191,6 +191,11 @@ struct Running {
 
 impl Drop for Running {
     fn drop(&mut self) {
+        // The task waits on a blocking thread that an abort does not reach: the engine is
+        // asked to end the call too (the `vllm` engine drops its streams; a session that
+        // ended with another call's failure would otherwise leave this one generating work
+        // nobody takes, holding the engine's version and sequences).
+        self.progress.stop();
         self.task.abort();
     }
 }

@@ -232,7 +232,7 @@ pub async fn serve_with(
             Some(_) = connections.join_next(), if !connections.is_empty() => continue,
         };
         let slot = match (
-            per_address.take(peer.ip(), limits.max_per_address),
+            per_address.take(host_of(peer.ip()), limits.max_per_address),
             slots.clone().try_acquire_owned(),
         ) {
             (Some(mine), Ok(slot)) => (mine, slot),
@@ -280,6 +280,19 @@ pub async fn serve_with(
     let _ = stop_tx.send(true);
     while connections.join_next().await.is_some() {}
     Ok(())
+}
+
+/// Who a peer address counts as: an IPv4 address (also when mapped into IPv6) itself, an
+/// IPv6 address by its /64, the block one host is usually given (so a host cannot step past
+/// its bound by changing the low bits of its address).
+fn host_of(ip: IpAddr) -> IpAddr {
+    match ip.to_canonical() {
+        IpAddr::V6(v6) => {
+            let net = u128::from(v6) & !((1u128 << 64) - 1);
+            IpAddr::V6(std::net::Ipv6Addr::from(net))
+        }
+        v4 => v4,
+    }
 }
 
 /// The connections served per peer address.
@@ -525,4 +538,27 @@ async fn method_not_allowed() -> Response {
 
 async fn healthz() -> &'static str {
     "ok"
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_of;
+    use std::net::IpAddr;
+
+    #[test]
+    fn a_host_is_its_ipv4_address_or_its_ipv6_slash_64() {
+        let ip = |s: &str| s.parse::<IpAddr>().expect("address");
+        assert_eq!(host_of(ip("10.1.2.3")), ip("10.1.2.3"));
+        assert_eq!(host_of(ip("::ffff:10.1.2.3")), ip("10.1.2.3"));
+        assert_eq!(host_of(ip("2001:db8:1:2:aaaa::1")), ip("2001:db8:1:2::"));
+        assert_eq!(
+            host_of(ip("2001:db8:1:2:ffff::9")),
+            host_of(ip("2001:db8:1:2::7"))
+        );
+        assert_ne!(
+            host_of(ip("2001:db8:1:3::1")),
+            host_of(ip("2001:db8:1:2::1"))
+        );
+        assert_eq!(host_of(ip("::1")), ip("::"));
+    }
 }
