@@ -20,7 +20,7 @@
 //! that panics fails its call like an error.
 
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, PoisonError, mpsc};
 
 use anyhow::{Result, anyhow};
@@ -28,7 +28,9 @@ use anyhow::{Result, anyhow};
 /// The sequences an engine decodes at once, shared by all its generation calls.
 #[derive(Debug)]
 pub(crate) struct SequenceBudget {
-    max: u64,
+    /// Lowered, never raised, once the engine learns what its server runs at once
+    /// ([`SequenceBudget::lower_to`]).
+    max: AtomicU64,
     in_flight: Mutex<u64>,
     freed: Condvar,
 }
@@ -53,7 +55,7 @@ impl SequenceBudget {
     /// At most `max` sequences at once (at least 1).
     pub(crate) fn new(max: u32) -> Self {
         Self {
-            max: u64::from(max.max(1)),
+            max: AtomicU64::new(u64::from(max.max(1))),
             in_flight: Mutex::new(0),
             freed: Condvar::new(),
         }
@@ -69,7 +71,7 @@ impl SequenceBudget {
             if stop.load(Ordering::Relaxed) {
                 return None;
             }
-            if *in_flight == 0 || *in_flight + sequences <= self.max {
+            if *in_flight == 0 || *in_flight + sequences <= self.max.load(Ordering::Relaxed) {
                 break;
             }
             in_flight = self
@@ -82,6 +84,19 @@ impl SequenceBudget {
             budget: self,
             sequences,
         })
+    }
+
+    /// The sequences at most in flight now.
+    pub(crate) fn max(&self) -> u32 {
+        u32::try_from(self.max.load(Ordering::Relaxed)).unwrap_or(u32::MAX)
+    }
+
+    /// Keeps at most `max` (at least 1) sequences in flight from now on, where that is fewer
+    /// than today's bound; answers whether it lowered the bound. Jobs already in flight keep
+    /// their sequences.
+    pub(crate) fn lower_to(&self, max: u32) -> bool {
+        let max = u64::from(max.max(1));
+        self.max.fetch_min(max, Ordering::Relaxed) > max
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, u64> {
@@ -214,6 +229,25 @@ mod tests {
         assert_eq!(most, 8, "two jobs of 4 at once, never three");
         let (_, most) = peak(&[1; 6], 32, hold);
         assert_eq!(most, 6, "every job at once");
+    }
+
+    #[test]
+    fn a_lowered_budget_holds_for_every_later_job_and_is_never_raised() {
+        let budget = SequenceBudget::new(32);
+        assert!(budget.lower_to(8));
+        assert!(!budget.lower_to(16), "a higher bound does not raise it");
+        assert!(!budget.lower_to(8));
+        assert_eq!(budget.max(), 8);
+        let p = Peak::default();
+        let sizes = [4u32; 6];
+        run_within(&sizes, &budget, &AtomicBool::new(false), |i, _| {
+            p.hold(sizes[i], Duration::from_millis(30));
+            Ok(i)
+        })
+        .expect("all run");
+        assert_eq!(p.most(), 8, "two jobs of 4 at once under the lowered bound");
+        assert!(budget.lower_to(0));
+        assert_eq!(budget.max(), 1, "at least one sequence");
     }
 
     #[test]

@@ -196,7 +196,7 @@ async fn follow_sources(
         quarantine,
         staging: Default::default(),
         staging_buffers: Default::default(),
-        engine_behind: false,
+        engine_behind: None,
     };
     metrics.set_active(active);
     p.load_engine(None)?;

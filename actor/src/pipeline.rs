@@ -76,9 +76,9 @@ pub(crate) struct Pipeline<'a> {
     /// The engine does not hold the active version: loading it failed after the version was
     /// committed (a vLLM server down or restarting). The engine's fingerprint then names the
     /// version it still holds, or none where it fenced itself, so the worker generates only
-    /// with weights the engine proves and tags results with them; every tick tries to load
-    /// the active version again.
-    pub(crate) engine_behind: bool,
+    /// with weights the engine proves and tags results with them; a tick tries to load the
+    /// active version again when the retry is due.
+    pub(crate) engine_behind: Option<EngineRetry>,
 }
 
 impl Shell for Pipeline<'_> {
@@ -224,9 +224,13 @@ impl Shell for Pipeline<'_> {
     /// the worker takes no work. A failure is retried at the next check.
     async fn tick(&mut self, feed: &mut Feed) {
         feed.ping().await;
+        let retry_due = self.engine_behind.map(|r| r.due(Instant::now()));
+        if retry_due == Some(false) {
+            return;
+        }
         // Blocking: a vLLM engine may ask its server to digest the model (`--vllm-verify-every`;
         // the check spaces itself at least 20× its own last duration).
-        let lost = self.engine_behind
+        let lost = retry_due == Some(true)
             || self
                 .engine
                 .as_ref()
@@ -318,15 +322,16 @@ impl<'a> Pipeline<'a> {
     /// the active version into it ([`Pipeline::engine_behind`]).
     fn load_engine_or_retry(&mut self, change: Option<&UndoLog>) {
         match self.load_engine(change) {
-            Ok(()) => self.engine_behind = false,
+            Ok(()) => self.engine_behind = None,
             Err(e) => {
+                let retry = EngineRetry::after_failure(self.engine_behind, Instant::now());
                 tracing::error!(
                     version = self.state.version(),
+                    retry_s = retry.wait.as_secs(),
                     "loading the active version into the engine failed; it takes no work \
-                     until a load succeeds (retried every {} s): {e:#}",
-                    TICK.as_secs()
+                     until a load succeeds: {e:#}"
                 );
-                self.engine_behind = true;
+                self.engine_behind = Some(retry);
             }
         }
     }
@@ -347,3 +352,56 @@ impl<'a> Pipeline<'a> {
 /// How often the actor measures the control round trip to its source and asks its engine
 /// whether it lost its weights (a dead vLLM server).
 const TICK: Duration = Duration::from_secs(1);
+
+/// The longest wait between two tries to load the active version into an engine that is
+/// behind.
+const ENGINE_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// When an engine that is behind is tried again: a tick after the first failure, then twice
+/// as long after each failure, up to [`ENGINE_RETRY_MAX`], counted from the failure's end.
+/// A try blocks the pipeline for as long as it takes (a vLLM start that fails takes tens of
+/// seconds), so a try on every tick would leave the pipeline no time to stage and commit
+/// versions between tries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct EngineRetry {
+    at: Instant,
+    wait: Duration,
+}
+
+impl EngineRetry {
+    /// The retry after a failure at `now`, the one before it being `before`.
+    fn after_failure(before: Option<Self>, now: Instant) -> Self {
+        let wait = before.map_or(TICK, |r| (r.wait * 2).min(ENGINE_RETRY_MAX));
+        Self {
+            at: now + wait,
+            wait,
+        }
+    }
+
+    fn due(self, now: Instant) -> bool {
+        now >= self.at
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_engine_behind_is_tried_again_ever_less_often_up_to_the_bound() {
+        let t0 = Instant::now();
+        let mut r = EngineRetry::after_failure(None, t0);
+        assert_eq!(r.wait, TICK);
+        assert!(!r.due(t0) && r.due(t0 + TICK));
+        let mut waits = vec![r.wait.as_secs()];
+        for _ in 0..7 {
+            r = EngineRetry::after_failure(Some(r), t0);
+            waits.push(r.wait.as_secs());
+        }
+        assert_eq!(waits, [1, 2, 4, 8, 16, 30, 30, 30]);
+        // Counted from the failure's end, however long the try took.
+        let late = t0 + Duration::from_secs(40);
+        let r = EngineRetry::after_failure(Some(r), late);
+        assert!(!r.due(late + Duration::from_secs(29)) && r.due(late + ENGINE_RETRY_MAX));
+    }
+}

@@ -126,8 +126,9 @@ fn flag_value<'a>(cmd: &'a str, flag: &str) -> Option<&'a str> {
 /// The sequences the actor keeps in flight on vLLM: `--max-batch`, but no more than the
 /// `--max-num-seqs` a started server runs at once. A request beyond that waits in vLLM's
 /// queue, streaming nothing, and a long wait there would be taken for a hung server
-/// ([`GENERATE_IDLE`]). An attached server's setting cannot be read: `--max-batch` should
-/// not exceed it.
+/// ([`GENERATE_IDLE`]). Once a server answers, what it says it runs at once lowers this
+/// further ([`VllmEngine::fit_budget_to_server`]): the only way to learn an attached
+/// server's setting, or vLLM's default where the command names none.
 fn sequence_budget(max_batch: u32, cmd: Option<&str>) -> u32 {
     let runs = cmd
         .and_then(|c| flag_value(c, "--max-num-seqs"))
@@ -221,7 +222,6 @@ pub struct VllmEngine {
     config: ModelConfig,
     /// `STORE/vllm`: patch files and the materialized model directory.
     dir: PathBuf,
-    max_batch: u32,
     /// The sequences in flight on vLLM, shared by the generation calls that overlap.
     budget: SequenceBudget,
     held: Mutex<Held>,
@@ -305,7 +305,6 @@ impl VllmEngine {
             model_id: model_id.to_owned(),
             config,
             dir,
-            max_batch,
             budget: SequenceBudget::new(max_batch),
             held: Mutex::new(Held::default()),
             proven: Mutex::new(None),
@@ -597,6 +596,7 @@ impl VllmEngine {
             self.resume()?;
         }
         held.served = Some(self.served_name()?);
+        self.fit_budget_to_server();
         let t = Instant::now();
         // A server attached to that says it holds another version (what the actor before
         // this one left) is loaded in full at once: that load is digested and checked, and
@@ -626,6 +626,30 @@ impl VllmEngine {
         self.whole_digest_checked();
         self.set_proven(Some(Fingerprint { version, digest }));
         Ok(())
+    }
+
+    /// Lowers the sequence budget to what the server says its scheduler runs at once
+    /// (`starling_status`'s `max_num_seqs`). No answer, or an extension too old to say,
+    /// leaves the budget as it is.
+    fn fit_budget_to_server(&self) {
+        let Ok(r) = self.rpc("starling_status", &[]) else {
+            return;
+        };
+        let Some(runs) = r[0]["max_num_seqs"]
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+        else {
+            return;
+        };
+        let before = self.budget.max();
+        if self.budget.lower_to(runs) {
+            tracing::info!(
+                "vLLM at {} runs at most {runs} sequences at once: keeping {} in flight, not \
+                 {before}",
+                self.settings.addr,
+                self.budget.max()
+            );
+        }
     }
 
     /// Whether the extension's own record (`starling_status`, no digest computed) says the
@@ -1011,7 +1035,7 @@ impl Engine for VllmEngine {
     fn capabilities(&self) -> Capabilities {
         Capabilities {
             engine: "vllm".into(),
-            max_batch: self.max_batch,
+            max_batch: self.budget.max(),
             // Two calls overlap: the next one's jobs take up the sequences the current one's
             // last jobs leave idle (`concurrent_jobs`).
             calls: 2,

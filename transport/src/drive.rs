@@ -79,7 +79,13 @@ pub async fn run<S: Shell>(
     shell: &mut S,
     stop: &CancellationToken,
 ) -> Result<(), S::Error> {
-    let mut tick = shell.tick_every().map(tokio::time::interval);
+    // A tick that ran long (the actor's engine restarting) is not followed by a burst of the
+    // ticks it missed: the feed's events come first.
+    let mut tick = shell.tick_every().map(|every| {
+        let mut t = tokio::time::interval(every);
+        t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        t
+    });
     loop {
         actions(core, feed, shell, stop).await?;
         if core.is_stopped() {

@@ -42,6 +42,9 @@ def test_attach_reads_the_start_version(server, ckpts):
     assert r["digest"] == state_digest(MODEL_ID, ckpt(ckpts[0]))
     s = server.rpc("starling_status")
     assert (s["version"], s["fenced"], s["tensors"]) == (0, False, len(ckpt(ckpts[0])))
+    # The harness starts the server with --max-num-seqs 8: an actor attached to it reads that
+    # here and keeps no more sequences in flight.
+    assert s["max_num_seqs"] == 8, s
 
 
 def test_twenty_versions_in_place(server, ckpts, workdir, results):

@@ -125,6 +125,14 @@ class StarlingWorkerExtension:
         except Exception:
             return 1
 
+    def _max_num_seqs(self) -> int | None:
+        """The sequences vLLM's scheduler runs at once (``--max-num-seqs``, or vLLM's default
+        for the device): an actor attached to a server it did not start reads it here and keeps
+        no more than that in flight, so that none of its requests waits silently in vLLM's
+        queue."""
+        n = getattr(getattr(getattr(self, "vllm_config", None), "scheduler_config", None), "max_num_seqs", None)
+        return n if isinstance(n, int) and n > 0 else None
+
     def _layout(self) -> dict[str, Slot]:
         """Checkpoint name -> Slot, for every parameter (fused ones split back)."""
         cached = getattr(self, "_starling_layout", None)
@@ -205,6 +213,7 @@ class StarlingWorkerExtension:
             "reason": st["reason"],
             "tensors": len(self._layout()),
             "tp": self._tp(),
+            "max_num_seqs": self._max_num_seqs(),
         }
 
     def starling_attach(self, model_id: str, version: str) -> dict:
