@@ -4,8 +4,9 @@
 //! [`ModelText::load`] reads what a Hugging Face model directory says about text:
 //!
 //! - `tokenizer.json` through the `tokenizers` crate (its pure-Rust regex backend,
-//!   `fancy-regex`: no C toolchain needed), encoding as `tokenizer(text)` does (special tokens
-//!   added as the file's post-processor says) and decoding with special tokens skipped;
+//!   `fancy-regex`: no C toolchain needed), encoding as `tokenizer(text)` does (the special
+//!   tokens around a text as [below](#special-tokens-around-a-text)) and decoding with special
+//!   tokens skipped;
 //! - the chat template (`chat_template` of `tokenizer_config.json`, else
 //!   `chat_template.jinja`), rendered as transformers renders it ([`template`]) and tokenized
 //!   without adding special tokens again: the ids equal transformers'
@@ -16,6 +17,36 @@
 //! A directory without `tokenizer.json` (the generated checkpoints of the demo, tests and
 //! benchmarks) gets the byte tokenizer (`starling_engine::ByteTokenizer`: eos 2, no chat
 //! template). Every refusal is a [`TextError`] whose sentence names what is wrong.
+//!
+//! # Special tokens around a text
+//!
+//! [`ModelText::encode`] adds what transformers' `tokenizer(text)` adds, as measured on the
+//! transformers that `integrations/vllm` pins (5.19.0; 5.16.1 and 5.24.0 measured the same;
+//! `tests/fixtures/special-tokens/` holds the cases and the ids transformers gave):
+//!
+//! - `add_bos_token` and `add_eos_token` of `tokenizer_config.json` are **not read**:
+//!   transformers 5 (`_from_pretrained`) drops both whenever `tokenizer.json` exists, for
+//!   every tokenizer class, and the file's post-processor decides (none: nothing is added).
+//!   A Llama-2 directory whose file prepends `<s>` keeps it under `add_bos_token: false`;
+//!   `add_eos_token: true` appends nothing. (transformers 4.57 differed: its
+//!   `LlamaTokenizerFast`, `CodeLlamaTokenizerFast` and `GPTNeoXTokenizerFast` rebuilt the
+//!   post-processor from these flags, the two Llama ones defaulting to BOS on; its
+//!   `PreTrainedTokenizerFast`, `GPT2TokenizerFast` and `Qwen2TokenizerFast` ignored them.)
+//! - Two classes replace the file's post-processor whatever it says, and are followed here by
+//!   `tokenizer_class` (with or without `Fast`): `CodeLlamaTokenizer` prepends its BOS and
+//!   appends nothing (the BOS is `bos_token` of `special_tokens_map.json`, else of
+//!   `tokenizer_config.json`, else `<s>`; `bos_token: null` adds nothing); `GPTNeoXTokenizer`
+//!   adds nothing. A BOS that `tokenizer.json` does not have is refused
+//!   ([`TextError::UnknownBos`]); transformers would add it as a new id the model has no
+//!   embedding for.
+//!
+//! Not followed: a class chosen from `config.json`'s `model_type` when `tokenizer_class` is
+//! absent (the `llama` and `qwen3` directories the engine runs choose neither class this
+//! way), and the classes' rebuilding of the rest of the pipeline (transformers 5 rebuilds
+//! the normalizer, pre-tokenizer and decoder of `LlamaTokenizer`, `GPT2Tokenizer`, … from the
+//! class and keeps only the vocabulary and merges of the file; for the files those classes
+//! saved, that is the same pipeline). The chat path ([`ModelText::encode_chat`]) adds no
+//! special tokens, as `apply_chat_template` does not.
 
 pub mod pyjson;
 pub mod template;
@@ -25,6 +56,7 @@ use std::path::{Path, PathBuf};
 use serde_json::Value as Json;
 use starling_engine::ByteTokenizer;
 use tokenizers::Tokenizer;
+use tokenizers::processors::template::TemplateProcessing;
 
 pub use template::{ChatTemplate, Message, TemplateError};
 
@@ -49,6 +81,15 @@ pub enum TextError {
     },
     #[error("the tokenizer failed on the text: {0}")]
     Encode(String),
+    #[error(
+        "{path}: tokenizer_class {class} puts the BOS token {token:?} before every text, but \
+         tokenizer.json has no such token"
+    )]
+    UnknownBos {
+        path: PathBuf,
+        class: String,
+        token: String,
+    },
 }
 
 #[derive(Debug)]
@@ -110,6 +151,78 @@ fn token_text(v: &Json) -> Option<String> {
     }
 }
 
+/// What `tokenizer(text)` puts around a text, by `tokenizer_class` (see the crate doc).
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Around {
+    /// The post-processor of `tokenizer.json`: every class but the two below.
+    File,
+    /// `CodeLlamaTokenizer`: this BOS before the text, nothing after.
+    Bos(String),
+    /// `GPTNeoXTokenizer`, and `CodeLlamaTokenizer` with `bos_token: null`: nothing.
+    Nothing,
+}
+
+impl Around {
+    /// `stm` is `special_tokens_map.json` (read only for `CodeLlamaTokenizer`).
+    fn of(
+        class: &str,
+        tc: &Json,
+        stm: impl FnOnce() -> Result<Json, TextError>,
+    ) -> Result<Self, TextError> {
+        Ok(match class.strip_suffix("Fast").unwrap_or(class) {
+            "CodeLlamaTokenizer" => {
+                let stm = stm()?;
+                match stm.get("bos_token").or_else(|| tc.get("bos_token")) {
+                    None => Self::Bos("<s>".to_owned()),
+                    Some(v) => token_text(v).map_or(Self::Nothing, Self::Bos),
+                }
+            }
+            "GPTNeoXTokenizer" => Self::Nothing,
+            _ => Self::File,
+        })
+    }
+
+    /// The post-processor transformers' `update_post_processor` builds, where this replaces
+    /// the file's.
+    fn post_processor(
+        &self,
+        tokenizer: &Tokenizer,
+        path: &Path,
+        class: &str,
+    ) -> Result<Option<TemplateProcessing>, TextError> {
+        let (single, pair, specials) = match self {
+            Self::File => return Ok(None),
+            Self::Nothing => ("$A:0".to_owned(), "$A:0 $B:1".to_owned(), Vec::new()),
+            Self::Bos(bos) => {
+                let id = tokenizer
+                    .token_to_id(bos)
+                    .ok_or_else(|| TextError::UnknownBos {
+                        path: path.to_owned(),
+                        class: class.to_owned(),
+                        token: bos.clone(),
+                    })?;
+                (
+                    format!("{bos}:0 $A:0"),
+                    format!("{bos}:0 $A:0 {bos}:1 $B:1"),
+                    vec![(bos.clone(), id)],
+                )
+            }
+        };
+        let invalid = |reason: String| TextError::Tokenizer {
+            path: path.to_owned(),
+            reason: format!("the {class} post-processor ({single:?}) does not build: {reason}"),
+        };
+        TemplateProcessing::builder()
+            .try_single(single.as_str())
+            .and_then(|b| b.try_pair(pair.as_str()))
+            .map_err(invalid)?
+            .special_tokens(specials)
+            .build()
+            .map(Some)
+            .map_err(|e| invalid(e.to_string()))
+    }
+}
+
 impl ModelText {
     /// The byte tokenizer: no template, eos 2.
     pub fn byte() -> Self {
@@ -127,12 +240,22 @@ impl ModelText {
         if !tok_path.exists() {
             return Ok(Self::byte());
         }
-        let tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| TextError::Tokenizer {
+        let mut tokenizer = Tokenizer::from_file(&tok_path).map_err(|e| TextError::Tokenizer {
             path: tok_path.clone(),
             reason: e.to_string(),
         })?;
         let tc_path = dir.join("tokenizer_config.json");
         let tc = read_json(&tc_path)?.unwrap_or(Json::Null);
+        let class = tc
+            .get("tokenizer_class")
+            .and_then(Json::as_str)
+            .unwrap_or_default();
+        let around = Around::of(class, &tc, || {
+            Ok(read_json(&dir.join("special_tokens_map.json"))?.unwrap_or(Json::Null))
+        })?;
+        if let Some(pp) = around.post_processor(&tokenizer, &tc_path, class)? {
+            tokenizer.with_post_processor(Some(pp));
+        }
         let source = match tc.get("chat_template") {
             Some(Json::String(s)) => Some(s.clone()),
             // The list form (named templates): the "default" one.
@@ -227,7 +350,7 @@ impl ModelText {
         &self.eos
     }
 
-    /// `text` as `tokenizer(text)` encodes it (special tokens added as the tokenizer says;
+    /// `text` as `tokenizer(text)` encodes it (special tokens added as the crate doc says;
     /// none for the byte tokenizer).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TextError> {
         self.encode_with(text, true)

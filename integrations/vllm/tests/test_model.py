@@ -149,6 +149,38 @@ def test_chat_rendering_and_tokenization_equal_apply_chat_template(model):
     assert "robot" in bad["error"] and "system, user, assistant" in bad["error"], bad
 
 
+def test_add_bos_and_add_eos_token_tokenize_text_as_transformers(model, tmp_path, results):
+    """`tokenizer_config.json`'s add_bos_token/add_eos_token set true and false in copies of
+    the directory's text files: the hub's ids for text prompts and chats equal this venv's
+    `tok(text)["input_ids"]` and `apply_chat_template` (text/src/lib.rs says why the flags
+    change nothing on transformers 5 when tokenizer.json exists)."""
+    from transformers import AutoTokenizer
+
+    d, _ = model
+    texts = ["12+30=", "The capital of France is", "", "Traduis « naïve café » en 日本語 🚀",
+             "<|im_start|>user\nhi<|im_end|>\n"]
+    base = json.loads((d / "tokenizer_config.json").read_text())
+    variants = {"as imported": {}, "bos": {"add_bos_token": True},
+                "eos": {"add_eos_token": True}, "bos+eos": {"add_bos_token": True, "add_eos_token": True},
+                "neither": {"add_bos_token": False, "add_eos_token": False}}
+    seen = {}
+    for name, flags in variants.items():
+        v = tmp_path / name.replace(" ", "-").replace("+", "-")
+        v.mkdir()
+        for f in ["tokenizer.json", "config.json", "generation_config.json", "special_tokens_map.json"]:
+            if (d / f).exists():
+                (v / f).write_bytes((d / f).read_bytes())
+        (v / "tokenizer_config.json").write_text(json.dumps({**base, **flags}))
+        tok = AutoTokenizer.from_pretrained(v)
+        answers = starling_run(v, [{"text": t} for t in texts] + [{"messages": CHATS[1]}])
+        for t, a in zip(texts, answers):
+            assert "error" not in a, (name, a)
+            assert a["prompt_ids"] == tok(t)["input_ids"], (name, t)
+        assert answers[-1]["prompt_ids"] == chat_ids(tok, CHATS[1]), name
+        seen[name] = [a["prompt_ids"] for a in answers]
+    results["add_bos_eos_flags_change_text_ids"] = any(ids != seen["as imported"] for ids in seen.values())
+
+
 def test_vllm_serves_the_imported_model_with_the_same_tokens(model, workdir, results):
     d, _ = model
     prompts = [{"messages": c} for c in CHATS[:4]] + [{"text": "The capital of France is"}]
