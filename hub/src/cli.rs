@@ -157,7 +157,8 @@ pub enum Command {
         actor_connections: usize,
         /// Most live subscription connections one relay or actor certificate may hold (a
         /// reconnect may overlap its dead predecessor until the idle timeout); more are refused
-        /// (TooManyConnections) and closed.
+        /// (TooManyConnections) and closed; the
+        /// refused receiver asks again for up to 10 s before it takes another source.
         #[arg(long, default_value_t = starling_transport::connections::DEFAULT_MAX)]
         subscriber_connections: usize,
         /// An actor silent this long (seconds) gets no new work and its reserved share goes

@@ -53,7 +53,8 @@ struct Args {
     print_rtt: bool,
     /// Most live subscription connections one actor certificate may hold (a reconnect may
     /// overlap its dead predecessor until the idle timeout); more are refused
-    /// (TooManyConnections) and closed.
+    /// (TooManyConnections) and closed; the
+    /// refused actor asks again for up to 10 s before it takes the hub.
     #[arg(long, default_value_t = starling_transport::connections::DEFAULT_MAX)]
     subscriber_connections: usize,
     #[command(flatten)]

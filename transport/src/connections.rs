@@ -14,7 +14,10 @@
 //! connection end (at most the QUIC idle timeout later). The default bound,
 //! [`DEFAULT_MAX`], lets a reconnect overlap the connection it replaces. A connection over
 //! the bound is told `Refuse { TooManyConnections }` with the bound in its detail, the
-//! refusal is logged, and the server ends the connection.
+//! refusal is logged, and the server ends the connection. A refused subscriber (the receiving
+//! core, [`crate::follow`]) connects to the same server again after a pause, for up to
+//! [`crate::follow::CROWDED_PATIENCE`], before it takes its next source: the places it waits
+//! for are normally its own dead connections, freed within the idle timeout.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};

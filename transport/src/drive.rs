@@ -222,7 +222,8 @@ pub async fn actions<S: Shell>(
                     Notice::SourceDropped { source, .. }
                     | Notice::Returning { from: source }
                     | Notice::NothingToOffer { source, .. }
-                    | Notice::Unanswered { source, .. } => feed.source(*source),
+                    | Notice::Unanswered { source, .. }
+                    | Notice::Crowded { source, .. } => feed.source(*source),
                     Notice::Received { .. } => None,
                 };
                 shell.notice(n, source)?;

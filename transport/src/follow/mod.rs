@@ -36,6 +36,12 @@
 //! - A source that sends no frame for [`REQUEST_PATIENCE`] after it was asked for (part of) a
 //!   version (`Fetch`, `Resume`) is left as lost: a source that withholds what it announced
 //!   cannot hold a receiver for ever.
+//! - A source that refuses the subscription for connections (`TooManyConnections`: the
+//!   receiver's certificate holds the server's bound of live subscriptions there, normally
+//!   connections of its own earlier incarnations that the server has not seen end yet) is not
+//!   left for a farther one before it has refused for [`CROWDED_PATIENCE`] in a row: the
+//!   receiver connects to it again after a pause ([`CROWDED_RETRY_MIN`] to
+//!   [`CROWDED_RETRY_MAX`]). Every other refusal is handled as before.
 //! - Events of a connection the core has left are ignored (each carries its [`ConnId`]).
 //! - On a new connection a half-received version continues (`Resume`) only where the source
 //!   holds it whole (its `Welcome` says so); otherwise the source streams it again and what is
@@ -53,7 +59,7 @@ use std::time::{Duration, Instant};
 use starling_proto::protocol::msg::{MAX_SEQS, Message, RefuseReason};
 
 use crate::reception::{Added, FrameInfo, Reception};
-pub use policy::{GaveUp, PolicyConfig, SourceId, SourcePolicy};
+pub use policy::{Crowded, GaveUp, PolicyConfig, SourceId, SourcePolicy};
 
 /// How long a receiver waits for the anchor it asked a source for before it leaves the
 /// source (which then has neither the next delta nor a newer anchor).
@@ -67,6 +73,31 @@ pub const ANCHOR_PATIENCE: Duration = Duration::from_secs(2);
 /// budget, or a congested link, is not taken for a withholding source: leaving a source costs a
 /// WAN copy, while waiting this long on a hostile one costs only this delay.
 pub const REQUEST_PATIENCE: Duration = Duration::from_secs(30);
+
+/// How long a receiver keeps asking a source that refuses its subscription for connections
+/// (`TooManyConnections`) before it leaves it for the next one (see
+/// [`SourcePolicy::crowded`]), from its first refusal in a row. Such a refusal is transient by
+/// nature: the server counts connections of this receiver's earlier incarnations (an actor or
+/// relay restarted twice within the QUIC idle timeout) until it sees them end, at most the
+/// idle timeout ([`crate::link::IDLE_TIMEOUT`], 5 s) after the peer died, and one of them
+/// ending is enough. Twice the idle timeout leaves room for a server slow to notice; a source
+/// still refusing after it is crowded for another reason (another live process with the same
+/// certificate) and is left, as before. Meanwhile the receiver has no source: leaving costs
+/// the region a WAN copy of every version it takes from the hub, waiting at most this delay
+/// (what it missed is streamed once it subscribes).
+pub const CROWDED_PATIENCE: Duration = Duration::from_secs(10);
+const _: () = assert!(CROWDED_PATIENCE.as_millis() >= 2 * crate::link::IDLE_TIMEOUT.as_millis());
+
+/// The first pause before a source that refused the subscription for connections is asked
+/// again; it doubles up to [`CROWDED_RETRY_MAX`]. Each attempt costs a handshake on the
+/// region's LAN and a logged refusal at the server, so not much less; the place it waits
+/// for is freed at an unknown moment within the idle timeout, so not much more: at most
+/// [`CROWDED_RETRY_MAX`] passes between a place freed and the receiver taking it, and about 6
+/// attempts fill [`CROWDED_PATIENCE`].
+pub const CROWDED_RETRY_MIN: Duration = Duration::from_secs(1);
+
+/// The longest pause between two attempts at a source that refused for connections.
+pub const CROWDED_RETRY_MAX: Duration = Duration::from_secs(2);
 
 /// One connection to a source, numbered by the core; events name the connection they came on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -266,6 +297,9 @@ pub enum Notice {
     /// `source` sent nothing for `waited` after it was asked for (part of) a version: left as
     /// lost.
     Unanswered { source: SourceId, waited: Duration },
+    /// `source` refused the subscription for connections for `waited` in a row
+    /// ([`CROWDED_PATIENCE`]): left as lost.
+    Crowded { source: SourceId, waited: Duration },
 }
 
 /// One line for a log: what happened (the source is named by the shell, which knows it).
@@ -286,6 +320,11 @@ impl std::fmt::Display for Notice {
             Notice::Unanswered { waited, .. } => write!(
                 f,
                 "nothing came for {waited:?} after a request for a version; trying the next source"
+            ),
+            Notice::Crowded { waited, .. } => write!(
+                f,
+                "refused for too many connections of this certificate for {waited:?} (another \
+                 live process with the same name?); trying the next source"
             ),
         }
     }
@@ -322,6 +361,9 @@ pub(crate) enum Regression {
     /// Before 029593f: a buffered version that failed to stage when its base became active
     /// was dropped without being fetched again.
     DropBufferedOnStageFailure,
+    /// Before the crowded backoff: a `TooManyConnections` refusal was not acted on, and the
+    /// connection's end that follows it left the source as lost, for the next one at once.
+    CrowdedIsLost,
 }
 
 /// Where a version on its way in stands.
@@ -633,8 +675,10 @@ impl<F> Follower<F> {
                     if let Link::Up { asked, .. } = &mut self.link {
                         *asked = None;
                     }
-                    if reason == RefuseReason::VersionUnavailable {
-                        self.unavailable(now);
+                    match reason {
+                        RefuseReason::VersionUnavailable => self.unavailable(now),
+                        RefuseReason::TooManyConnections => self.crowded(now),
+                        _ => {}
                     }
                 }
             }
@@ -1001,6 +1045,29 @@ impl<F> Follower<F> {
             conn,
             message: Message::FetchAnchor { after_version },
         });
+    }
+
+    /// The source refused the subscription for connections (its server closes the
+    /// connection; the end that follows is of a connection left here, and ignored): the same
+    /// source is connected to again after a pause, or, once it has refused for
+    /// [`CROWDED_PATIENCE`] in a row, left as lost (see [`SourcePolicy::crowded`]).
+    fn crowded(&mut self, now: Instant) {
+        #[cfg(test)]
+        if self.regression == Regression::CrowdedIsLost {
+            return;
+        }
+        let Link::Up { conn, source, .. } = self.link else {
+            return;
+        };
+        self.out.push_back(Action::Disconnect { conn });
+        self.link = Link::Down { retry_at: now };
+        match self.policy.crowded(source, now) {
+            Ok(Crowded::Retry(retry_at)) => self.link = Link::Down { retry_at },
+            Ok(Crowded::Leave { waited }) => self
+                .out
+                .push_back(Action::Notice(Notice::Crowded { source, waited })),
+            Err(e) => self.give_up(e),
+        }
     }
 
     /// The source has neither the next delta nor a newer anchor: leave it.
@@ -1731,6 +1798,112 @@ mod tests {
             )),
             "{a:?}"
         );
+    }
+
+    fn connects_to(actions: &[Action<u32>]) -> Vec<SourceId> {
+        actions
+            .iter()
+            .filter_map(|a| match a {
+                Action::Connect { source, .. } => Some(*source),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// `conn`'s subscription refused for connections at `now`, and its connection closed by
+    /// the server: what the core does about it.
+    fn crowded_out(c: &mut Follower<u32>, now: Instant, conn: ConnId) -> Vec<Action<u32>> {
+        c.handle(
+            now,
+            Event::Refused {
+                conn,
+                reason: RefuseReason::TooManyConnections,
+            },
+        );
+        c.handle(now, Event::Lost { conn });
+        c.handle_timeout(now);
+        drain(c)
+    }
+
+    /// A relay that refuses an actor's subscription because the actor's certificate still
+    /// holds its bound of subscriptions there (connections of the actor's earlier
+    /// incarnations, not yet seen to end) is asked again after 1, 2, 2, … s, not left for the
+    /// hub: the refusal is over as soon as one of those connections times out. Only once it
+    /// has refused for `CROWDED_PATIENCE` in a row is it left, as a lost source is, and not
+    /// returned to by a probe for the quarantine (a probe gets a `Welcome` from it).
+    #[test]
+    fn a_source_refusing_for_connections_is_asked_again_before_it_is_left() {
+        let start = Instant::now();
+        let mut c = actor(start, 2);
+        let conn = connect(&mut c, start);
+        assert_eq!(c.source(), Some(SourceId(0)));
+        let a = crowded_out(&mut c, start, conn);
+        assert!(
+            a.iter()
+                .any(|a| matches!(a, Action::Disconnect { conn: d } if *d == conn)),
+            "the refused connection is left: {a:?}"
+        );
+        assert_eq!(connects_to(&a), [], "no other source: {a:?}");
+        assert_eq!(c.source(), None);
+        let mut retries = Vec::new();
+        loop {
+            let at = c.poll_timeout().expect("a retry is due");
+            c.handle_timeout(at - Duration::from_millis(1));
+            assert_eq!(connects_to(&drain(&mut c)), [], "not before its time");
+            c.handle_timeout(at);
+            let a = drain(&mut c);
+            assert_eq!(
+                connects_to(&a),
+                [SourceId(0)],
+                "the same source again: {a:?}"
+            );
+            retries.push((at - start).as_millis());
+            let conn = c.connection().expect("connecting");
+            c.handle(at, Event::Connected { conn, latest: 1 });
+            drain(&mut c);
+            let a = crowded_out(&mut c, at, conn);
+            let left = a.iter().find_map(|a| match a {
+                Action::Notice(Notice::Crowded { source, waited }) => Some((*source, *waited)),
+                _ => None,
+            });
+            if at - start >= CROWDED_PATIENCE {
+                // It refused through the whole patience: the hub, at once.
+                assert_eq!(left, Some((SourceId(0), CROWDED_PATIENCE)), "{a:?}");
+                assert_eq!(connects_to(&a), [SourceId(1)], "{a:?}");
+                break;
+            }
+            assert_eq!(left, None, "{a:?}");
+            assert_eq!(connects_to(&a), [], "{a:?}");
+        }
+        assert_eq!(retries, [1000, 3000, 5000, 7000, 9000, 10000]);
+        // On the hub, the relay is not probed before the quarantine is over.
+        let conn = c.connection().expect("connecting to the hub");
+        let on_hub = start + CROWDED_PATIENCE;
+        c.handle(on_hub, Event::Connected { conn, latest: 1 });
+        drain(&mut c);
+        let quarantine = PolicyConfig::actor().quarantine;
+        assert_eq!(c.poll_timeout(), Some(on_hub + quarantine));
+    }
+
+    /// Every other refusal of a subscription is handled as before: the connection's end that
+    /// follows leaves the source, for the next one at once.
+    #[test]
+    fn other_refusals_of_a_subscription_leave_the_source_as_before() {
+        let now = Instant::now();
+        let mut c = actor(now, 2);
+        let conn = connect(&mut c, now);
+        c.handle(
+            now,
+            Event::Refused {
+                conn,
+                reason: RefuseReason::RateLimited,
+            },
+        );
+        assert!(drain(&mut c).is_empty());
+        assert_eq!(c.connection(), Some(conn), "still the connection followed");
+        c.handle(now, Event::Lost { conn });
+        c.handle_timeout(now);
+        assert_eq!(connects_to(&drain(&mut c)), [SourceId(1)]);
     }
 
     /// The stripes of a run of versions overtake each other: a version announced up to

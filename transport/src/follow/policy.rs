@@ -21,8 +21,19 @@
 //!   the fallback crosses the region's WAN link once more.
 //!   A preferred source that had nothing to offer (neither the next delta nor a newer anchor)
 //!   is not returned to before the receiver is past the version it lacked.
+//! - **Crowded.** A source that refused the subscription because this receiver's certificate
+//!   already holds its bound of live subscriptions there (`TooManyConnections`: connections of
+//!   an earlier incarnation of this receiver that the server has not yet seen end) is asked
+//!   again, not left: after [`CROWDED_RETRY_MIN`], doubling up to [`CROWDED_RETRY_MAX`], for up
+//!   to [`CROWDED_PATIENCE`] since its first refusal in a row. Only a source that still refuses
+//!   then is left as lost (the next one is tried at once), and a preferred source left so is
+//!   not returned to by a probe for [`PolicyConfig::quarantine`]: a probe is answered
+//!   (`Welcome`) by a server that would refuse the subscription, so the receiver would go back
+//!   and forth. The refusals within the patience count as no failure.
 
 use std::time::{Duration, Instant};
+
+use super::{CROWDED_PATIENCE, CROWDED_RETRY_MAX, CROWDED_RETRY_MIN};
 
 /// A source, by its place in the list the policy was made with (0 is the preferred one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -87,6 +98,27 @@ enum Probe {
     Running,
 }
 
+/// What to do about a source that refused the subscription for connections (see
+/// [`SourcePolicy::crowded`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Crowded {
+    /// Connect to the same source again then.
+    Retry(Instant),
+    /// It has refused for `waited` ([`CROWDED_PATIENCE`] or more): it is left as lost, and the
+    /// next source is tried at once.
+    Leave { waited: Duration },
+}
+
+/// Refusals for connections in a row from one source.
+#[derive(Debug, Clone, Copy)]
+struct Crowding {
+    source: SourceId,
+    /// The first of them.
+    since: Instant,
+    /// The pause after the next one.
+    pause: Duration,
+}
+
 /// Why a receiver gave up on its sources.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("no source reachable or kept after {failures} attempts in a row")]
@@ -109,6 +141,11 @@ pub struct SourcePolicy {
     /// nor a newer anchor): it is not returned to by a probe until the receiver is past it,
     /// else the receiver would go back and forth between it and the fallback and never move.
     preferred_lacks: Option<u64>,
+    /// The source followed refused the subscription for connections, since when.
+    crowding: Option<Crowding>,
+    /// The preferred source refused for connections through a whole [`CROWDED_PATIENCE`]:
+    /// not probed again before then.
+    crowded_out: Option<Instant>,
     #[cfg(test)]
     pub(crate) regression: super::Regression,
 }
@@ -127,6 +164,8 @@ impl SourcePolicy {
             current: None,
             probe: Probe::Off,
             preferred_lacks: None,
+            crowding: None,
+            crowded_out: None,
             #[cfg(test)]
             regression: super::Regression::None,
         }
@@ -171,7 +210,7 @@ impl SourcePolicy {
         self.next = source.0 + 1;
         self.pause = self.cfg.retry_min;
         self.probe = if source.0 > 0 && !self.is_quarantined(SourceId(0), now) {
-            Probe::Due(now + self.first_probe())
+            Probe::Due(self.not_before_crowded_out(now + self.first_probe()))
         } else {
             Probe::Off
         };
@@ -198,6 +237,47 @@ impl SourcePolicy {
     pub fn lost(&mut self, source: SourceId) -> Result<(), GaveUp> {
         self.left(source);
         self.fail()
+    }
+
+    /// `source` refused the subscription at `now` because this receiver's certificate holds
+    /// the server's bound of live subscriptions there: the same source again after a pause,
+    /// or, once it has refused for [`CROWDED_PATIENCE`] in a row, the next one at once (as
+    /// [`lost`](Self::lost): a failure, or give up). The pauses start at
+    /// [`CROWDED_RETRY_MIN`] and double up to [`CROWDED_RETRY_MAX`]; the last attempt is
+    /// made when the patience ends. A refusal in a row is one with nothing else between:
+    /// leaving the source in any other way starts the count afresh.
+    pub fn crowded(&mut self, source: SourceId, now: Instant) -> Result<Crowded, GaveUp> {
+        let c = match self.crowding {
+            Some(c) if c.source == source => c,
+            _ => Crowding {
+                source,
+                since: now,
+                pause: CROWDED_RETRY_MIN,
+            },
+        };
+        let until = c.since + CROWDED_PATIENCE;
+        if now >= until {
+            if source.0 == 0 {
+                self.crowded_out = Some(now + self.cfg.quarantine);
+            }
+            self.lost(source)?;
+            return Ok(Crowded::Leave {
+                waited: now - c.since,
+            });
+        }
+        self.crowding = Some(Crowding {
+            pause: (c.pause * 2).min(CROWDED_RETRY_MAX),
+            ..c
+        });
+        self.current = None;
+        self.probe = Probe::Off;
+        self.next = source.0;
+        Ok(Crowded::Retry((now + c.pause).min(until)))
+    }
+
+    /// `at`, or the end of the preferred source's hold after it stayed crowded, if later.
+    fn not_before_crowded_out(&self, at: Instant) -> Instant {
+        self.crowded_out.map_or(at, |until| at.max(until))
     }
 
     /// `source` broke a bound at `now`: left alone for a while; the next one is tried.
@@ -232,12 +312,14 @@ impl SourcePolicy {
         self.current = None;
         self.probe = Probe::Off;
         self.next = 0;
+        self.crowding = None;
     }
 
     fn left(&mut self, source: SourceId) {
         self.next = source.0 + 1;
         self.current = None;
         self.probe = Probe::Off;
+        self.crowding = None;
     }
 
     fn fail(&mut self) -> Result<(), GaveUp> {
@@ -288,7 +370,8 @@ impl SourcePolicy {
             return false;
         }
         let back = latest.is_some_and(|l| l.saturating_add(self.cfg.return_within) >= active)
-            && self.preferred_lacks.is_none_or(|after| active > after);
+            && self.preferred_lacks.is_none_or(|after| active > after)
+            && self.crowded_out.is_none_or(|until| now >= until);
         #[cfg(test)]
         if self.regression == super::Regression::ProbeEvery2sBetweenVersionsOnly {
             // The actor before 7230b72: every 2 s, back only if the probe itself found the
@@ -305,7 +388,7 @@ impl SourcePolicy {
             self.probe = Probe::Off;
             true
         } else {
-            self.probe = Probe::Due(now + self.cfg.probe_every);
+            self.probe = Probe::Due(self.not_before_crowded_out(now + self.cfg.probe_every));
             false
         }
     }
@@ -372,6 +455,85 @@ mod tests {
         p.connected(SourceId(0), now);
         let again = p.not_reached(SourceId(0), now).expect("retry");
         assert_eq!(again - now, Duration::from_millis(200));
+    }
+
+    /// Refusals for connections in a row: the same source after 1, 2, 2, … s (the last
+    /// attempt when the patience ends), no failure counted; then left as lost. Leaving the
+    /// source in any other way, or leaving it once crowded, starts the count afresh; a relay
+    /// (its one source) is asked again at once and waits it out again.
+    #[test]
+    fn a_crowded_source_is_retried_within_the_patience_then_left() {
+        let start = Instant::now();
+        let mut cfg = PolicyConfig::actor();
+        cfg.max_failures = Some(2);
+        let mut p = SourcePolicy::new(cfg, 2);
+        let mut now = start;
+        let mut pauses = Vec::new();
+        let left = loop {
+            assert_eq!(p.choose(now), Ok(SourceId(0)));
+            p.connected(SourceId(0), now);
+            match p.crowded(SourceId(0), now).expect("no failure counted") {
+                Crowded::Retry(at) => {
+                    pauses.push((at - now).as_millis());
+                    now = at;
+                }
+                Crowded::Leave { waited } => break waited,
+            }
+        };
+        assert_eq!(pauses, [1000, 2000, 2000, 2000, 2000, 1000]);
+        assert_eq!(left, CROWDED_PATIENCE);
+        assert_eq!(p.choose(now), Ok(SourceId(1)), "the next source");
+        // Lost from the next source: back to the first, whose refusals count afresh.
+        p.connected(SourceId(1), now);
+        p.lost(SourceId(1)).expect("a failure, and not given up");
+        assert_eq!(p.choose(now), Ok(SourceId(0)));
+        assert_eq!(
+            p.crowded(SourceId(0), now),
+            Ok(Crowded::Retry(now + CROWDED_RETRY_MIN))
+        );
+        // Not reached in between: afresh as well.
+        let later = now + CROWDED_RETRY_MIN;
+        assert_eq!(p.choose(later), Ok(SourceId(0)));
+        p.not_reached(SourceId(0), later)
+            .expect_err("the third failure: leaving the crowded source was the first");
+
+        let mut relay = SourcePolicy::new(PolicyConfig::relay(), 1);
+        let mut now = start;
+        loop {
+            relay.choose(now).expect("the hub");
+            match relay.crowded(SourceId(0), now).expect("never gives up") {
+                Crowded::Retry(at) => now = at,
+                Crowded::Leave { .. } => break,
+            }
+        }
+        assert_eq!(relay.choose(now), Ok(SourceId(0)), "the hub again, at once");
+        assert_eq!(
+            relay.crowded(SourceId(0), now),
+            Ok(Crowded::Retry(now + CROWDED_RETRY_MIN)),
+            "waited out afresh"
+        );
+    }
+
+    /// A preferred source left after it refused for connections through the patience is not
+    /// returned to by a probe before the quarantine is over: it would answer the probe and
+    /// refuse the subscription again.
+    #[test]
+    fn a_preferred_source_left_crowded_is_not_probed_for_a_while() {
+        let start = Instant::now();
+        let mut p = SourcePolicy::new(PolicyConfig::actor(), 2);
+        let mut now = start;
+        while let Crowded::Retry(at) = p.crowded(SourceId(0), now).expect("not given up") {
+            now = at;
+        }
+        let hold = now + PolicyConfig::actor().quarantine;
+        assert_eq!(p.choose(now), Ok(SourceId(1)));
+        p.connected(SourceId(1), now);
+        assert_eq!(p.probe_due(), Some(hold));
+        assert_eq!(p.start_probe(hold), Some(SourceId(0)));
+        assert!(
+            p.probed(Some(1), 1, false, hold),
+            "back once the hold is over"
+        );
     }
 
     #[test]

@@ -10,7 +10,13 @@
 //! twice, frames that do not stage, connections dropped, relays and actors killed and
 //! restarted (stores and caches survive), the hub restarted, and a hostile relay that floods,
 //! jumps ahead, serves forged versions or junk, or serves versions with a segment more than
-//! their manifest names.
+//! their manifest names. The hub and the relays hold each subscriber to [`SUBSCRIBER_CAP`] live
+//! subscriptions, counting a connection until the server sees it end (a killed subscriber's
+//! after 4–5 s, the idle timeout), so a subscriber restarted twice within that is refused
+//! `TooManyConnections` for a while; and some seeds draw a crowd: places of a subscriber's
+//! first source held by other connections of its name for 0.3–8 s, or for 11–30 s (longer
+//! than [`CROWDED_PATIENCE`]). These draws come from a random stream of their own, so a seed
+//! in which no subscription is refused runs as it did before they existed.
 //!
 //! After every event the invariants of [`super`] are checked:
 //! - a version is begun (staged on top of its base) only when its base is active, and
@@ -26,6 +32,9 @@
 //!   connection ended, a connect failed, or an anchor restore failed because the connection
 //!   went), no version published [`GRACE`] later crosses the WAN to that region more than
 //!   once;
+//! - a receiver whose source refused it for connections (`TooManyConnections`) and did
+//!   nothing else meanwhile (no connection of it ended or failed otherwise) does not connect to
+//!   another source before [`CROWDED_PATIENCE`] has passed since the first of those refusals;
 //! - once the faults stop and the sources stay up, every relay and actor reaches the last
 //!   version.
 //!
@@ -40,7 +49,8 @@
 //! that request.
 //!
 //! [`Regression`] puts back the two bugs the fault soak found, to show the simulation catches
-//! them: the 2 s return probe and the buffered version dropped after a failed staging.
+//! them: the 2 s return probe and the buffered version dropped after a failed staging; and the
+//! receiver that took a refusal for connections for a lost source.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -139,6 +149,11 @@ const REGRESSION_SEEDS: &[u64] = &[
     // A relay whose frames failed verification six times (injected faults), rightly left:
     // its catch-up from the hub was counted as a second WAN copy (found beyond 200,000).
     231270,
+    // An actor refused by its relay for connections for 3 s (its killed incarnation's
+    // connection not yet seen to end) waited for it, as it should, and fell behind what the
+    // relay retains: the model counted the hub's catch-up as a second WAN copy, where it is
+    // the cost of the relay's crowd ("more than one WAN copy"; the model's fault).
+    46844,
 ];
 
 /// How long after its relay is back and caught up a region must be fed one copy per version:
@@ -158,6 +173,9 @@ const ANCHOR_EVERY: u64 = 4;
 
 /// The actors' bound on a version's wire bytes (an honest version is at most 7 × 8 KiB).
 const VERSION_CAP: u64 = 64 * 1024;
+
+/// Live subscriptions per subscriber a server takes (`--subscriber-connections`' default).
+const SUBSCRIBER_CAP: usize = 2;
 
 /// Whole-version `Fetch`es of one version on one connection beyond the failures a source is
 /// allowed (each a stripe cut before the manifest, a chance of 1 in 10 at most).
@@ -257,6 +275,20 @@ struct Node {
     /// its relay for failing verification, when that relay's quarantine ends).
     left_relay: Duration,
     restarted: Duration,
+    /// Its source (by index) refused it for connections, with nothing else in between, since
+    /// then.
+    crowded: Option<(usize, Duration)>,
+}
+
+/// Places of `node`'s subscriptions at `server` held by other connections of its name (a
+/// crowd drawn by the seed), from `from` until `until`.
+#[derive(Debug, Clone, Copy)]
+struct Crowd {
+    server: Server,
+    node: usize,
+    places: usize,
+    from: Duration,
+    until: Duration,
 }
 
 /// A simulated connection, client node to server.
@@ -276,6 +308,13 @@ struct Net {
     transmissions: u32,
     /// Refused (the subscriber must restore an anchor): nothing more is streamed.
     refused: bool,
+    /// Its subscription was admitted: it holds a place among its subscriber's until the
+    /// server sees it end.
+    slot: bool,
+    /// Its subscription was refused for connections (the server closes it).
+    crowded: bool,
+    /// When the server sees the connection end (none: not yet ended).
+    server_end: Option<Duration>,
     /// Version → how many times the client asked for it whole on this connection.
     whole_fetches: BTreeMap<u64, u32>,
 }
@@ -298,6 +337,8 @@ enum Msg {
     },
     Commit(u64),
     Refused,
+    /// `Subscribe` refused `TooManyConnections` (the server closes the connection).
+    TooMany,
     Anchor(u64),
 }
 
@@ -326,6 +367,10 @@ enum Ev {
         relay: bool,
     },
     Lost {
+        net: usize,
+    },
+    /// The server closes a connection it refused for connections.
+    Closed {
         net: usize,
     },
     Wake {
@@ -386,6 +431,10 @@ struct Params {
 
 struct Sim {
     rng: SplitMix64,
+    /// The draws of the subscription bound's model (crowds, when a server sees a connection
+    /// end): apart, so that a seed without refusals for connections runs as before it.
+    crowd_rng: SplitMix64,
+    crowds: Vec<Crowd>,
     base: Instant,
     now: Duration,
     queue: BTreeMap<(Duration, u64), Ev>,
@@ -474,6 +523,8 @@ impl Sim {
         }
         let mut sim = Sim {
             rng,
+            crowd_rng: SplitMix64::new(seed ^ 0xc70d_0c0a_0000_0002),
+            crowds: Vec::new(),
             base: Instant::now(),
             now: Duration::ZERO,
             queue: BTreeMap::new(),
@@ -557,8 +608,98 @@ impl Sim {
             self.queue.insert((at, self.seq), Ev::HubRestart);
         }
         for node in 0..n {
+            if self.crowd_rng.next_f64() < 0.25 {
+                let from = Duration::from_micros(self.crowd_rng.next_up_to(t.as_micros() as u64));
+                let long = self.crowd_rng.next_f64() < 0.2;
+                let len = if long {
+                    self.crowd_uniform(Duration::from_secs(11), Duration::from_secs(30))
+                } else {
+                    self.crowd_uniform(Duration::from_millis(300), Duration::from_secs(8))
+                };
+                self.crowds.push(Crowd {
+                    server: self.nodes[node].sources[0],
+                    node,
+                    places: 1 + self.crowd_rng.next_up_to(1) as usize,
+                    from,
+                    until: from + len,
+                });
+            }
+        }
+        for node in 0..n {
             self.nodes[node].alive = true;
             self.start_node(node);
+        }
+    }
+
+    fn crowd_uniform(&mut self, lo: Duration, hi: Duration) -> Duration {
+        let span = hi.saturating_sub(lo).as_micros() as u64;
+        lo + Duration::from_micros(self.crowd_rng.next_up_to(span))
+    }
+
+    /// The places of `node`'s subscriptions `server` counts now: its connections whose end
+    /// the server has not seen, and a crowd.
+    fn places(&self, server: Server, node: usize) -> usize {
+        let incarnation = self.server_incarnation(server);
+        let own = self
+            .nets
+            .iter()
+            .filter(|n| {
+                n.node == node
+                    && n.server == server
+                    && n.slot
+                    && n.server_incarnation == incarnation
+                    && n.server_end.is_none_or(|t| t > self.now)
+            })
+            .count();
+        let crowd: usize = self
+            .crowds
+            .iter()
+            .filter(|c| {
+                c.server == server && c.node == node && c.from <= self.now && self.now < c.until
+            })
+            .map(|c| c.places)
+            .sum();
+        own + crowd
+    }
+
+    /// The server refuses `net`'s subscription for connections and closes it.
+    fn refuse_crowded(&mut self, net: usize) {
+        let n = &mut self.nets[net];
+        n.refused = true;
+        n.crowded = true;
+        n.server_end.get_or_insert(self.now);
+        let d = n.latency;
+        self.push(
+            d,
+            Ev::Deliver {
+                net,
+                msg: Msg::TooMany,
+            },
+        );
+        self.push(d + Duration::from_millis(1), Ev::Closed { net });
+    }
+
+    /// An actor refused by its relay for connections is without it until it is served again
+    /// (the relay had no place for it, through no fault of its core): what it takes from the
+    /// hub because of that wait (the relay no longer retains the version after its own) is
+    /// the cost of the crowd, as of a lost relay.
+    fn regained(&mut self, node: usize, server: Server) {
+        if let (Role::Actor { .. }, Server::Relay(_)) = (self.nodes[node].role, server) {
+            let n = &mut self.nodes[node];
+            n.left_relay = n.left_relay.max(self.now);
+        }
+    }
+
+    /// A connection of `node` (`conn`) ended or failed other than by a refusal for
+    /// connections: if it is the one its core follows, the core leaves its source, and
+    /// refusals for connections count afresh.
+    fn ended_otherwise(&mut self, node: usize, conn: ConnId) {
+        let current = self.nodes[node]
+            .core
+            .as_ref()
+            .is_some_and(|c| c.connection() == Some(conn));
+        if current {
+            self.nodes[node].crowded = None;
         }
     }
 
@@ -573,6 +714,7 @@ impl Sim {
         n.nets.clear();
         n.wake = None;
         n.restarted = self.now;
+        n.crowded = None;
         let mut core = match n.role {
             Role::Relay { .. } => Follower::new(
                 FollowConfig::relay(true),
@@ -639,6 +781,22 @@ impl Sim {
         trace!(self, "{}: {}", self.nodes[node].name, brief(&action));
         match action {
             Action::Connect { conn, source, .. } => {
+                if let Some((crowded, since)) = self.nodes[node].crowded
+                    && crowded != source.0
+                {
+                    if self.now < since + CROWDED_PATIENCE {
+                        let detail = format!(
+                            "{} connects to {:?}, its {:?} refused it only for connections, \
+                             since {:.3}s",
+                            self.nodes[node].name,
+                            self.nodes[node].sources[source.0],
+                            self.nodes[node].sources[crowded],
+                            since.as_secs_f64()
+                        );
+                        return self.fail("left a crowded source", detail);
+                    }
+                    self.nodes[node].crowded = None;
+                }
                 let server = self.nodes[node].sources[source.0];
                 let inc = self.nodes[node].incarnation;
                 if !self.server_alive(server) {
@@ -682,6 +840,9 @@ impl Sim {
                     busy_until: Duration::ZERO,
                     transmissions: 0,
                     refused: false,
+                    slot: false,
+                    crowded: false,
+                    server_end: None,
                     whole_fetches: BTreeMap::new(),
                 });
                 self.nodes[node].nets.insert(conn, net);
@@ -718,6 +879,12 @@ impl Sim {
             Action::Disconnect { conn } => {
                 if let Some(net) = self.nodes[node].nets.remove(&conn) {
                     self.nets[net].alive = false;
+                    let end = self.now + self.nets[net].latency;
+                    self.nets[net].server_end.get_or_insert(end);
+                    if !self.nets[net].crowded {
+                        // Left for another reason: refusals for connections count afresh.
+                        self.nodes[node].crowded = None;
+                    }
                 }
             }
             Action::Begin {
@@ -907,6 +1074,19 @@ impl Sim {
                 source,
                 why: Misbehaviour::KeepsFailing { .. },
             }) => {
+                let relay = matches!(self.nodes[node].role, Role::Actor { .. })
+                    && matches!(
+                        self.nodes[node].sources.get(source.0),
+                        Some(Server::Relay(_))
+                    );
+                if relay {
+                    self.nodes[node].left_relay = self.now + PolicyConfig::actor().quarantine;
+                }
+            }
+            // A relay that refused an actor for connections through the whole patience is
+            // left for the quarantine (it is crowded by other connections of the actor's name):
+            // like a lost relay, what the actor takes from the hub meanwhile is that cost.
+            Action::Notice(Notice::Crowded { source, .. }) => {
                 let relay = matches!(self.nodes[node].role, Role::Actor { .. })
                     && matches!(
                         self.nodes[node].sources.get(source.0),
@@ -1169,6 +1349,18 @@ impl Sim {
         let (latest, oldest) = self.holds(server);
         match msg {
             Message::Subscribe { after_version } => {
+                let node = self.nets[net].node;
+                if self.places(server, node) >= SUBSCRIBER_CAP {
+                    trace!(
+                        self,
+                        "{server:?} refuses {} for connections", self.nodes[node].name
+                    );
+                    return self.refuse_crowded(net);
+                }
+                self.nets[net].slot = true;
+                if self.nodes[node].crowded.take().is_some() {
+                    self.regained(node, server);
+                }
                 self.nets[net].next = Some(after_version + 1);
                 self.pump(net);
             }
@@ -1337,6 +1529,20 @@ impl Sim {
                 conn,
                 reason: RefuseReason::VersionUnavailable,
             },
+            Msg::TooMany => {
+                let server = self.nets[net].server;
+                self.regained(node, server);
+                let source = self.nodes[node].sources.iter().position(|&s| s == server);
+                if let Some(s) = source
+                    && self.nodes[node].crowded.is_none_or(|(c, _)| c != s)
+                {
+                    self.nodes[node].crowded = Some((s, self.now));
+                }
+                Event::Refused {
+                    conn,
+                    reason: RefuseReason::TooManyConnections,
+                }
+            }
             Msg::Anchor(version) => Event::AnchorOffered { conn, version },
         };
         self.handle(node, ev);
@@ -1421,6 +1627,14 @@ impl Sim {
         n.core = None;
         n.activating = None;
         trace!(self, "{} killed", self.nodes[node].name);
+        // Its servers see its connections go silent: they count them until the idle timeout
+        // (keep-alives every second, 5 s).
+        for net in 0..self.nets.len() {
+            if self.nets[net].node == node && self.nets[net].server_end.is_none() {
+                let d = self.crowd_uniform(Duration::from_secs(4), Duration::from_secs(5));
+                self.nets[net].server_end = Some(self.now + d);
+            }
+        }
         // Its clients see the connection go silent: they notice within the idle timeout.
         if let Role::Relay { region } = self.nodes[node].role {
             self.settled[region] = None;
@@ -1467,6 +1681,7 @@ impl Sim {
                     && self.nets[net].alive
                 {
                     let (node, conn) = (self.nets[net].node, self.nets[net].conn);
+                    self.ended_otherwise(node, conn);
                     self.handle(node, Event::ConnectFailed { conn });
                 }
             }
@@ -1483,6 +1698,7 @@ impl Sim {
                         // one is the cost of the relay's outage.
                         self.nodes[node].left_relay = self.now;
                     }
+                    self.ended_otherwise(node, conn);
                     self.handle(node, Event::ConnectFailed { conn });
                 }
             }
@@ -1498,12 +1714,24 @@ impl Sim {
                     {
                         self.nodes[node].left_relay = self.now;
                     }
+                    self.ended_otherwise(node, conn);
+                    self.handle(node, Event::Lost { conn });
+                }
+            }
+            // The end of a connection the server refused for connections: no loss of the
+            // source (the core left it at the refusal, unless it took it for one).
+            Ev::Closed { net } => {
+                if self.net_ok(net) {
+                    let (node, conn) = (self.nets[net].node, self.nets[net].conn);
+                    self.nets[net].alive = false;
                     self.handle(node, Event::Lost { conn });
                 }
             }
             Ev::DropNet { net } => {
                 if self.net_ok(net) {
                     self.nets[net].alive = false;
+                    let seen = self.crowd_uniform(Duration::from_millis(1), Duration::from_secs(5));
+                    self.nets[net].server_end = Some(self.now + seen);
                     let d = self.uniform(Duration::from_millis(1), Duration::from_secs(5));
                     trace!(self, "connection {net} drops");
                     self.push(d, Ev::Lost { net });
@@ -1658,6 +1886,7 @@ impl Node {
             wake: None,
             left_relay: Duration::ZERO,
             restarted: Duration::ZERO,
+            crowded: None,
         }
     }
 }
@@ -1748,6 +1977,16 @@ fn the_2s_return_probe_is_caught() {
     );
     let (seed, v) = found.expect("the simulation should catch the 2 s return probe");
     eprintln!("2 s return probe: seed {seed}: {}", v.detail);
+}
+
+#[test]
+fn a_refusal_for_connections_taken_for_a_lost_source_is_caught() {
+    let found = first_failure(Regression::CrowdedIsLost, "left a crowded source", 500);
+    let (seed, v) = found.expect("the simulation should catch leaving a crowded source");
+    eprintln!(
+        "refusal for connections taken for a lost source: seed {seed}: {}",
+        v.detail
+    );
 }
 
 #[test]
