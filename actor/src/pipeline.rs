@@ -221,11 +221,17 @@ impl Shell for Pipeline<'_> {
     /// Measures the control round trip to the source followed now (the answer comes back to
     /// [`Shell::pong`]). Then loads the active version into an engine that lost it (its server
     /// died and was restarted); until that succeeds the engine's fingerprint does not match and
-    /// the worker takes no work. A failure is retried at the next check.
+    /// the worker takes no work. A failure is retried when [`EngineRetry`] says.
     async fn tick(&mut self, feed: &mut Feed) {
         feed.ping().await;
         let retry_due = self.engine_behind.map(|r| r.due(Instant::now()));
-        if retry_due == Some(false) {
+        // An engine behind that still proves an older version (and works with it) is still
+        // asked whether it died; one that proves nothing waits for its retry.
+        let proves = self
+            .engine
+            .as_ref()
+            .is_some_and(|e| e.fingerprint().is_some());
+        if retry_due == Some(false) && !proves {
             return;
         }
         // Blocking: a vLLM engine may ask its server to digest the model (`--vllm-verify-every`;
@@ -321,6 +327,16 @@ impl<'a> Pipeline<'a> {
     /// [`Pipeline::load_engine`], and on failure the engine is behind until a tick loads
     /// the active version into it ([`Pipeline::engine_behind`]).
     fn load_engine_or_retry(&mut self, change: Option<&UndoLog>) {
+        // A commit or a restore while the engine is behind does not try before the retry is
+        // due: the try would block the pipeline as long as the failing one did. The tick's
+        // retry loads the newest committed version.
+        if self.engine_behind.is_some_and(|r| !r.due(Instant::now())) {
+            tracing::info!(
+                version = self.state.version(),
+                "the engine is behind; the version is loaded at its next try"
+            );
+            return;
+        }
         match self.load_engine(change) {
             Ok(()) => self.engine_behind = None,
             Err(e) => {
@@ -350,7 +366,8 @@ impl<'a> Pipeline<'a> {
 }
 
 /// How often the actor measures the control round trip to its source and asks its engine
-/// whether it lost its weights (a dead vLLM server).
+/// whether it lost its weights (a dead vLLM server; not while an engine that is behind and
+/// proves nothing waits for its retry).
 const TICK: Duration = Duration::from_secs(1);
 
 /// The longest wait between two tries to load the active version into an engine that is

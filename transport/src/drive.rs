@@ -79,8 +79,8 @@ pub async fn run<S: Shell>(
     shell: &mut S,
     stop: &CancellationToken,
 ) -> Result<(), S::Error> {
-    // A tick that ran long (the actor's engine restarting) is not followed by a burst of the
-    // ticks it missed: the feed's events come first.
+    // A tick that ran long (the actor's engine restarting) is followed by one tick, not by a
+    // burst of the ticks it missed, which would keep the feed's events waiting.
     let mut tick = shell.tick_every().map(|every| {
         let mut t = tokio::time::interval(every);
         t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -206,6 +206,11 @@ impl SourcePolicy {
 
     /// `source` answered and is followed now: on a fallback, the preferred one is probed.
     pub fn connected(&mut self, source: SourceId, now: Instant) {
+        if source.0 == 0 {
+            // Back on the preferred source (by the round, not a probe): a later fallback
+            // probes it again as usual, not after the old hold.
+            self.crowded_out = None;
+        }
         self.current = Some(source);
         self.next = source.0 + 1;
         self.pause = self.cfg.retry_min;
@@ -534,6 +539,22 @@ mod tests {
             p.probed(Some(1), 1, false, hold),
             "back once the hold is over"
         );
+    }
+
+    /// Served by the preferred source again before the hold ended (reached by the round, not
+    /// a probe), a later fallback probes it as usual, not after the old hold.
+    #[test]
+    fn a_preferred_source_connected_again_ends_its_crowded_hold() {
+        let start = Instant::now();
+        let mut p = SourcePolicy::new(PolicyConfig::actor(), 2);
+        let mut now = start;
+        while let Crowded::Retry(at) = p.crowded(SourceId(0), now).expect("not given up") {
+            now = at;
+        }
+        p.connected(SourceId(0), now);
+        p.lost(SourceId(0)).expect("not given up");
+        p.connected(SourceId(1), now);
+        assert_eq!(p.probe_due(), Some(now + PolicyConfig::actor().probe_every));
     }
 
     #[test]

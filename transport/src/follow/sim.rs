@@ -1070,23 +1070,18 @@ impl Sim {
             // the broken relay, as of a lost one, so the relay counts as left until the
             // quarantine ends. Only this reason: a relay dropped for a bound it did not break
             // is the core's fault, and must still count (seed 83353).
-            Action::Notice(Notice::SourceDropped {
-                source,
-                why: Misbehaviour::KeepsFailing { .. },
-            }) => {
-                let relay = matches!(self.nodes[node].role, Role::Actor { .. })
-                    && matches!(
-                        self.nodes[node].sources.get(source.0),
-                        Some(Server::Relay(_))
-                    );
-                if relay {
-                    self.nodes[node].left_relay = self.now + PolicyConfig::actor().quarantine;
-                }
-            }
+            //
             // A relay that refused an actor for connections through the whole patience is
-            // left for the quarantine (it is crowded by other connections of the actor's name):
-            // like a lost relay, what the actor takes from the hub meanwhile is that cost.
-            Action::Notice(Notice::Crowded { source, .. }) => {
+            // left for the quarantine too (it is crowded by other connections of the actor's
+            // name): like a lost relay, what the actor takes from the hub meanwhile is that
+            // cost.
+            Action::Notice(
+                Notice::SourceDropped {
+                    source,
+                    why: Misbehaviour::KeepsFailing { .. },
+                }
+                | Notice::Crowded { source, .. },
+            ) => {
                 let relay = matches!(self.nodes[node].role, Role::Actor { .. })
                     && matches!(
                         self.nodes[node].sources.get(source.0),
