@@ -40,8 +40,9 @@ struct Args {
     engine: String,
     /// The model's HF config.json (default: config.json in --init when it is a model
     /// directory, else beside it). The vLLM engine also copies the tokenizer files found
-    /// beside it (tokenizer.json, tokenizer_config.json, generation_config.json,
-    /// chat_template.jinja), so vLLM serves the model with its own tokenizer.
+    /// beside it (tokenizer.json, tokenizer_config.json, special_tokens_map.json,
+    /// generation_config.json, chat_template.jinja), so vLLM serves the model with its own
+    /// tokenizer.
     #[arg(long, env = "STARLING_ACTOR_MODEL_CONFIG")]
     model_config: Option<PathBuf>,
     /// Sequences the engine decodes together.

@@ -103,7 +103,9 @@ pub trait Engine: Send + Sync + 'static {
     /// the version follows the one loaded before by one commit (none at start-up, after an
     /// anchor or a reload): an engine that keeps its own copy of the weights applies just
     /// that. On error the previous version stays, or the engine is fenced (its fingerprint
-    /// no longer matches, so the worker takes no work) until a later load succeeds.
+    /// no longer matches, so the worker takes no work) until a later load succeeds. An
+    /// engine whose server is starting returns [`StillStarting`] rather than wait for it:
+    /// the call must not hold the actor's weight pipeline for as long as a start takes.
     fn load(
         &self,
         weights: &BTreeMap<String, Vec<u16>>,
@@ -122,6 +124,14 @@ pub trait Engine: Send + Sync + 'static {
     /// The version loaded now, proven from the weights it holds (none before a load).
     fn fingerprint(&self) -> Option<Fingerprint>;
 }
+
+/// What [`Engine::load`] returns while the engine's server is still starting (a vLLM server
+/// takes tens of seconds to minutes): the load is not done and not failed. The actor asks
+/// again at its next tick, and meanwhile stages and commits versions; the server is loaded
+/// with the newest committed version once it answers.
+#[derive(Debug, thiserror::Error)]
+#[error("the engine's server is still starting")]
+pub struct StillStarting;
 
 impl std::fmt::Debug for dyn Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -41,7 +41,7 @@ use starling_transport::upstream::{Feed, SourceAddr, UpstreamError};
 use tokio::sync::watch;
 
 use crate::anchor;
-use crate::engine::Engine;
+use crate::engine::{Engine, StillStarting};
 use crate::status::ActorStatus;
 use crate::store::{Layout, Store};
 use crate::worker::PipelineStatus;
@@ -186,6 +186,11 @@ impl Shell for Pipeline<'_> {
         // The version is committed and journaled whatever the engine does: an engine that
         // fails to take it is loaded again by the tick, not the end of the actor.
         self.load_engine_or_retry(Some(&written));
+        tracing::info!(
+            version,
+            engine_behind = self.engine_behind.is_some(),
+            "version committed"
+        );
         // The weights no longer need the undo log (nothing rolls a loaded version back).
         self.staging_buffers.recycle(written);
         println!("active {} {}", self.state.version(), self.state.digest());
@@ -244,11 +249,12 @@ impl Shell for Pipeline<'_> {
         if !lost {
             return;
         }
-        let version = self.state.version();
-        tracing::warn!(
-            version,
-            "the engine does not hold the active version; loading it again"
-        );
+        if !self.engine_behind.is_some_and(|r| r.starting) {
+            tracing::warn!(
+                version = self.state.version(),
+                "the engine does not hold the active version; loading it again"
+            );
+        }
         self.load_engine_or_retry(None);
     }
 
@@ -339,6 +345,19 @@ impl<'a> Pipeline<'a> {
         }
         match self.load_engine(change) {
             Ok(()) => self.engine_behind = None,
+            Err(e) if e.is::<StillStarting>() => {
+                if self.engine_behind.is_none_or(|r| !r.starting) {
+                    tracing::info!(
+                        version = self.state.version(),
+                        "the engine's server is starting; the active version is loaded once \
+                         it answers, and versions are committed meanwhile"
+                    );
+                }
+                self.engine_behind = Some(EngineRetry::while_starting(
+                    self.engine_behind,
+                    Instant::now(),
+                ));
+            }
             Err(e) => {
                 let retry = EngineRetry::after_failure(self.engine_behind, Instant::now());
                 tracing::error!(
@@ -376,22 +395,43 @@ const ENGINE_RETRY_MAX: Duration = Duration::from_secs(30);
 
 /// When an engine that is behind is tried again: a tick after the first failure, then twice
 /// as long after each failure, up to [`ENGINE_RETRY_MAX`], counted from the failure's end.
-/// A try blocks the pipeline for as long as it takes (a vLLM start that fails takes tens of
-/// seconds), so a try on every tick would leave the pipeline no time to stage and commit
-/// versions between tries.
+/// A try blocks the pipeline for as long as it takes (a full load digests the whole model),
+/// so a try on every tick would leave the pipeline little time to stage and commit versions
+/// between tries. An engine whose server is starting ([`StillStarting`]) is asked again at
+/// every tick (each ask is a look at the server, not a failure) with the failures' backoff
+/// kept for when the start fails.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct EngineRetry {
     at: Instant,
     wait: Duration,
+    /// The last try found the engine's server starting.
+    starting: bool,
 }
 
 impl EngineRetry {
     /// The retry after a failure at `now`, the one before it being `before`.
     fn after_failure(before: Option<Self>, now: Instant) -> Self {
-        let wait = before.map_or(TICK, |r| (r.wait * 2).min(ENGINE_RETRY_MAX));
+        let wait = before.map_or(TICK, |r| {
+            if r.starting && r.wait == Duration::ZERO {
+                TICK
+            } else {
+                (r.wait * 2).min(ENGINE_RETRY_MAX)
+            }
+        });
         Self {
             at: now + wait,
             wait,
+            starting: false,
+        }
+    }
+
+    /// The next look at a server that was starting at `now`: due at the next tick. The
+    /// wait of the last failure before it stays, so a start that fails backs off from there.
+    fn while_starting(before: Option<Self>, now: Instant) -> Self {
+        Self {
+            at: now + TICK / 2,
+            wait: before.map_or(Duration::ZERO, |r| r.wait),
+            starting: true,
         }
     }
 
@@ -420,5 +460,26 @@ mod tests {
         let late = t0 + Duration::from_secs(40);
         let r = EngineRetry::after_failure(Some(r), late);
         assert!(!r.due(late + Duration::from_secs(29)) && r.due(late + ENGINE_RETRY_MAX));
+    }
+
+    #[test]
+    fn a_starting_server_is_looked_at_every_tick_and_a_failed_start_backs_off() {
+        let t0 = Instant::now();
+        // The first start: looked at by the next tick, and again while it starts.
+        let mut r = EngineRetry::while_starting(None, t0);
+        assert!(r.starting && !r.due(t0) && r.due(t0 + TICK));
+        r = EngineRetry::while_starting(Some(r), t0 + TICK);
+        assert!(r.due(t0 + 2 * TICK));
+        // Its failure waits one tick; starts that fail after it back off as failures do.
+        r = EngineRetry::after_failure(Some(r), t0);
+        assert_eq!((r.wait, r.starting), (TICK, false));
+        let mut waits = Vec::new();
+        for _ in 0..6 {
+            r = EngineRetry::while_starting(Some(r), t0);
+            assert!(r.due(t0 + TICK));
+            r = EngineRetry::after_failure(Some(r), t0);
+            waits.push(r.wait.as_secs());
+        }
+        assert_eq!(waits, [2, 4, 8, 16, 30, 30]);
     }
 }

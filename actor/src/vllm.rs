@@ -21,8 +21,10 @@
 //!   `generate` for reading, so a call never spans two versions: every sample's tokens carry
 //!   one version.
 //! - **The server.** With `--vllm-cmd` the actor starts vLLM itself (`{model}` in the command
-//!   is replaced by the directory holding the actor's committed version), waits for
-//!   `/health`, attaches (`starling_attach`: vLLM digests all its parameters) and checks the
+//!   is replaced by the directory holding the actor's committed version). A load does not
+//!   wait for the server to come up: it returns [`StillStarting`], and the actor asks again
+//!   each second while its pipeline goes on staging and committing versions (a start takes
+//!   tens of seconds here, minutes for a large model). Once `/health` answers, it attaches (`starling_attach`: vLLM digests all its parameters) and checks the
 //!   digest; a server that exits is noticed (`needs_reload`) and started again from the
 //!   actor's weights before the worker takes work again. With `--vllm-url` alone it attaches
 //!   to a running server (resuming it first if an actor stopped between pause and resume left
@@ -65,7 +67,9 @@ use starling_telemetry::http_client::{self, DEFAULT_BODY_LIMIT, Limits, Response
 
 use crate::completion_stream::{CompletionStream, StreamError};
 use crate::concurrent_jobs::{SequenceBudget, run_within};
-use crate::engine::{Capabilities, Engine, Fingerprint, JobProgress, group_seed, whole_span};
+use crate::engine::{
+    Capabilities, Engine, Fingerprint, JobProgress, StillStarting, group_seed, whole_span,
+};
 
 /// How the actor reaches (and possibly runs) its vLLM server.
 #[derive(Debug, Clone)]
@@ -156,10 +160,13 @@ const NEUTRAL_GENERATION_CONFIG: &str = "--generation-config vllm";
 /// the new bits there.
 type WrittenPart<'a> = (u64, &'a [u32], &'a [u16]);
 
-/// The files of a model directory besides its weights and config that vLLM reads.
-const TOKENIZER_FILES: [&str; 4] = [
+/// The files of a model directory besides its weights and config that vLLM reads
+/// (`special_tokens_map.json` overrides `tokenizer_config.json`'s special tokens in
+/// transformers, which tokenizes for vLLM).
+const TOKENIZER_FILES: [&str; 5] = [
     "tokenizer.json",
     "tokenizer_config.json",
+    "special_tokens_map.json",
     "generation_config.json",
     "chat_template.jinja",
 ];
@@ -210,8 +217,19 @@ fn completion_limit(n: u32, max_new_tokens: u32, served: &str) -> u64 {
 struct Held {
     /// The server the actor started (with `--vllm-cmd`).
     child: Option<Child>,
+    /// Set from the child's start until it first answers `/health`.
+    starting: Option<Starting>,
     /// The model name the server serves (its `--served-model-name`, by default `--model`).
     served: Option<String>,
+}
+
+/// A server started and not yet answering.
+#[derive(Debug, Clone, Copy)]
+struct Starting {
+    /// When it is given up ([`VllmSettings::start_timeout`] after its start).
+    deadline: Instant,
+    /// The version it was started from (materialized in the model directory).
+    version: u64,
 }
 
 /// The `vllm` engine.
@@ -242,6 +260,10 @@ pub struct VllmEngine {
 
 /// The periodic digest check takes at most 1/20 of vLLM's time.
 const VERIFY_DUTY: u32 = 20;
+
+/// How long a look at a starting server's `/health` may take: the look is made on the
+/// actor's weight pipeline, once a second, until the server answers.
+const START_POLL_TIMEOUT: Duration = Duration::from_secs(1);
 
 impl VllmEngine {
     /// An engine for the model of `model_config` (HF `config.json`, copied beside the weights
@@ -430,13 +452,12 @@ impl VllmEngine {
 
     /// Whether the server answers `/health`, and has the dev routes the actor needs.
     fn healthy(&self) -> bool {
-        self.call(
-            "GET",
-            "/health",
-            None,
-            Limits::timeout(Duration::from_secs(5)),
-        )
-        .is_ok_and(|r| r.ok())
+        self.answers_health(Duration::from_secs(5))
+    }
+
+    fn answers_health(&self, timeout: Duration) -> bool {
+        self.call("GET", "/health", None, Limits::timeout(timeout))
+            .is_ok_and(|r| r.ok())
     }
 
     /// Probes the dev routes (`GET /is_paused`) and answers whether generation is paused.
@@ -491,8 +512,9 @@ impl VllmEngine {
         Ok(path)
     }
 
-    /// Starts the server with `--vllm-cmd` on the materialized model and waits for `/health`.
-    fn start(&self, held: &mut Held) -> Result<()> {
+    /// Starts the server with `--vllm-cmd` on the materialized `version`, without waiting for
+    /// it ([`VllmEngine::started`] says when it answers).
+    fn spawn(&self, held: &mut Held, version: u64) -> Result<()> {
         let Some(cmd) = &self.settings.cmd else {
             bail!(
                 "no vLLM server answers at {} and the actor has no --vllm-cmd to start one",
@@ -510,8 +532,8 @@ impl VllmEngine {
         }
         let log = std::fs::File::create(self.dir.join("vllm.log")).context("create vllm.log")?;
         let err = log.try_clone().context("vllm.log")?;
-        tracing::info!(command = %line, "starting vLLM");
-        let mut child = Command::new("sh")
+        tracing::info!(version, command = %line, "starting vLLM");
+        let child = Command::new("sh")
             .arg("-c")
             .arg(format!("exec {line}"))
             .env(ROOT_ENV, &self.dir)
@@ -523,33 +545,50 @@ impl VllmEngine {
             .stderr(err)
             .spawn()
             .with_context(|| format!("start vLLM: {line}"))?;
-        let deadline = Instant::now() + self.settings.start_timeout;
-        loop {
-            if let Some(status) = child.try_wait().context("wait for vLLM")? {
-                bail!(
-                    "vLLM exited during start-up ({status}); its output is in {}",
-                    self.dir.join("vllm.log").display()
-                );
-            }
-            if self.healthy() {
-                break;
-            }
-            if Instant::now() > deadline {
-                kill_group(&mut child);
-                bail!(
-                    "vLLM did not answer /health at {} within {:?}; its output is in {}",
-                    self.settings.addr,
-                    self.settings.start_timeout,
-                    self.dir.join("vllm.log").display()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(500));
-        }
         held.child = Some(child);
+        held.starting = Some(Starting {
+            deadline: Instant::now() + self.settings.start_timeout,
+            version,
+        });
         Ok(())
     }
 
+    /// Whether the server started by [`VllmEngine::spawn`] answers `/health` now (then it is
+    /// no longer starting). One that exited or did not answer within the start timeout is
+    /// stopped, and that is the error.
+    fn started(&self, held: &mut Held) -> Result<bool> {
+        let Some(starting) = held.starting else {
+            return Ok(true);
+        };
+        let exited = match held.child.as_mut() {
+            Some(c) => c.try_wait().context("wait for vLLM")?,
+            None => bail!("the vLLM server being started is gone"),
+        };
+        if let Some(status) = exited {
+            Self::stop_child(held);
+            bail!(
+                "vLLM exited during start-up ({status}); its output is in {}",
+                self.dir.join("vllm.log").display()
+            );
+        }
+        if self.answers_health(START_POLL_TIMEOUT) {
+            held.starting = None;
+            return Ok(true);
+        }
+        if Instant::now() > starting.deadline {
+            Self::stop_child(held);
+            bail!(
+                "vLLM did not answer /health at {} within {:?}; its output is in {}",
+                self.settings.addr,
+                self.settings.start_timeout,
+                self.dir.join("vllm.log").display()
+            );
+        }
+        Ok(false)
+    }
+
     fn stop_child(held: &mut Held) {
+        held.starting = None;
         if let Some(mut c) = held.child.take() {
             kill_group(&mut c);
         }
@@ -571,7 +610,9 @@ impl VllmEngine {
     }
 
     /// Brings a server that holds nothing of ours (just started, or attached to) to the
-    /// committed version: attach if it was started from it, else load it in full.
+    /// committed version: attach if it was started from it, else load it in full. A server
+    /// that does not answer is started from the committed weights, and until it answers
+    /// the call returns [`StillStarting`] at once.
     fn bring_up(
         &self,
         held: &mut Held,
@@ -580,14 +621,25 @@ impl VllmEngine {
         digest: [u8; 16],
     ) -> Result<()> {
         self.set_proven(None);
-        let materialized = if !self.healthy() {
-            let path = self.materialize(weights, version)?;
-            Self::stop_child(held);
-            self.start(held)?;
-            Some(path)
-        } else {
-            None
+        // The version the server was started from, when the actor started it.
+        let started_from = match held.starting {
+            Some(s) => Some(s.version),
+            None if !self.healthy() => {
+                self.materialize(weights, version)?;
+                Self::stop_child(held);
+                self.spawn(held, version)?;
+                Some(version)
+            }
+            None => None,
         };
+        if !self.started(held)? {
+            return Err(StillStarting.into());
+        }
+        // The file the server was started from, when it holds the committed version (one
+        // committed while the server started is written over it and loaded in full below).
+        let materialized = started_from
+            .filter(|&v| v == version)
+            .map(|_| self.model_dir().join("model.safetensors"));
         if self.probe_dev_routes()? {
             // Left paused by an actor stopped between pause and resume (a server attached to
             // outlives its actors): generation would wait forever. Whatever it wrote, the
@@ -599,17 +651,21 @@ impl VllmEngine {
         self.fit_budget_to_server();
         let t = Instant::now();
         // A server attached to that says it holds another version (what the actor before
-        // this one left) is loaded in full at once: that load is digested and checked, and
-        // attach's whole-model digest (tens of seconds on 2 busy cores) would only confirm
-        // the mismatch.
-        let other = materialized.is_none() && self.claims_other(digest);
+        // this one left), or one started from a version older than the committed one, is
+        // loaded in full at once: that load is digested and checked, and attach's
+        // whole-model digest (tens of seconds on 2 busy cores) would only confirm the
+        // mismatch.
+        let other = match started_from {
+            Some(v) => v != version,
+            None => self.claims_other(digest),
+        };
         let load = other || {
             let version_s = version.to_string();
             let attached = self.rpc("starling_attach", &[&self.model_id, &version_s])?;
             Self::digest_of(&attached)? != digest
         };
         if load {
-            // It was started from another version (attached to a running server): load ours.
+            // It holds another version: load ours.
             let path = match materialized {
                 Some(p) => p,
                 None => self.materialize(weights, version)?,
