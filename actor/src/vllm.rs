@@ -648,7 +648,10 @@ impl VllmEngine {
             self.resume()?;
         }
         held.served = Some(self.served_name()?);
-        self.fit_budget_to_server();
+        // The extension's own record (no digest computed); none from an older extension.
+        let status = self.rpc("starling_status", &[]).ok();
+        let status = status.as_ref().and_then(|r| r.first());
+        self.fit_budget_to_server(status);
         let t = Instant::now();
         // A server attached to that says it holds another version (what the actor before
         // this one left), or one started from a version older than the committed one, is
@@ -657,7 +660,7 @@ impl VllmEngine {
         // mismatch.
         let other = match started_from {
             Some(v) => v != version,
-            None => self.claims_other(digest),
+            None => status.is_some_and(|st| self.claims_other(st, digest)),
         };
         let load = other || {
             let version_s = version.to_string();
@@ -687,12 +690,9 @@ impl VllmEngine {
     /// Lowers the sequence budget to what the server says its scheduler runs at once
     /// (`starling_status`'s `max_num_seqs`). No answer, or an extension too old to say,
     /// leaves the budget as it is.
-    fn fit_budget_to_server(&self) {
-        let Ok(r) = self.rpc("starling_status", &[]) else {
-            return;
-        };
-        let Some(runs) = r[0]["max_num_seqs"]
-            .as_u64()
+    fn fit_budget_to_server(&self, status: Option<&Value>) {
+        let Some(runs) = status
+            .and_then(|st| st["max_num_seqs"].as_u64())
             .and_then(|n| u32::try_from(n).ok())
         else {
             return;
@@ -708,14 +708,10 @@ impl VllmEngine {
         }
     }
 
-    /// Whether the extension's own record (`starling_status`, no digest computed) says the
-    /// server holds something other than `digest`: another model or version, or a fenced
-    /// state. No record, or no answer: false (attach decides).
-    fn claims_other(&self, digest: [u8; 16]) -> bool {
-        let Ok(r) = self.rpc("starling_status", &[]) else {
-            return false;
-        };
-        let st = &r[0];
+    /// Whether the extension's own record (`starling_status`) says the server holds
+    /// something other than `digest`: another model or version, or a fenced state. A record
+    /// without a digest: false (attach decides).
+    fn claims_other(&self, st: &Value, digest: [u8; 16]) -> bool {
         if st["fenced"].as_bool() == Some(true) {
             return true;
         }
