@@ -133,6 +133,22 @@ pub trait Engine: Send + Sync + 'static {
 #[error("the engine's server is still starting")]
 pub struct StillStarting;
 
+/// How often a caller that waits for a starting engine looks again.
+const STARTING_POLL: Duration = Duration::from_millis(500);
+
+/// Runs `load` until it returns something other than [`StillStarting`], looking again every
+/// [`STARTING_POLL`]: for the loads that must hold the engine's version before anything else
+/// goes on (the actor's start-up, the shared-directory baseline). Dropping the future stops
+/// the wait.
+pub async fn load_waiting(mut load: impl FnMut() -> Result<()>) -> Result<()> {
+    loop {
+        match load() {
+            Err(e) if e.is::<StillStarting>() => tokio::time::sleep(STARTING_POLL).await,
+            done => return done,
+        }
+    }
+}
+
 impl std::fmt::Debug for dyn Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "Engine({})", self.capabilities().engine)

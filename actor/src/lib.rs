@@ -60,9 +60,6 @@ use crate::worker::PipelineStatus;
 /// its results.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 
-/// How often the actor looks at its engine's starting server at start-up.
-const STARTING_POLL: Duration = Duration::from_millis(500);
-
 pub use config::{ActorConfig, EngineSettings, Source};
 
 /// Runs until every source failed too often or `stop` is cancelled (SIGTERM, SIGINT): then
@@ -204,16 +201,9 @@ async fn follow_sources(
     metrics.set_active(active);
     // At start-up the engine's server is waited for (a start that fails ends the actor);
     // after that, a restart runs beside the pipeline (`pipeline::EngineRetry`).
-    loop {
-        match p.load_engine(None) {
-            Err(e) if e.is::<engine::StillStarting>() => {
-                tokio::select! {
-                    () = tokio::time::sleep(STARTING_POLL) => {}
-                    () = stop.cancelled() => return Ok(()),
-                }
-            }
-            loaded => break loaded?,
-        }
+    tokio::select! {
+        loaded = engine::load_waiting(|| p.load_engine(None)) => loaded?,
+        () = stop.cancelled() => return Ok(()),
     }
     println!("active {} {}", p.state.version(), p.state.digest());
     starling_transport::drive::run(&mut core, &mut feed, &mut p, stop).await

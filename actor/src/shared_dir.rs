@@ -78,7 +78,7 @@ impl SharedDir<'_> {
     /// engine is offered the change between the two, as the delta pipeline offers the commit's
     /// undo log: an engine that keeps its own copy of the weights (vLLM) then follows sparsely
     /// here too, so that the baseline differs from delta mode only in how weights arrive.
-    fn activate(
+    async fn activate(
         &self,
         weights: &Model,
         version: u64,
@@ -87,10 +87,15 @@ impl SharedDir<'_> {
     ) -> Result<()> {
         let bytes = digest.to_bytes();
         if let Some(engine) = &self.engine {
-            tokio::task::block_in_place(|| {
-                let change = prev.and_then(|(old, v, d)| UndoLog::between(v, d, old, weights));
-                engine.load(weights, version, bytes, change.as_ref())
-            })?;
+            let change = prev.and_then(|(old, v, d)| UndoLog::between(v, d, old, weights));
+            // A server being (re)started is waited for: this baseline loads every version
+            // before it goes on.
+            crate::engine::load_waiting(|| {
+                tokio::task::block_in_place(|| {
+                    engine.load(weights, version, bytes, change.as_ref())
+                })
+            })
+            .await?;
         }
         // The shared directory has no staging: a version is active once loaded.
         self.status.send_modify(|s| s.activate(version, bytes));
@@ -108,7 +113,7 @@ impl SharedDir<'_> {
         let mut version = c.version().unwrap_or(0);
         drop(c);
         let (mut weights, mut digest) = read_version(self.init, self.model_id)?;
-        self.activate(&weights, version, digest, None)?;
+        self.activate(&weights, version, digest, None).await?;
         let mut failures = 0u32;
         loop {
             let next = self.dir.join(version_file_name(version + 1));
@@ -127,7 +132,8 @@ impl SharedDir<'_> {
                         version + 1,
                         next_digest,
                         Some((&weights, version, digest)),
-                    )?;
+                    )
+                    .await?;
                     version += 1;
                     (weights, digest) = (next_weights, next_digest);
                 }

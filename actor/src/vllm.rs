@@ -562,7 +562,10 @@ impl VllmEngine {
         };
         let exited = match held.child.as_mut() {
             Some(c) => c.try_wait().context("wait for vLLM")?,
-            None => bail!("the vLLM server being started is gone"),
+            None => {
+                held.starting = None;
+                bail!("the vLLM server being started is gone")
+            }
         };
         if let Some(status) = exited {
             Self::stop_child(held);

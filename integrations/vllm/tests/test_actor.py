@@ -479,20 +479,21 @@ def test_a_version_committed_while_vllm_cannot_start_goes_live_once_it_can(clust
         starts = log_since().count("starting vLLM")
         wait("the actor starts vLLM again", lambda: log_since().count("starting vLLM") > starts, 120,
              c.actor, c.actor_log)
+        started = log_since().count("starting vLLM")
         t_pub = time.time()
         c.api("POST", "/v1/versions", {"path": str(c.ckpts[VERSIONS + 2] / "model.safetensors")})
         wait("the actor commits a version its engine cannot load",
              lambda: actor_metric(c, "starling_actor_active_version") == VERSIONS + 2, 300, c.actor, c.actor_log)
         results.setdefault("actor", {})["commit_while_vllm_starts_s"] = round(time.time() - t_pub, 1)
-        # Committed while that restart ran: the last engine event logged before the commit is
-        # the start, not its failure (a start that held the pipeline would be failed by then).
-        log = log_since()
-        committed = next(i for i, line in enumerate(log.splitlines())
+        # Committed while that restart ran: no other start began before the commit, and that
+        # one had not failed by then (a start that held the pipeline would have).
+        lines = log_since().splitlines()
+        committed = next(i for i, line in enumerate(lines)
                          if "version committed" in line and f"version={VERSIONS + 2}" in line)
-        before = log.splitlines()[:committed]
-        last_start = max(i for i, line in enumerate(before) if "starting vLLM" in line)
+        before = lines[:committed]
+        start_lines = [i for i, line in enumerate(before) if "starting vLLM" in line]
         failures = [i for i, line in enumerate(before) if "loading the active version into the engine failed" in line]
-        assert failures and last_start > failures[-1], "\n".join(before[-20:])
+        assert len(start_lines) == started and failures and start_lines[-1] > failures[-1], "\n".join(before[-20:])
         # The worker's version stays the one its engine last held, and the engine proves none.
         behind = c.actor_status() or {}
         assert (behind.get("active_version"), behind.get("engine_version")) == (VERSIONS + 1, None), behind
