@@ -91,25 +91,27 @@ python3 -m json.tool deploy/grafana/starling.json >/dev/null
 # binaries for tests only when that package has integration tests of its own, so build
 # them all first.
 cargo build --workspace --bins --release
+echo "== binaries built (${SECONDS} s into scripts/test.sh)"
 # `--tests --benches`, not `--all-targets`: the same targets, except that it respects
 # `test = false` (set on the bins and the library that have no unit tests, which would each be
 # built as a test harness and linked for nothing; `--all-targets` ignores the flag, cargo
 # issue 8338). clippy (`.ci/run`) still checks every target.
 cargo test --workspace --tests --benches --release "$@"
+echo "== cargo tests passed (${SECONDS} s into scripts/test.sh)"
 
 if [[ "${STARLING_SKIP_PYTHON:-0}" != 1 ]]; then
     # The binaries of the build above: cargo's target directory (CARGO_TARGET_DIR, a config
     # file's build.target-dir, or target/), as cargo itself resolves it.
     target_dir=$(cargo metadata --format-version 1 --no-deps \
         | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')
-    echo "== Python SDK (sdk/python/run_tests.sh, binaries in $target_dir/release)"
+    echo "== Python SDK (sdk/python/run_tests.sh, binaries in $target_dir/release; ${SECONDS} s into scripts/test.sh)"
     STARLING_BIN_DIR="$target_dir/release" STARLING_SDK_REQUIRE_TORCH=1 sdk/python/run_tests.sh
 fi
 
 if [[ "${STARLING_SKIP_VLLM:-0}" != 1 ]]; then
     target_dir=${target_dir:-$(cargo metadata --format-version 1 --no-deps \
         | python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')}
-    echo "== vLLM integration (integrations/vllm/run_tests.sh, binaries in $target_dir/release)"
+    echo "== vLLM integration (integrations/vllm/run_tests.sh, binaries in $target_dir/release; ${SECONDS} s into scripts/test.sh)"
     STARLING_BIN_DIR="$target_dir/release" integrations/vllm/run_tests.sh
 else
     echo "== vLLM integration SKIPPED (STARLING_SKIP_VLLM=1)"

@@ -48,7 +48,7 @@ results="${STARLING_VLLM_RESULTS:-$(mktemp)}"
 export STARLING_VLLM_RESULTS="$results"
 set +e
 (cd "$here" && PYTHONDONTWRITEBYTECODE=1 PYTHONPATH="$here/src:$here/tests" \
-    "$py" -m pytest -p no:cacheprovider -rs -v "$@" tests)
+    "$py" -m pytest -p no:cacheprovider -rs -v --durations=12 "$@" tests)
 rc=$?
 set -e
 if [[ -s "$results" ]]; then
