@@ -411,13 +411,8 @@ pub(crate) struct EngineRetry {
 impl EngineRetry {
     /// The retry after a failure at `now`, the one before it being `before`.
     fn after_failure(before: Option<Self>, now: Instant) -> Self {
-        let wait = before.map_or(TICK, |r| {
-            if r.starting && r.wait == Duration::ZERO {
-                TICK
-            } else {
-                (r.wait * 2).min(ENGINE_RETRY_MAX)
-            }
-        });
+        // (A first start that fails has no wait before it: zero, so one tick.)
+        let wait = before.map_or(TICK, |r| (r.wait * 2).clamp(TICK, ENGINE_RETRY_MAX));
         Self {
             at: now + wait,
             wait,
