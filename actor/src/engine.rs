@@ -134,7 +134,7 @@ pub trait Engine: Send + Sync + 'static {
 pub struct StillStarting;
 
 /// How often a caller that waits for a starting engine looks again.
-const STARTING_POLL: Duration = Duration::from_millis(500);
+pub const STARTING_POLL: Duration = Duration::from_millis(500);
 
 /// Runs `load` until it returns something other than [`StillStarting`], looking again every
 /// [`STARTING_POLL`]: for the loads that must hold the engine's version before anything else
