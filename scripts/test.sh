@@ -93,8 +93,9 @@ python3 -m json.tool deploy/grafana/starling.json >/dev/null
 cargo build --workspace --bins --release
 echo "== binaries built (${SECONDS} s into scripts/test.sh)"
 # `--tests --benches`, not `--all-targets`: the same targets, except that it respects
-# `test = false` (set on the bins and the library that have no unit tests, which would each be
-# built as a test harness and linked for nothing; `--all-targets` ignores the flag, cargo
+# `test = false` and `bench = false` (both set on the bins and the library that have no unit
+# tests, which would each be built as a test harness and linked for nothing; `--benches` alone
+# takes every bin not marked `bench = false`, and `--all-targets` ignores the flags, cargo
 # issue 8338). clippy (`.ci/run`) still checks every target.
 cargo test --workspace --tests --benches --release "$@"
 echo "== cargo tests passed (${SECONDS} s into scripts/test.sh)"
