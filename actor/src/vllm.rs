@@ -24,7 +24,8 @@
 //!   is replaced by the directory holding the actor's committed version). A load does not
 //!   wait for the server to come up: it returns [`StillStarting`], and the actor asks again
 //!   each second while its pipeline goes on staging and committing versions (a start takes
-//!   tens of seconds here, minutes for a large model). Once `/health` answers, it attaches (`starling_attach`: vLLM digests all its parameters) and checks the
+//!   tens of seconds here, minutes for a large model). Once `/health` answers, it attaches
+//!   (`starling_attach`: vLLM digests all its parameters) and checks the
 //!   digest; a server that exits is noticed (`needs_reload`) and started again from the
 //!   actor's weights before the worker takes work again. With `--vllm-url` alone it attaches
 //!   to a running server (resuming it first if an actor stopped between pause and resume left
@@ -367,6 +368,11 @@ impl VllmEngine {
         self.dir.join("model")
     }
 
+    /// The committed weights the server loads at its start ([`VllmEngine::materialize`]).
+    fn model_file(&self) -> PathBuf {
+        self.model_dir().join("model.safetensors")
+    }
+
     fn call(
         &self,
         method: &str,
@@ -497,7 +503,7 @@ impl VllmEngine {
             .into_iter()
             .map(|(n, s)| (n, s.into_iter().map(|d| d as u64).collect()))
             .collect();
-        let path = self.model_dir().join("model.safetensors");
+        let path = self.model_file();
         let mut out = SafetensorsWriter::create(&path, &layout, Some(version))
             .with_context(|| format!("create {}", path.display()))?;
         for (name, _) in &layout {
@@ -642,7 +648,7 @@ impl VllmEngine {
         // committed while the server started is written over it and loaded in full below).
         let materialized = started_from
             .filter(|&v| v == version)
-            .map(|_| self.model_dir().join("model.safetensors"));
+            .map(|_| self.model_file());
         if self.probe_dev_routes()? {
             // Left paused by an actor stopped between pause and resume (a server attached to
             // outlives its actors): generation would wait forever. Whatever it wrote, the
