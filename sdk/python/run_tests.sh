@@ -69,6 +69,18 @@ install_torch() {
     "$py" -m pip install --quiet --retries 2 "${index[@]}" torch && torch_works
 }
 
+# Byte-compiles the venv once (marker .starling-bytecode). uv installs no .pyc files and the
+# tests run with PYTHONDONTWRITEBYTECODE=1 (to keep __pycache__ out of the checkout), so every
+# process that imports torch compiled it from source (integrations/vllm/install.sh has the
+# figures). Files that do not compile are left to import from source.
+compile_bytecode() {
+    local t0=$SECONDS
+    "$py" -m compileall -q -j 0 "$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+        >/dev/null 2>&1 || true
+    touch "$venv/.starling-bytecode"
+    say "byte-compiled $venv in $((SECONDS - t0)) s"
+}
+
 # Deletes the other starling-sdk-venv-* under $1 that no run holds a lock on.
 prune_other_venvs() {
     local root="$1" other
@@ -103,7 +115,7 @@ else
     # run may use it too, and no run deletes it under a test).
     exec 9>"$venv.lock"
     flock -s 9
-    if [[ ! -f "$venv/.starling-ready" ]] || ! torch_works; then
+    if [[ ! -f "$venv/.starling-ready" || ! -f "$venv/.starling-bytecode" ]] || ! torch_works; then
         flock -x 9  # not atomic: another run may have finished the job meanwhile
         if [[ ! -f "$venv/.starling-ready" ]]; then
             say "creating $venv"
@@ -117,6 +129,11 @@ else
         if ! torch_works && ! install_torch; then
             [[ "$require_torch" == 1 ]] && die "installing torch failed and STARLING_SDK_REQUIRE_TORCH=1"
             echo "run_tests.sh: WARNING: installing torch failed; the tests that need it will be SKIPPED" >&2
+        fi
+        # After torch, so that its files are compiled too: a venv without a working torch
+        # gets no marker, and is compiled on the run that installs torch.
+        if [[ ! -f "$venv/.starling-bytecode" ]] && torch_works; then
+            compile_bytecode
         fi
         flock -s 9
     fi
