@@ -486,10 +486,15 @@ def test_a_version_committed_while_vllm_cannot_start_goes_live_once_it_can(clust
              lambda: actor_metric(c, "starling_actor_active_version") == VERSIONS + 2, 300, c.actor, c.actor_log)
         results.setdefault("actor", {})["commit_while_vllm_starts_s"] = round(time.time() - t_pub, 1)
         # Committed while that restart ran: no other start began before the commit, and that
-        # one had not failed by then (a start that held the pipeline would have).
+        # one had not failed by then (a start that held the pipeline would have). The metric
+        # moves before the commit's journal write and its log line, so wait for the line.
+        committed_line = f"version={VERSIONS + 2} "
+        wait("the actor logs the commit",
+             lambda: any("version committed" in line and committed_line in line
+                         for line in log_since().splitlines()), 60, c.actor, c.actor_log)
         lines = log_since().splitlines()
         committed = next(i for i, line in enumerate(lines)
-                         if "version committed" in line and f"version={VERSIONS + 2}" in line)
+                         if "version committed" in line and committed_line in line)
         before = lines[:committed]
         start_lines = [i for i, line in enumerate(before) if "starting vLLM" in line]
         failures = [i for i, line in enumerate(before) if "loading the active version into the engine failed" in line]
