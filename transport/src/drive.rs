@@ -12,6 +12,7 @@
 
 use std::time::{Duration, Instant};
 
+use futures_util::FutureExt;
 use starling_proto::delta::anchor::AnchorSeal;
 use starling_proto::protocol::msg::Message;
 use tokio_util::sync::CancellationToken;
@@ -95,7 +96,16 @@ pub async fn run<S: Shell>(
         let step = tokio::select! {
             _ = stop.cancelled() => Step::Stop,
             input = feed.next() => Step::Input(input),
-            _ = sleep_until(timer) => Step::Timer,
+            // After a step that ran long (a tick loading an engine), the core's timer may have
+            // expired while the input it waited for (a source's answer) came in; `select!`
+            // picks among ready branches at random, and the core would give up on a source
+            // that had answered. So an input that is already there goes first, and the timer
+            // is looked at again once the core has heard it (`feed.next` is
+            // cancellation-safe: a poll that finds nothing loses nothing).
+            _ = sleep_until(timer) => match feed.next().now_or_never() {
+                Some(input) => Step::Input(input),
+                None => Step::Timer,
+            },
             done = shell.background() => Step::Done(done),
             _ = next_tick(&mut tick) => Step::Tick,
         };
