@@ -87,6 +87,8 @@ pub async fn run<S: Shell>(
         t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         t
     });
+    // Expired timers put off in a row for inputs that were already waiting (below).
+    let mut deferred = 0;
     loop {
         actions(core, feed, shell, stop).await?;
         if core.is_stopped() {
@@ -96,13 +98,7 @@ pub async fn run<S: Shell>(
         let step = tokio::select! {
             _ = stop.cancelled() => Step::Stop,
             input = feed.next() => Step::Input(input),
-            // After a step that ran long (a tick loading an engine), the core's timer may have
-            // expired while the input it waited for (a source's answer) came in; `select!`
-            // picks among ready branches at random, and the core would give up on a source
-            // that had answered. So an input that is already there goes first, and the timer
-            // is looked at again once the core has heard it (`feed.next` is
-            // cancellation-safe: a poll that finds nothing loses nothing).
-            _ = sleep_until(timer) => match feed.next().now_or_never() {
+            _ = sleep_until(timer) => match waiting(feed.next(), &mut deferred) {
                 Some(input) => Step::Input(input),
                 None => Step::Timer,
             },
@@ -132,6 +128,33 @@ pub async fn run<S: Shell>(
             Step::Tick => shell.tick(feed).await,
         }
     }
+}
+
+/// How many expired-timer wake-ups in a row may go to inputs that were already waiting: the
+/// feed's channel holds 256 events, so a backlog left by one long step is heard before the
+/// timer, while a feed that stays busy (a shell slower than its link) delays a timer such as
+/// the preferred source's probe by at most this many inputs.
+const MAX_TIMER_DEFERRALS: u32 = 256;
+
+/// The input `next` (the feed's) already holds when the core's timer has expired, to hand the
+/// core first.
+///
+/// After a step that ran long (a tick loading an engine), the core's timer may have expired
+/// while the input it waited for (a source's answer) came in; `select!` picks among ready
+/// branches at random, and the core would give up on a source that had answered. So an input
+/// that is already there goes first, and the timer is looked at again once the core has heard
+/// it. [`Feed::next`] is cancellation-safe, so a poll that finds nothing loses nothing; it is
+/// polled outside tokio's cooperative budget, which the timer's own poll may have spent (the
+/// budget would make a waiting input look absent).
+fn waiting<T>(next: impl std::future::Future<Output = T>, deferred: &mut u32) -> Option<T> {
+    if *deferred < MAX_TIMER_DEFERRALS
+        && let Some(input) = tokio::task::coop::unconstrained(next).now_or_never()
+    {
+        *deferred += 1;
+        return Some(input);
+    }
+    *deferred = 0;
+    None
 }
 
 /// What woke the loop.
@@ -259,5 +282,52 @@ async fn next_tick(tick: &mut Option<tokio::time::Interval>) {
             t.tick().await;
         }
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::mpsc;
+
+    #[tokio::test]
+    async fn an_input_already_waiting_goes_before_the_timer_up_to_the_bound() {
+        let (tx, mut rx) = mpsc::channel(512);
+        for i in 0..MAX_TIMER_DEFERRALS + 2 {
+            tx.try_send(i).expect("room in the channel");
+        }
+        let mut deferred = 0;
+        for i in 0..MAX_TIMER_DEFERRALS {
+            assert_eq!(waiting(rx.recv(), &mut deferred), Some(Some(i)));
+        }
+        // The bound: the timer goes now, although inputs wait, and the count starts over.
+        assert_eq!(waiting(rx.recv(), &mut deferred), None);
+        assert_eq!(deferred, 0);
+        assert_eq!(
+            waiting(rx.recv(), &mut deferred),
+            Some(Some(MAX_TIMER_DEFERRALS))
+        );
+        // Nothing waiting: the timer goes.
+        let (_tx, mut empty) = mpsc::channel::<u32>(1);
+        let mut deferred = 5;
+        assert_eq!(waiting(empty.recv(), &mut deferred), None);
+        assert_eq!(deferred, 0);
+    }
+
+    #[tokio::test]
+    async fn a_spent_cooperative_budget_does_not_hide_a_waiting_input() {
+        let (tx, mut rx) = mpsc::channel(1024);
+        for i in 0..1000u32 {
+            tx.try_send(i).expect("room in the channel");
+        }
+        // Spend this task's budget without yielding, as a loop that handled many inputs in a
+        // row (and the timer's poll) does: a budgeted receive then reports nothing.
+        let mut taken = 0;
+        while rx.recv().now_or_never().is_some() {
+            taken += 1;
+            assert!(taken < 1000, "tokio's budget never ran out");
+        }
+        let mut deferred = 0;
+        assert_eq!(waiting(rx.recv(), &mut deferred), Some(Some(taken)));
     }
 }
