@@ -51,26 +51,8 @@ mkdir -p "$root"
 
 vllm_works() { (cd / && "$py" -c 'import vllm, torch, safetensors, pytest, requests') >/dev/null 2>&1; }
 
-# Byte-compiles the venv once. uv installs no .pyc files and the tests run with
-# PYTHONDONTWRITEBYTECODE=1 (to keep __pycache__ out of the checkout), so without this every
-# Python process compiled vLLM, torch and transformers from source: importing vLLM's API server
-# took 24-26 s here against 11 s compiled, and a vLLM start imports it in three processes.
-# A file that does not compile (a few packages ship templates as .py) is left to import from
-# source, as before.
+# Byte-compiled once (scripts/byte-compile-venv.sh says why; marker .starling-bytecode).
 bytecode_ready() { [[ -f "$venv/.starling-bytecode" ]]; }
-compile_bytecode() {
-    local t0=$SECONDS lib rc=0
-    lib="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || return 0
-    "$py" -m compileall -q -j 0 "$lib" >/dev/null 2>&1 || rc=$?
-    # compileall exits 1 when some file did not compile (expected, see above); anything else
-    # (killed, out of disk) leaves no marker, so the next run compiles again.
-    if [[ $rc -le 1 ]]; then
-        touch "$venv/.starling-bytecode"
-        say "byte-compiled $venv in $((SECONDS - t0)) s"
-    else
-        say "byte-compiling $venv failed (exit $rc); the tests import from source"
-    fi
-}
 
 # Lock: exclusive while installing, shared while a run uses the venv (so none deletes it under a test).
 exec 9>"$venv.lock"
@@ -93,7 +75,7 @@ if [[ ! -f "$venv/.starling-ready" ]] || ! bytecode_ready || ! vllm_works; then
         touch "$venv/.starling-ready"
         say "installed $venv in $((SECONDS - t0)) s ($(du -sh "$venv" 2>/dev/null | cut -f1))"
     fi
-    bytecode_ready || compile_bytecode
+    bytecode_ready || "$here/../../scripts/byte-compile-venv.sh" "$venv"
     flock -s 9
 fi
 

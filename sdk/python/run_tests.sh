@@ -69,24 +69,6 @@ install_torch() {
     "$py" -m pip install --quiet --retries 2 "${index[@]}" torch && torch_works
 }
 
-# Byte-compiles the venv once (marker .starling-bytecode). uv installs no .pyc files and the
-# tests run with PYTHONDONTWRITEBYTECODE=1 (to keep __pycache__ out of the checkout), so every
-# process that imports torch compiled it from source (integrations/vllm/install.sh has the
-# figures). Files that do not compile are left to import from source.
-compile_bytecode() {
-    local t0=$SECONDS lib rc=0
-    lib="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" || return 0
-    "$py" -m compileall -q -j 0 "$lib" >/dev/null 2>&1 || rc=$?
-    # compileall exits 1 when some file did not compile (expected, see above); anything else
-    # (killed, out of disk) leaves no marker, so the next run compiles again.
-    if [[ $rc -le 1 ]]; then
-        touch "$venv/.starling-bytecode"
-        say "byte-compiled $venv in $((SECONDS - t0)) s"
-    else
-        say "byte-compiling $venv failed (exit $rc); the tests import from source"
-    fi
-}
-
 # Deletes the other starling-sdk-venv-* under $1 that no run holds a lock on.
 prune_other_venvs() {
     local root="$1" other
@@ -136,10 +118,11 @@ else
             [[ "$require_torch" == 1 ]] && die "installing torch failed and STARLING_SDK_REQUIRE_TORCH=1"
             echo "run_tests.sh: WARNING: installing torch failed; the tests that need it will be SKIPPED" >&2
         fi
-        # After torch, so that its files are compiled too: a venv without a working torch
-        # gets no marker, and is compiled on the run that installs torch.
+        # Byte-compiled once (scripts/byte-compile-venv.sh says why), after torch so that its
+        # files are compiled too: a venv without a working torch gets no marker, and is
+        # compiled on the run that installs torch.
         if [[ ! -f "$venv/.starling-bytecode" ]] && torch_works; then
-            compile_bytecode
+            "$here/../../scripts/byte-compile-venv.sh" "$venv"
         fi
         flock -s 9
     fi
