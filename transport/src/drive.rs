@@ -87,14 +87,18 @@ pub async fn run<S: Shell>(
         t.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         t
     });
-    // Expired timers put off in a row for inputs that were already waiting (below).
-    let mut deferred = 0;
+    // How often the core's deadline `deferring` was put off for inputs that were already
+    // waiting (below); a new deadline starts the count over.
+    let (mut deferring, mut deferred) = (None, 0);
     loop {
         actions(core, feed, shell, stop).await?;
         if core.is_stopped() {
             return Ok(());
         }
         let timer = core.poll_timeout().map(tokio::time::Instant::from_std);
+        if timer != deferring {
+            (deferring, deferred) = (timer, 0);
+        }
         let step = tokio::select! {
             _ = stop.cancelled() => Step::Stop,
             input = feed.next() => Step::Input(input),
@@ -130,10 +134,10 @@ pub async fn run<S: Shell>(
     }
 }
 
-/// How many expired-timer wake-ups in a row may go to inputs that were already waiting: the
-/// feed's channel holds 256 events, so a backlog left by one long step is heard before the
-/// timer, while a feed that stays busy (a shell slower than its link) delays a timer such as
-/// the preferred source's probe by at most this many inputs.
+/// How many times one expired deadline of the core's may be put off for inputs that were
+/// already waiting: the feed's channel holds 256 events, so a backlog left by one long step is
+/// heard before the timer, while a feed that stays busy (a shell slower than its link) delays a
+/// timer such as the preferred source's probe by at most this many inputs.
 const MAX_TIMER_DEFERRALS: u32 = 256;
 
 /// The input `next` (the feed's) already holds when the core's timer has expired, to hand the
