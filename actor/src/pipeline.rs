@@ -118,15 +118,27 @@ impl Shell for Pipeline<'_> {
     /// Stages a frame against the untouched active weights (CPU work: off the runtime's
     /// workers).
     fn stage(&mut self, version: u64, frame: StreamFrame) -> bool {
+        self.stage_batch(version, vec![frame])
+    }
+
+    /// Stages frames that came in together with one parallel decode of all their parts
+    /// (`Stager::stage_frames`), so that an actor with more cores than a segment has parts
+    /// keeps them busy when frames queue up behind its staging.
+    fn stage_batch(&mut self, version: u64, frames: Vec<StreamFrame>) -> bool {
         let Some(s) = self.staging.get_mut(&version) else {
             return true;
         };
         let weights = self.state.weights();
         let t = Instant::now();
-        let staged =
-            tokio::task::block_in_place(|| s.stager.stage_frame(frame.as_frame(), weights));
+        let staged = tokio::task::block_in_place(|| match frames.as_slice() {
+            [frame] => s.stager.stage_frame(frame.as_frame(), weights),
+            _ => {
+                let batch: Vec<_> = frames.iter().map(StreamFrame::as_frame).collect();
+                s.stager.stage_frames(&batch, weights)
+            }
+        });
         s.busy += t.elapsed();
-        s.raw.push(frame.bytes);
+        s.raw.extend(frames.into_iter().map(|f| f.bytes));
         if let Err(e) = staged {
             let e = starling_process::error_chain(&e);
             tracing::warn!(version, "staging failed ({e}); fetching it again");

@@ -223,9 +223,9 @@ fn replay(state: &mut VersionedWeights<Model>, delta: &Path, trust: &TrustPolicy
     let (manifest, segments) = read_manifest(delta)?;
     let mut stager = state.stager();
     stager.stage_manifest(manifest)?;
-    for f in &segments {
-        stager.stage_frame(f.as_frame(), state.weights())?;
-    }
+    // All segments at once: their parts decode in one parallel map over every core.
+    let frames: Vec<_> = segments.iter().map(|f| f.as_frame()).collect();
+    stager.stage_frames(&frames, state.weights())?;
     let sealed = stager.seal(trust)?;
     state.commit(sealed)?;
     Ok(())

@@ -5,7 +5,9 @@ use std::collections::BTreeMap;
 use ed25519_dalek::SigningKey;
 use proptest::prelude::*;
 use starling_proto::delta::apply::{StageError, VersionedWeights, Weights, full_digest};
-use starling_proto::delta::container::{AssembleError, FILE_HEADER_LEN, parse_frame, read_delta};
+use starling_proto::delta::container::{
+    AssembleError, FILE_HEADER_LEN, Frame, FrameKind, parse_frame, read_delta,
+};
 use starling_proto::delta::digest::StateDigest;
 use starling_proto::delta::encode::{DeltaHeader, EncoderConfig, encode_in_memory, flat_pairs};
 use starling_proto::delta::manifest::TrustPolicy;
@@ -43,6 +45,17 @@ fn encode(
 
 /// Reads, stages, seals and commits `bytes` on `base`.
 fn apply(base: &Model, version: u64, bytes: &[u8], trust: &TrustPolicy) -> Result<Model, String> {
+    apply_in_batches(base, version, bytes, trust, 1)
+}
+
+/// [`apply`], staging the frames `batch` at a time (one: frame by frame).
+fn apply_in_batches(
+    base: &Model,
+    version: u64,
+    bytes: &[u8],
+    trust: &TrustPolicy,
+    batch: usize,
+) -> Result<Model, String> {
     let delta = read_delta(bytes, trust).map_err(|e| e.to_string())?;
     let digest = full_digest("m", base, &names(base));
     let mut w = VersionedWeights::new("m", base.clone(), version, digest);
@@ -55,8 +68,14 @@ fn apply(base: &Model, version: u64, bytes: &[u8], trust: &TrustPolicy) -> Resul
         pos += f.total_len();
         frames.push(f);
     }
-    for f in frames.iter().rev() {
-        st.stage_frame(*f, w.weights()).map_err(|e| e.to_string())?;
+    frames.reverse();
+    for chunk in frames.chunks(batch) {
+        if let [f] = chunk {
+            st.stage_frame(*f, w.weights())
+        } else {
+            st.stage_frames(chunk, w.weights())
+        }
+        .map_err(|e| e.to_string())?;
     }
     assert_eq!(
         st.manifest().map(|m| m.manifest.version),
@@ -201,6 +220,70 @@ proptest! {
         let (bytes, _) = encode(&old, &new, small_cfg(), None, 7);
         let got = apply(&old, 7, &bytes, &TrustPolicy::AnySigner).expect("applies");
         prop_assert_eq!(got, new);
+    }
+
+    #[test]
+    fn frames_staged_in_batches_give_the_same_weights(
+        (old, new) in weight_model_strategy(),
+        batch in 2usize..9,
+    ) {
+        let (bytes, _) = encode(&old, &new, small_cfg(), None, 3);
+        let got = apply_in_batches(&old, 3, &bytes, &TrustPolicy::AnySigner, batch)
+            .expect("applies");
+        prop_assert_eq!(got, new);
+    }
+}
+
+#[test]
+fn a_batch_with_a_conflicting_segment_stages_none_of_its_segments() {
+    let (old, new) = sample_pair();
+    let cfg = EncoderConfig {
+        part_elems: 100,
+        segment_target_bytes: 50,
+        choice: CodecChoice::default(),
+    };
+    let (bytes, pre) = encode(&old, &new, cfg, None, 1);
+    let w = VersionedWeights::new("m", old.clone(), 1, pre);
+    let mut frames = Vec::new();
+    let mut pos = FILE_HEADER_LEN;
+    while pos < bytes.len() {
+        let f = parse_frame(&bytes[pos..]).expect("parses");
+        pos += f.total_len();
+        if f.kind == FrameKind::Segment {
+            frames.push(f);
+        }
+    }
+    assert!(frames.len() >= 3, "{} segments", frames.len());
+    let mut st = w.stager();
+    // The same segment twice in one batch, and once more later: staged once.
+    st.stage_frames(&[frames[0], frames[1], frames[0]], w.weights())
+        .expect("stages");
+    let staged = st.changes();
+    assert!(staged > 0);
+    st.stage_frames(&[frames[1]], w.weights())
+        .expect("a repeat");
+    assert_eq!(st.changes(), staged);
+    // A batch naming a staged or batched segment with other bytes is refused whole.
+    let forged = Frame {
+        hash: [9; 32],
+        ..frames[2]
+    };
+    for batch in [
+        vec![frames[2], forged],
+        vec![
+            frames[2],
+            Frame {
+                hash: [9; 32],
+                ..frames[0]
+            },
+        ],
+    ] {
+        let err = st.stage_frames(&batch, w.weights()).expect_err("conflict");
+        assert!(
+            matches!(err, StageError::ConflictingSegment { .. }),
+            "{err}"
+        );
+        assert_eq!(st.changes(), staged, "nothing of the batch staged");
     }
 }
 

@@ -36,6 +36,13 @@ pub trait Shell {
     /// Stages a frame of `version`; `false`: it failed, and what was staged of the version is
     /// gone.
     fn stage(&mut self, version: u64, frame: StreamFrame) -> bool;
+    /// Stages frames of `version` that came in together, in order, as [`stage`](Self::stage)
+    /// would one by one; a shell that can work on several at once (an actor decoding their
+    /// parts on all its cores) does. `false`: one failed, and what was staged of the
+    /// version is gone.
+    fn stage_batch(&mut self, version: u64, frames: Vec<StreamFrame>) -> bool {
+        frames.into_iter().all(|frame| self.stage(version, frame))
+    }
     /// Forgets what was staged of `version`.
     fn discard(&mut self, version: u64);
     /// Verifies `version` whole and makes it active: `Some(active)` when done at once, `None`
@@ -111,25 +118,60 @@ pub async fn run<S: Shell>(
         };
         match step {
             Step::Stop => core.handle(Instant::now(), Event::Shutdown),
-            Step::Input(Input::Event(ev)) => {
-                if let Event::Lost { .. } = ev
-                    && let Some(s) = core.source().and_then(|id| feed.source(id))
-                {
-                    shell.left(s);
+            Step::Input(input) => {
+                let mut frame = hear(core, feed, shell, input)?;
+                // Frames that queued up behind a long step go to the shell together (its
+                // `stage_batch`), up to a batch: inputs the feed already holds, nothing waited for.
+                let mut taken = 1;
+                while frame && taken < MAX_STAGE_BATCH {
+                    let Some(input) = tokio::task::coop::unconstrained(feed.next()).now_or_never()
+                    else {
+                        break;
+                    };
+                    frame = hear(core, feed, shell, input)?;
+                    taken += 1;
                 }
-                core.handle(Instant::now(), ev);
             }
-            Step::Input(Input::ConnectFailed { conn, error }) => {
-                shell.not_reached(error)?;
-                core.handle(Instant::now(), Event::ConnectFailed { conn });
-            }
-            Step::Input(Input::Pong(rtt)) => shell.pong(rtt),
             Step::Timer => core.handle_timeout(Instant::now()),
             Step::Done(done) => {
                 let (version, active) = shell.finish(feed, done).await;
                 core.handle(Instant::now(), activation(version, active));
             }
             Step::Tick => shell.tick(feed).await,
+        }
+    }
+}
+
+/// Frames handed to [`Shell::stage_batch`] at most at once, and inputs taken from the feed
+/// without running the core's actions in between: a quarter of the feed's channel.
+const MAX_STAGE_BATCH: usize = 64;
+
+/// Hands the core (or the shell) one input from the feed; `true` if it was a frame.
+fn hear<S: Shell>(
+    core: &mut Follower<StreamFrame>,
+    feed: &Feed,
+    shell: &mut S,
+    input: Input,
+) -> Result<bool, S::Error> {
+    match input {
+        Input::Event(ev) => {
+            if let Event::Lost { .. } = ev
+                && let Some(s) = core.source().and_then(|id| feed.source(id))
+            {
+                shell.left(s);
+            }
+            let frame = matches!(ev, Event::Frame { .. });
+            core.handle(Instant::now(), ev);
+            Ok(frame)
+        }
+        Input::ConnectFailed { conn, error } => {
+            shell.not_reached(error)?;
+            core.handle(Instant::now(), Event::ConnectFailed { conn });
+            Ok(false)
+        }
+        Input::Pong(rtt) => {
+            shell.pong(rtt);
+            Ok(false)
         }
     }
 }
@@ -228,7 +270,19 @@ pub async fn actions<S: Shell>(
                 }
             }
             Action::Stage { version, frame } => {
-                if !shell.stage(version, frame) {
+                // The frames of this version the core hands over next, staged together.
+                let mut frames = vec![frame];
+                while frames.len() < MAX_STAGE_BATCH
+                    && let Some(frame) = core.poll_stage(version)
+                {
+                    frames.push(frame);
+                }
+                let staged = if frames.len() == 1 {
+                    frames.pop().is_none_or(|frame| shell.stage(version, frame))
+                } else {
+                    shell.stage_batch(version, frames)
+                };
+                if !staged {
                     core.handle(now(), Event::StageFailed { version });
                 }
             }

@@ -4,7 +4,9 @@
 //! decoded against the active (base) weights, into absolute new bits plus the old bits of
 //! the same positions (the undo log), and its digest change is computed from them. Nothing
 //! is written. The parts of a segment decode in parallel (rayon): they are independent, and
-//! a base-conditioned part costs about a nanosecond per element of its range. **Sealing** checks the whole: manifest signature, every segment present with
+//! a base-conditioned part costs about a nanosecond per element of its range. Frames that
+//! arrived together stage in one parallel map over all their segments' parts
+//! (`Stager::stage_frames`), since one segment may hold fewer parts than a receiver has cores. **Sealing** checks the whole: manifest signature, every segment present with
 //! the hash the manifest names, per-tensor change counts, base version and base digest, and
 //! `pre + Σ changes = post`. **Committing** a sealed delta only overwrites bits (a scatter)
 //! and can no longer fail; it returns the undo log so a caller whose engine-side update
@@ -260,6 +262,34 @@ impl Stager {
         Ok(())
     }
 
+    /// Stages verified frames that arrived together, as [`stage_frame`](Self::stage_frame)
+    /// would one by one, but with the parts of all their segments decoded in one parallel
+    /// map: a segment holds only as many parts as its bytes allow (about ten at 7.8% density
+    /// and 2 MB), so a receiver with more cores than that idles on a segment at a time once
+    /// frames queue up behind a slow staging. On an error none of the batch's segments is
+    /// staged (a manifest among them may be).
+    pub fn stage_frames<W: Weights>(
+        &mut self,
+        frames: &[Frame<'_>],
+        base: &W,
+    ) -> Result<(), StageError> {
+        let mut segments = Vec::with_capacity(frames.len());
+        for frame in frames {
+            match frame.kind {
+                FrameKind::Segment => segments.push((
+                    Segment::decode_body(frame.body)?,
+                    frame.hash,
+                    frame.total_len() as u64,
+                )),
+                FrameKind::Manifest => {
+                    self.stage_manifest(SignedManifest::decode_body(frame.body)?)?;
+                }
+                FrameKind::Trailer => {}
+            }
+        }
+        self.stage_segments(segments.iter().map(|(s, h, l)| (s, *h, *l)), base)
+    }
+
     /// Decodes and stages one segment against `base`.
     pub fn stage_segment<W: Weights>(
         &mut self,
@@ -268,19 +298,39 @@ impl Stager {
         frame_len: u64,
         base: &W,
     ) -> Result<(), StageError> {
-        self.check_delta_id(seg.delta_id)?;
-        if let Some(s) = self.segments.get(&seg.seq) {
-            return if s.hash == hash {
-                Ok(())
-            } else {
-                Err(StageError::ConflictingSegment { seq: seg.seq })
-            };
+        self.stage_segments([(seg, hash, frame_len)], base)
+    }
+
+    /// Stages segments (each with its frame's hash and length) against `base`, decoding the
+    /// parts of all of them in parallel; all or none.
+    fn stage_segments<'s, W: Weights>(
+        &mut self,
+        segments: impl IntoIterator<Item = (&'s Segment, [u8; 32], u64)>,
+        base: &W,
+    ) -> Result<(), StageError> {
+        // The segments not staged yet, each once (a repeated identical one is a no-op, a
+        // different one under a staged or batched number a conflict).
+        let mut fresh: Vec<(&Segment, [u8; 32], u64)> = Vec::new();
+        for (seg, hash, frame_len) in segments {
+            self.check_delta_id(seg.delta_id)?;
+            let known = self.segments.get(&seg.seq).map(|s| s.hash).or_else(|| {
+                fresh
+                    .iter()
+                    .find(|(s, ..)| s.seq == seg.seq)
+                    .map(|&(_, h, _)| h)
+            });
+            match known {
+                Some(h) if h == hash => {}
+                Some(_) => return Err(StageError::ConflictingSegment { seq: seg.seq }),
+                None => fresh.push((seg, hash, frame_len)),
+            }
         }
         // Locate every part's base range first (cheap, in order), then decode the parts in
         // parallel: decoding is the costly step (the base-conditioned mask codec scans its
         // whole range), and parts are independent.
-        let mut ranges: Vec<&[u16]> = Vec::with_capacity(seg.parts.len());
-        for p in &seg.parts {
+        let parts = fresh.iter().flat_map(|(seg, ..)| &seg.parts);
+        let mut ranges: Vec<&[u16]> = Vec::with_capacity(parts.clone().count());
+        for p in parts.clone() {
             let tensor = base
                 .tensor(&p.tensor)
                 .ok_or_else(|| StageError::UnknownTensor(p.tensor.clone()))?;
@@ -297,34 +347,39 @@ impl Stager {
             ranges.push(&tensor[p.start as usize..end as usize]);
         }
         let (key, buffers) = (&self.key, self.buffers.as_deref());
-        let staged: Vec<(StagedPart, StateDigest)> = seg
-            .parts
-            .par_iter()
+        let parts: Vec<&EncodedPart> = parts.collect();
+        let mut staged = parts
+            .into_par_iter()
             .zip(ranges.into_par_iter())
             .map(|(p, range)| stage_part(key, p, range, buffers))
-            .collect::<Result<_, StageError>>()?;
-        let mut parts = Vec::with_capacity(staged.len());
-        let mut digest_delta = StateDigest::default();
-        let mut per_tensor: Vec<(String, u64)> = Vec::new();
-        for ((part, d), p) in staged.into_iter().zip(&seg.parts) {
-            digest_delta.merge(d);
-            match per_tensor.last_mut() {
-                Some((t, n)) if *t == p.tensor => *n += p.changes,
-                _ => per_tensor.push((p.tensor.clone(), p.changes)),
+            .collect::<Result<Vec<(StagedPart, StateDigest)>, StageError>>()?
+            .into_iter();
+        for (seg, hash, frame_len) in fresh {
+            let mut parts = Vec::with_capacity(seg.parts.len());
+            let mut digest_delta = StateDigest::default();
+            let mut per_tensor: Vec<(String, u64)> = Vec::new();
+            // The segment's parts first: `zip` takes from its first iterator first, and a
+            // staged part taken past the segment's end would be lost to the next segment.
+            for (p, (part, d)) in seg.parts.iter().zip(staged.by_ref()) {
+                digest_delta.merge(d);
+                match per_tensor.last_mut() {
+                    Some((t, n)) if *t == p.tensor => *n += p.changes,
+                    _ => per_tensor.push((p.tensor.clone(), p.changes)),
+                }
+                parts.push(part);
             }
-            parts.push(part);
+            self.segments.insert(
+                seg.seq,
+                StagedSegment {
+                    hash,
+                    frame_len,
+                    changes: seg.changes(),
+                    per_tensor,
+                    parts,
+                    digest_delta,
+                },
+            );
         }
-        self.segments.insert(
-            seg.seq,
-            StagedSegment {
-                hash,
-                frame_len,
-                changes: seg.changes(),
-                per_tensor,
-                parts,
-                digest_delta,
-            },
-        );
         Ok(())
     }
 

@@ -518,6 +518,19 @@ impl<F> Follower<F> {
         self.out.pop_front()
     }
 
+    /// The frame of the next action, taken, if that action stages a frame of `version`: for
+    /// a shell that stages together the frames handed over one after another. Any other
+    /// next action stays queued.
+    pub fn poll_stage(&mut self, version: u64) -> Option<F> {
+        if !matches!(self.out.front(), Some(Action::Stage { version: v, .. }) if *v == version) {
+            return None;
+        }
+        match self.out.pop_front() {
+            Some(Action::Stage { frame, .. }) => Some(frame),
+            _ => None,
+        }
+    }
+
     /// When [`handle_timeout`](Self::handle_timeout) is due next.
     pub fn poll_timeout(&self) -> Option<Instant> {
         let retry = match self.link {
@@ -1548,6 +1561,42 @@ mod tests {
             .collect();
         assert_eq!(staged, vec![MANIFEST, 0], "{a:?}");
         assert!(fetched_whole(&a), "{a:?}");
+    }
+
+    /// Frames handed over one after another can be taken together (`poll_stage`), only
+    /// for the version asked about: the actions come out in the same order as one by one.
+    #[test]
+    fn frames_taken_together_keep_the_order_of_the_actions() {
+        let now = Instant::now();
+        let (mut one, mut batched) = (actor(now, 1), actor(now, 1));
+        for c in [&mut one, &mut batched] {
+            let conn = connect(c, now);
+            transmit(c, now, conn, 0, &[2, 0, 1, MANIFEST]);
+        }
+        let singly = drain(&mut one);
+        let mut together = Vec::new();
+        let mut largest = 0;
+        while let Some(a) = batched.poll_action() {
+            let Action::Stage { version, frame } = a else {
+                together.push(a);
+                continue;
+            };
+            assert_eq!(
+                batched.poll_stage(version + 1),
+                None,
+                "another version's frame"
+            );
+            let mut frames = vec![frame];
+            frames.extend(std::iter::from_fn(|| batched.poll_stage(version)));
+            largest = largest.max(frames.len());
+            together.extend(
+                frames
+                    .into_iter()
+                    .map(|frame| Action::Stage { version, frame }),
+            );
+        }
+        assert_eq!(format!("{together:?}"), format!("{singly:?}"));
+        assert_eq!(largest, 4, "{singly:?}");
     }
 
     /// A segment beyond the manifest's count that came from a source before is not held against
