@@ -218,14 +218,20 @@ fn journal_version(p: &Path) -> Option<u64> {
     starling_checkpoint::deltafile::delta_file_version(p)
 }
 
+/// Segments of a journal entry staged together on replay.
+const REPLAY_BATCH: usize = 16;
+
 /// Stages, seals and commits one journal entry on `state` (every check of a live delta).
 fn replay(state: &mut VersionedWeights<Model>, delta: &Path, trust: &TrustPolicy) -> Result<()> {
     let (manifest, segments) = read_manifest(delta)?;
     let mut stager = state.stager();
     stager.stage_manifest(manifest)?;
-    // All segments at once: their parts decode in one parallel map over every core.
+    // Segments a batch at a time: their parts decode in one parallel map over every core,
+    // and only a batch's segments are held decoded beside the entry's bytes.
     let frames: Vec<_> = segments.iter().map(|f| f.as_frame()).collect();
-    stager.stage_frames(&frames, state.weights())?;
+    for batch in frames.chunks(REPLAY_BATCH) {
+        stager.stage_frames(batch, state.weights())?;
+    }
     let sealed = stager.seal(trust)?;
     state.commit(sealed)?;
     Ok(())

@@ -285,6 +285,26 @@ fn a_batch_with_a_conflicting_segment_stages_none_of_its_segments() {
         );
         assert_eq!(st.changes(), staged, "nothing of the batch staged");
     }
+    // A segment that does not parse, or one of another delta, after a good one: the same.
+    let body = frames[3].body;
+    let truncated = Frame {
+        body: &body[..body.len() - 1],
+        ..frames[3]
+    };
+    let flipped: Model = new
+        .iter()
+        .map(|(k, v)| (k.clone(), v.iter().map(|x| x ^ 1).collect()))
+        .collect();
+    let (other, _) = encode(&old, &flipped, small_cfg(), None, 1);
+    let foreign = parse_frame(&other[FILE_HEADER_LEN..]).expect("parses");
+    assert_eq!(foreign.kind, FrameKind::Segment);
+    for batch in [vec![frames[2], truncated], vec![frames[2], foreign]] {
+        st.stage_frames(&batch, w.weights()).expect_err("refused");
+        assert_eq!(st.changes(), staged, "nothing of the batch staged");
+    }
+    st.stage_frames(&frames[2..], w.weights())
+        .expect("the rest stages");
+    assert!(st.changes() > staged);
 }
 
 #[test]

@@ -226,7 +226,7 @@ async fn frames_that_queue_behind_a_slow_staging_reach_the_shell_together() {
         sizes.iter().any(|&n| n > 1),
         "frames that came in together (and behind the slow first call) staged together: {sizes:?}"
     );
-    assert!(sizes.iter().all(|&n| n <= 64), "{sizes:?}");
+    assert!(sizes.iter().all(|&n| n <= 16), "{sizes:?}");
 
     stop.cancel();
     accepting.cancel();

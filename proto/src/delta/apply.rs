@@ -262,12 +262,14 @@ impl Stager {
         Ok(())
     }
 
-    /// Stages verified frames that arrived together, as [`stage_frame`](Self::stage_frame)
-    /// would one by one, but with the parts of all their segments decoded in one parallel
-    /// map: a segment holds only as many parts as its bytes allow (about ten at 7.8% density
-    /// and 2 MB), so a receiver with more cores than that idles on a segment at a time once
-    /// frames queue up behind a slow staging. On an error none of the batch's segments is
-    /// staged (a manifest among them may be).
+    /// Stages verified frames that arrived together, with the parts of all their segments
+    /// decoded in one parallel map: a segment holds only as many parts as its bytes allow
+    /// (about ten at 7.8% density and 2 MB), so a receiver with more cores than that idles on
+    /// a segment at a time once frames queue up behind a slow staging. On success the stager
+    /// holds what [`stage_frame`](Self::stage_frame) one by one leaves. On an error none of
+    /// the batch's segments is staged; a manifest among them may be, and the delta id the
+    /// first checks pinned stays (as it does one by one), so the error may name another frame
+    /// than one by one would.
     pub fn stage_frames<W: Weights>(
         &mut self,
         frames: &[Frame<'_>],

@@ -1140,6 +1140,17 @@ impl<F> Follower<F> {
         let Some(_p) = self.pending.get(&version) else {
             return;
         };
+        // A `Begin` of it still queued means it started over after the frames that failed
+        // were handed over (the shell staged frames heard before an event that restarted the
+        // version, `drive`'s batches): the failure is the earlier attempt's, which the queued
+        // `Discard` and `Begin` end anyway. Counting it would restart the new attempt too.
+        if self
+            .out
+            .iter()
+            .any(|a| matches!(a, Action::Begin { version: v, .. } if *v == version))
+        {
+            return;
+        }
         #[cfg(test)]
         if self.regression == Regression::DropBufferedOnStageFailure && _p.from_buffer {
             // Before 029593f the actor dropped a version whose buffered frames failed to
@@ -1597,6 +1608,41 @@ mod tests {
         }
         assert_eq!(format!("{together:?}"), format!("{singly:?}"));
         assert_eq!(largest, 4, "{singly:?}");
+    }
+
+    /// Frames handed over before an event that restarted their version (here a segment beyond
+    /// the manifest, heard before the shell staged them) fail in the shell: that failure is
+    /// the earlier attempt's, and changes nothing the core queued for the new one.
+    #[test]
+    fn a_staging_failure_from_before_a_restart_is_not_counted_again() {
+        let now = Instant::now();
+        let (mut ok, mut failed) = (actor(now, 1), actor(now, 1));
+        for c in [&mut ok, &mut failed] {
+            let conn = connect(c, now);
+            transmit(c, now, conn, 0, &[MANIFEST, 0, SEGMENTS + 4]);
+        }
+        let mut before = Vec::new();
+        let (version, first) = loop {
+            match failed.poll_action() {
+                Some(Action::Stage { version, frame }) => break (version, frame),
+                Some(a) => before.push(a),
+                None => panic!("nothing staged: {before:?}"),
+            }
+        };
+        let mut batch = vec![first];
+        batch.extend(std::iter::from_fn(|| failed.poll_stage(version)));
+        assert_eq!(batch, vec![MANIFEST, 0]);
+        failed.handle(now, Event::StageFailed { version });
+        let after_failure = drain(&mut failed);
+        assert!(
+            after_failure
+                .iter()
+                .any(|a| matches!(a, Action::Begin { version: 1, .. })),
+            "{after_failure:?}"
+        );
+        let all_ok = drain(&mut ok);
+        let after_ok = &all_ok[before.len() + batch.len()..];
+        assert_eq!(format!("{after_failure:?}"), format!("{after_ok:?}"));
     }
 
     /// A segment beyond the manifest's count that came from a source before is not held against

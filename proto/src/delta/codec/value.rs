@@ -48,7 +48,7 @@ pub fn ulp_step_zigzag(old: u16, new: u16) -> u16 {
 }
 
 #[inline]
-fn apply_ulp_step_zigzag(old: u16, z: u16) -> u16 {
+pub(super) fn apply_ulp_step_zigzag(old: u16, z: u16) -> u16 {
     let d = ((z >> 1) as i16) ^ -((z & 1) as i16);
     from_ordered(ordered(old).wrapping_add(d as u16))
 }
