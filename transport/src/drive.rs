@@ -97,6 +97,9 @@ pub async fn run<S: Shell>(
     // How often the core's deadline `deferring` was put off for inputs that were already
     // waiting (below); a new deadline starts the count over.
     let (mut deferring, mut deferred) = (None, 0);
+    // An input the batch below took from the feed but did not hand the core: anything but a
+    // frame is heard only once the actions of the frames before it have run.
+    let mut carried = None;
     loop {
         actions(core, feed, shell, stop).await?;
         if core.is_stopped() {
@@ -106,36 +109,45 @@ pub async fn run<S: Shell>(
         if timer != deferring {
             (deferring, deferred) = (timer, 0);
         }
-        let step = tokio::select! {
-            _ = stop.cancelled() => Step::Stop,
-            input = feed.next() => Step::Input(input, false),
-            _ = sleep_until(timer) => match waiting(feed.next(), &mut deferred) {
-                Some(input) => Step::Input(input, true),
-                None => Step::Timer,
+        let step = match carried.take() {
+            Some(input) => Step::Input(input),
+            None => tokio::select! {
+                _ = stop.cancelled() => Step::Stop,
+                input = feed.next() => Step::Input(input),
+                _ = sleep_until(timer) => match waiting(feed.next(), &mut deferred) {
+                    Some(input) => Step::Input(input),
+                    None => Step::Timer,
+                },
+                done = shell.background() => Step::Done(done),
+                _ = next_tick(&mut tick) => Step::Tick,
             },
-            done = shell.background() => Step::Done(done),
-            _ = next_tick(&mut tick) => Step::Tick,
         };
         match step {
             Step::Stop => core.handle(Instant::now(), Event::Shutdown),
-            Step::Input(input, past_deadline) => {
-                let mut frame = hear(core, feed, shell, input)?;
+            Step::Input(input) => {
+                let frame = is_frame(&input);
+                hear(core, feed, shell, input)?;
                 // Frames that queued up behind a long step go to the shell together (its
-                // `stage_batch`), up to a batch: inputs the feed already holds, nothing waited
-                // for. Past the core's deadline each one counts as a deferral of it, so the
+                // `stage_batch`): frames the feed already holds, nothing waited for, up to a
+                // batch. Past the core's deadline each one counts as a deferral of it, so the
                 // bound on putting a deadline off holds.
                 let mut taken = 1;
-                while frame
-                    && taken < MAX_STAGE_BATCH
-                    && (!past_deadline || deferred < MAX_TIMER_DEFERRALS)
-                {
+                while frame && taken < MAX_STAGE_BATCH {
+                    let past = timer.is_some_and(|t| t <= tokio::time::Instant::now());
+                    if past && deferred >= MAX_TIMER_DEFERRALS {
+                        break;
+                    }
                     let Some(input) = tokio::task::coop::unconstrained(feed.next()).now_or_never()
                     else {
                         break;
                     };
-                    frame = hear(core, feed, shell, input)?;
+                    if !is_frame(&input) {
+                        carried = Some(input);
+                        break;
+                    }
+                    hear(core, feed, shell, input)?;
                     taken += 1;
-                    deferred += u32::from(past_deadline);
+                    deferred += u32::from(past);
                 }
             }
             Step::Timer => core.handle_timeout(Instant::now()),
@@ -154,13 +166,18 @@ pub async fn run<S: Shell>(
 /// 2-core actor stages them in under a second, so a SIGTERM is still heard soon.
 const MAX_STAGE_BATCH: usize = 16;
 
-/// Hands the core (or the shell) one input from the feed; `true` if it was a frame.
+/// Whether `input` is a frame of a version.
+fn is_frame(input: &Input) -> bool {
+    matches!(input, Input::Event(Event::Frame { .. }))
+}
+
+/// Hands the core (or the shell) one input from the feed.
 fn hear<S: Shell>(
     core: &mut Follower<StreamFrame>,
     feed: &Feed,
     shell: &mut S,
     input: Input,
-) -> Result<bool, S::Error> {
+) -> Result<(), S::Error> {
     match input {
         Input::Event(ev) => {
             if let Event::Lost { .. } = ev
@@ -168,20 +185,15 @@ fn hear<S: Shell>(
             {
                 shell.left(s);
             }
-            let frame = matches!(ev, Event::Frame { .. });
             core.handle(Instant::now(), ev);
-            Ok(frame)
         }
         Input::ConnectFailed { conn, error } => {
             shell.not_reached(error)?;
             core.handle(Instant::now(), Event::ConnectFailed { conn });
-            Ok(false)
         }
-        Input::Pong(rtt) => {
-            shell.pong(rtt);
-            Ok(false)
-        }
+        Input::Pong(rtt) => shell.pong(rtt),
     }
+    Ok(())
 }
 
 /// How many times one expired deadline of the core's may be put off for inputs that were
@@ -214,8 +226,7 @@ fn waiting<T>(next: impl std::future::Future<Output = T>, deferred: &mut u32) ->
 /// What woke the loop.
 enum Step<D> {
     Stop,
-    /// An input; `true`: heard after the core's deadline had passed (from [`waiting`]).
-    Input(Input, bool),
+    Input(Input),
     Timer,
     Done(D),
     Tick,
