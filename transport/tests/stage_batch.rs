@@ -4,6 +4,8 @@
 //! while the frames that arrived meanwhile in `stage_batch` calls, every frame once.
 
 mod common;
+#[path = "common/receiver.rs"]
+mod receiver;
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -15,19 +17,16 @@ use starling_proto::delta::container::{FILE_HEADER_LEN, FrameKind, parse_frame};
 use starling_proto::delta::encode::{DeltaHeader, EncoderConfig, encode_in_memory, flat_pairs};
 use starling_proto::delta::manifest::TrustPolicy;
 use starling_proto::delta::segment::CodecChoice;
-use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, Role as MsgRole};
+use starling_proto::protocol::msg::{Message, Role as MsgRole};
 use starling_telemetry::{Component, Metrics};
 use starling_transport::book::VersionBook;
 use starling_transport::connections::ConnectionCap;
 use starling_transport::downstream::{Downstream, accept_subscribers};
 use starling_transport::drive::{self, Shell};
-use starling_transport::endpoint::{client_config, client_endpoint, server_endpoint};
+use starling_transport::endpoint::server_endpoint;
 use starling_transport::fanout::FanoutConfig;
-use starling_transport::follow::{
-    Bounds, FollowConfig, Follower, GaveUp, Notice, PolicyConfig, SourcePolicy,
-};
+use starling_transport::follow::{GaveUp, Notice};
 use starling_transport::framed::{DataStreamReader, StreamFrame};
-use starling_transport::identity::Role;
 use starling_transport::link::LinkProfile;
 use starling_transport::upstream::{Feed, SourceAddr, UpstreamError};
 use tokio::sync::mpsc;
@@ -107,15 +106,7 @@ impl Shell for Batches {
     type Done = ();
 
     fn hello(&self) -> Message {
-        Message::Hello {
-            protocol: PROTOCOL_VERSION,
-            role: MsgRole::Actor,
-            name: "a1".into(),
-            region: "eu".into(),
-            model_id: "m".into(),
-            active: None,
-            link: None,
-        }
+        receiver::hello()
     }
     fn begin(&mut self, _version: u64, _base: u64, _delta_id: [u8; 32]) -> bool {
         true
@@ -185,25 +176,7 @@ async fn frames_that_queue_behind_a_slow_staging_reach_the_shell_together() {
     tokio::spawn(accept_subscribers(ep, downstream, accepting.clone()));
 
     // The receiver.
-    let endpoint = client_endpoint(&a1, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN)
-        .expect("client endpoint");
-    let config = client_config(&a1, &LinkProfile::LAN).expect("client config");
-    let mut feed = Feed::new(
-        endpoint,
-        config,
-        vec![SourceAddr {
-            role: Role::Hub,
-            name: "relay".into(),
-            addr,
-        }],
-        Metrics::new(Component::Actor),
-    );
-    let mut core = Follower::new(
-        FollowConfig::actor(Bounds::for_model(1 << 20)),
-        SourcePolicy::new(PolicyConfig::actor(), 1),
-        0,
-        Instant::now(),
-    );
+    let (mut feed, mut core) = receiver::receiver(&a1, &[addr]);
     let (tx, mut done) = mpsc::unbounded_channel();
     let mut shell = Batches {
         calls: Vec::new(),

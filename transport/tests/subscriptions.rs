@@ -5,13 +5,15 @@
 //! there instead of subscribing to its fallback.
 
 mod common;
+#[path = "common/receiver.rs"]
+mod receiver;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use starling_proto::delta::anchor::AnchorSeal;
-use starling_proto::protocol::msg::{Message, PROTOCOL_VERSION, RefuseReason, Role as MsgRole};
+use starling_proto::protocol::msg::{Message, RefuseReason, Role as MsgRole};
 use starling_telemetry::{Component, Metrics};
 use starling_transport::book::VersionBook;
 use starling_transport::connections::ConnectionCap;
@@ -19,9 +21,7 @@ use starling_transport::downstream::{Downstream, accept_subscribers};
 use starling_transport::drive::{self, Shell};
 use starling_transport::endpoint::{client_config, client_endpoint, server_endpoint};
 use starling_transport::fanout::{FanoutConfig, SubscriberObserver};
-use starling_transport::follow::{
-    Bounds, FollowConfig, Follower, GaveUp, Notice, PolicyConfig, SourcePolicy,
-};
+use starling_transport::follow::{GaveUp, Notice};
 use starling_transport::framed::{DataStreamReader, StreamFrame};
 use starling_transport::identity::{Credentials, Role};
 use starling_transport::link::LinkProfile;
@@ -111,26 +111,13 @@ fn spawn_server(
     (addr, departures)
 }
 
-/// Actor `a1`'s `Hello`.
-fn hello() -> Message {
-    Message::Hello {
-        protocol: PROTOCOL_VERSION,
-        role: MsgRole::Actor,
-        name: "a1".into(),
-        region: "eu".into(),
-        model_id: "m".into(),
-        active: None,
-        link: None,
-    }
-}
-
 /// Connects as actor `a1` on an endpoint of its own, subscribes, and pings: the first answer
 /// says whether the subscription is served (`Pong`) or refused.
 async fn subscribe(a1: &Credentials, addr: SocketAddr, nonce: u64) -> (Upstream, UpstreamEvent) {
     let ep = client_endpoint(a1, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN)
         .expect("client endpoint");
     let config = client_config(a1, &LinkProfile::LAN).expect("client config");
-    let mut up = Upstream::connect(&ep, config, addr, Role::Hub, "hub", &hello())
+    let mut up = Upstream::connect(&ep, config, addr, Role::Hub, "hub", &receiver::hello())
         .await
         .expect("admitted");
     up.subscribe(0).await.expect("subscribe");
@@ -209,7 +196,7 @@ impl Shell for Subscriptions {
     type Done = ();
 
     fn hello(&self) -> Message {
-        hello()
+        receiver::hello()
     }
     fn begin(&mut self, _version: u64, _base: u64, _delta_id: [u8; 32]) -> bool {
         true
@@ -272,26 +259,7 @@ async fn a_receiver_refused_for_connections_waits_for_its_relay_not_the_fallback
     }
 
     // The new incarnation: the receiving core over a real feed, the relay first.
-    let endpoint = client_endpoint(&a1, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN)
-        .expect("client endpoint");
-    let config = client_config(&a1, &LinkProfile::LAN).expect("client config");
-    let source = |addr| SourceAddr {
-        role: Role::Hub,
-        name: "hub".into(),
-        addr,
-    };
-    let mut feed = Feed::new(
-        endpoint,
-        config,
-        vec![source(relay), source(fallback)],
-        Metrics::new(Component::Actor),
-    );
-    let mut core = Follower::new(
-        FollowConfig::actor(Bounds::for_model(1 << 20)),
-        SourcePolicy::new(PolicyConfig::actor(), 2),
-        0,
-        Instant::now(),
-    );
+    let (mut feed, mut core) = receiver::receiver(&a1, &[relay, fallback]);
     let (tx, mut subscriptions) = mpsc::unbounded_channel();
     let mut shell = Subscriptions(tx);
     let stop = CancellationToken::new();
