@@ -297,12 +297,7 @@ pub async fn actions<S: Shell>(
                 {
                     frames.push(frame);
                 }
-                let staged = if frames.len() == 1 {
-                    frames.pop().is_none_or(|frame| shell.stage(version, frame))
-                } else {
-                    shell.stage_batch(version, frames)
-                };
-                if !staged {
+                if !shell.stage_batch(version, frames) {
                     core.handle(now(), Event::StageFailed { version });
                 }
             }
