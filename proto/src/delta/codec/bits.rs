@@ -41,6 +41,41 @@ impl BitWriter {
         self.n -= 8 * whole;
     }
 
+    /// Writes Rice codes of `xs` under parameter `k` (for each gap `x`: `x >> k` one-bits, a
+    /// zero-bit, the low `k` bits of `x`) for as long as a code's quotient is below `limit`
+    /// and the whole code fits in one [`write`](Self::write) (57 bits); returns how many it
+    /// wrote. The same bits as `write_unary` and `write_wide` would write, with the
+    /// writer's state in locals through the loop.
+    #[inline]
+    pub fn write_rice_run(&mut self, k: u32, limit: u64, xs: &[u64]) -> usize {
+        let mut out = std::mem::take(&mut self.out);
+        let (mut acc, mut n) = (self.acc, self.n);
+        let low_mask = u64::MAX.checked_shr(64 - k).unwrap_or(0);
+        out.reserve(xs.len() * 8 + 8);
+        let mut done = 0;
+        for &x in xs {
+            let q = x >> k;
+            // `q < limit ≤ 57` keeps `q + 1 + k` from overflowing and the shifts below 64.
+            if q >= limit.min(57) || q as u32 + 1 + k > 57 {
+                break;
+            }
+            let bits = q as u32 + 1 + k;
+            // LSB first: q ones, the zero terminator, then the low k bits.
+            acc |= (((1u64 << q) - 1) | (x & low_mask) << (q + 1)) << n;
+            n += bits;
+            let whole = n / 8;
+            let len = out.len();
+            out.extend_from_slice(&acc.to_le_bytes());
+            out.truncate(len + whole as usize);
+            acc = acc.checked_shr(8 * whole).unwrap_or(0);
+            n -= 8 * whole;
+            done += 1;
+        }
+        self.out = out;
+        (self.acc, self.n) = (acc, n);
+        done
+    }
+
     /// Writes up to 64 bits in two steps.
     #[inline]
     pub fn write_wide(&mut self, value: u64, count: u32) {
@@ -139,26 +174,54 @@ impl<'a> BitReader<'a> {
         }
     }
 
-    /// A Rice code read in one step where it is buffered: fewer than `limit` one-bits, a
-    /// zero-bit, then `k ≤ 58` low bits; returns the count of ones and the low bits. `None`,
-    /// with nothing consumed, where the code is not all buffered (after one refill) or has
-    /// `limit` ones or more: the caller then reads it with [`read_unary`](Self::read_unary)
+    /// Reads Rice codes into `gaps` (each `q << k | low`: fewer than `limit` ≤ 40 one-bits, a
+    /// zero-bit, then `k ≤ 58` low bits) for as long as each is whole after refilling from a
+    /// whole 8-byte word; returns how many it read. It stops, with nothing of that code
+    /// consumed, at the first code that is not: an escape (`limit` ones or more), or one near
+    /// the end of the input. The caller reads that one with [`read_unary`](Self::read_unary)
     /// and [`read_wide`](Self::read_wide), which consume exactly the same bits.
-    #[inline(always)]
-    pub fn read_rice_buffered(&mut self, k: u32, limit: u32) -> Option<(u64, u64)> {
-        if self.n < 57 {
-            self.refill();
+    ///
+    /// The hot loop of the Rice decoder: its state lives in locals (the struct's fields, kept
+    /// in memory, put a store and a load into every code's dependency chain), and a refill
+    /// ORs a whole word in unmasked. The bits it brings above the count are the stream's next
+    /// bits, so a later refill ORs the same bits into the same places; they are cleared
+    /// before the state is stored back, where every other read expects zeros above the count.
+    #[inline]
+    pub fn read_rice_run(&mut self, k: u32, limit: u32, gaps: &mut [u64]) -> usize {
+        debug_assert!(k <= 58 && limit <= 40);
+        let (buf, mut pos, mut acc, mut n) = (self.buf, self.pos, self.acc, self.n);
+        let low_mask = (1u64 << k) - 1;
+        let mut got = 0;
+        for gap in gaps.iter_mut() {
+            if n < 57 {
+                let Some(word) = buf.get(pos..pos + 8) else {
+                    break;
+                };
+                let mut w = [0u8; 8];
+                w.copy_from_slice(word);
+                acc |= u64::from_le_bytes(w) << n;
+                // Whole bytes that fit above the `n ≤ 56` bits held: at least one.
+                let take = (64 - n) / 8;
+                pos += take as usize;
+                n += 8 * take;
+            }
+            let ones = (!acc).trailing_zeros();
+            let used = ones + 1 + k;
+            if ones >= limit || used > n {
+                break;
+            }
+            // `ones + 1 ≤ 40` and `k ≤ 58`: both shifts stay below 64, and `ones << k` with
+            // `ones < 40 < 2⁶` cannot overflow.
+            let rest = acc >> (ones + 1);
+            *gap = (u64::from(ones) << k) | (rest & low_mask);
+            acc = rest >> k;
+            n -= used;
+            got += 1;
         }
-        // Bits above `n` are zero, so this stops at `n` when all buffered bits are ones.
-        let ones = (!self.acc).trailing_zeros();
-        let used = ones + 1 + k;
-        if ones >= limit || used > self.n {
-            return None;
-        }
-        let low = self.acc.checked_shr(ones + 1).unwrap_or(0) & (u64::MAX >> (63 - k.min(63)) >> 1);
-        self.acc = self.acc.checked_shr(used).unwrap_or(0);
-        self.n -= used;
-        Some((u64::from(ones), low))
+        self.pos = pos;
+        self.acc = acc & u64::MAX.checked_shr(64 - n).unwrap_or(0);
+        self.n = n;
+        got
     }
 
     /// Counts one-bits up to the next zero-bit (consumed), giving up after `limit` ones
@@ -230,38 +293,33 @@ mod tests {
 
     proptest! {
         #[test]
-        fn buffered_rice_reads_what_the_general_reads_read(
-            bytes in proptest::collection::vec(any::<u8>(), 0..64),
+        fn rice_runs_read_what_the_general_reads_read(
+            bytes in proptest::collection::vec(any::<u8>(), 0..96),
             k in 0u32..=58,
-            limit in 1u32..=64,
+            limit in 1u32..=40,
             skip in 0u32..16,
+            room in 1usize..12,
         ) {
-            // From a random offset, read after read until the one-step read declines: where it
-            // answers, it returns and consumes exactly what read_unary + read_wide do.
+            // From a random offset, run after run (each into a buffer of `room` codes) until a
+            // run stops short: every code it read is what read_unary + read_wide read, it
+            // leaves exactly the bits they leave, and where it stopped they read the same.
             let mut r = BitReader::new(&bytes);
             if r.read(skip).is_err() {
                 return Ok(());
             }
+            let mut general = r.clone();
             loop {
-                let mut general = r.clone();
-                let expected = general
-                    .read_unary(u64::from(limit))
-                    .and_then(|q| Ok((q, general.read_wide(k)?)));
-                match r.read_rice_buffered(k, limit) {
-                    Some(got) => {
-                        prop_assert_eq!(Ok(got), expected);
-                        // The same bits are left (buffered or not).
-                        prop_assert_eq!(rest(r.clone()), rest(general));
-                    }
-                    None => {
-                        // Nothing consumed (a refill only moves bytes into the buffer).
-                        let mut again = r.clone();
-                        let retry = again
-                            .read_unary(u64::from(limit))
-                            .and_then(|q| Ok((q, again.read_wide(k)?)));
-                        prop_assert_eq!(retry, expected);
-                        break;
-                    }
+                let mut gaps = vec![0u64; room];
+                let got = r.read_rice_run(k, limit, &mut gaps);
+                for &g in &gaps[..got] {
+                    let q = general.read_unary(u64::from(limit)).expect("a run's code");
+                    prop_assert!(q < u64::from(limit));
+                    let low = general.read_wide(k).expect("a run's low bits");
+                    prop_assert_eq!(g, (q << k) | low);
+                }
+                prop_assert_eq!(rest(r.clone()), rest(general.clone()));
+                if got < room {
+                    break;
                 }
             }
         }

@@ -241,6 +241,34 @@ impl<P: Position> PositionBuilder<P> {
         self.next_min = p + 1;
         Ok(())
     }
+
+    /// [`push_gap`](Self::push_gap) for a block of gaps, in one pass with no per-gap branch
+    /// or capacity check: positions are computed with wrapping arithmetic and a sticky flag,
+    /// and the block is refused whole if any lies beyond the range.
+    fn push_gaps(&mut self, gaps: &[u64]) -> Result<(), DecodeError> {
+        let (mut next, len) = (self.next_min, self.range_len);
+        let mut beyond = false;
+        let before = self.out.len();
+        // Sized first, then written through a slice: the state stays in registers (an
+        // `extend` closure keeps it behind references, in memory).
+        self.out.resize(before + gaps.len(), P::at(0));
+        for (slot, &g) in self.out[before..].iter_mut().zip(gaps) {
+            // `next ≤ len` until a position fails: then the flag is set and stays.
+            beyond |= g >= len.wrapping_sub(next);
+            let p = next.wrapping_add(g);
+            next = p.wrapping_add(1);
+            *slot = P::at(p);
+        }
+        if beyond {
+            self.out.truncate(before);
+            return Err(DecodeError::malformed(
+                "index payload",
+                format!("position beyond the range of {} elements", self.range_len),
+            ));
+        }
+        self.next_min = next;
+        Ok(())
+    }
 }
 
 fn decode_leb128_gaps<P: Position>(
@@ -271,9 +299,21 @@ fn rice_bits(x: u64, k: u32) -> u64 {
 }
 
 /// The Rice parameter for a block of gaps: of the two around `log2(mean · ln 2)` (the
-/// optimum for geometric gaps), the cheaper, the lower on a tie. Both costs in one pass.
+/// optimum for geometric gaps), the cheaper, the lower on a tie.
+///
+/// Written for the vectorizer: the sum is an integer's (the same mean as a sum of `f64`s
+/// while it stays below 2⁵³, where every partial sum is exact), and where no gap reaches
+/// the escape under the lower parameter (all but pathological blocks) both costs come from
+/// sums of shifted gaps, with no per-gap branch.
 fn best_rice_k(xs: &[u64]) -> u32 {
-    let mean = xs.iter().map(|&x| x as f64).sum::<f64>() / xs.len().max(1) as f64;
+    let n = xs.len().max(1) as u64;
+    // A block's gaps sum to less than its last position: no overflow.
+    let (sum, max) = xs.iter().fold((0u64, 0u64), |(s, m), &x| (s + x, m.max(x)));
+    let mean = if sum < 1 << 53 {
+        sum as f64 / n as f64
+    } else {
+        xs.iter().map(|&x| x as f64).sum::<f64>() / n as f64
+    };
     let guess = if mean < 1.0 {
         0
     } else {
@@ -281,42 +321,58 @@ fn best_rice_k(xs: &[u64]) -> u32 {
     };
     let lo = guess.clamp(0, 58) as u32;
     let hi = (guess + 1).min(58) as u32;
-    let (c_lo, c_hi) = xs.iter().fold((0u64, 0u64), |(a, b), &x| {
-        (a + rice_bits(x, lo), b + rice_bits(x, hi))
-    });
+    let (c_lo, c_hi) = if max >> lo < RICE_ESCAPE {
+        // No escape under `lo`, so none under `hi ≥ lo`: a gap costs `(x >> k) + 1 + k`.
+        let (q_lo, q_hi) = xs
+            .iter()
+            .fold((0u64, 0u64), |(a, b), &x| (a + (x >> lo), b + (x >> hi)));
+        (
+            q_lo + n * (1 + u64::from(lo)),
+            q_hi + n * (1 + u64::from(hi)),
+        )
+    } else {
+        xs.iter().fold((0u64, 0u64), |(a, b), &x| {
+            (a + rice_bits(x, lo), b + rice_bits(x, hi))
+        })
+    };
     if c_hi < c_lo { hi } else { lo }
 }
 
 /// Rice-coded gaps in blocks of [`RICE_BLOCK`], each with its own parameter (6 bits). The
-/// gaps of a block are computed into a stack buffer (no vector of every gap), and a gap
-/// whose unary quotient, terminator and low bits fit in one write is written at once.
+/// gaps of a block are computed into a stack buffer (no vector of every gap); a run of gaps
+/// whose unary quotient, terminator and low bits fit in one write goes through
+/// [`BitWriter::write_rice_run`], the others one by one.
 fn rice_gaps(positions: &[u64]) -> Vec<u8> {
     let mut w = BitWriter::with_capacity(positions.len() + 16);
     let mut buf = [0u64; RICE_BLOCK];
     let mut next_min = 0u64;
     for block in positions.chunks(RICE_BLOCK) {
         let xs = &mut buf[..block.len()];
-        for (x, &p) in xs.iter_mut().zip(block) {
-            *x = p - next_min;
-            next_min = p + 1;
+        // Each gap from its own position and the one before (no chain through the loop).
+        let Some((&first, _)) = block.split_first() else {
+            continue;
+        };
+        xs[0] = first - next_min;
+        for (x, pair) in xs[1..].iter_mut().zip(block.windows(2)) {
+            *x = pair[1] - pair[0] - 1;
         }
+        next_min = block[block.len() - 1] + 1;
         let k = best_rice_k(xs);
         w.write(u64::from(k), 6);
-        let low_mask = u64::MAX.checked_shr(64 - k).unwrap_or(0);
-        for &x in xs.iter() {
+        let mut done = 0;
+        while done < xs.len() {
+            done += w.write_rice_run(k, RICE_ESCAPE, &xs[done..]);
+            let Some(&x) = xs.get(done) else {
+                break;
+            };
             let q = x >> k;
             if q < RICE_ESCAPE {
-                let bits = q as u32 + 1 + k;
-                if bits <= 57 {
-                    // LSB first: q ones, the zero terminator, then the low k bits.
-                    w.write(((1u64 << q) - 1) | (x & low_mask) << (q + 1), bits);
-                } else {
-                    w.write_unary(q);
-                    w.write_wide(x, k);
-                }
+                w.write_unary(q);
+                w.write_wide(x, k);
             } else {
                 write_rice_escape(&mut w, x);
             }
+            done += 1;
         }
     }
     w.finish()
@@ -349,6 +405,7 @@ fn decode_rice_gaps<P: Position>(
 ) -> Result<(), DecodeError> {
     let mut b = PositionBuilder::new(count, range_len, bytes.len(), out);
     let mut r = BitReader::new(bytes);
+    let mut gaps = [0u64; RICE_BLOCK];
     let mut left = count;
     while left > 0 {
         let k = r.read(6)? as u32;
@@ -358,15 +415,18 @@ fn decode_rice_gaps<P: Position>(
                 "parameter above 58",
             ));
         }
-        let n = left.min(RICE_BLOCK as u64);
-        for _ in 0..n {
-            // Almost every gap is buffered whole: one step, without the general reads.
-            if let Some((q, low)) = r.read_rice_buffered(k, RICE_ESCAPE as u32) {
-                b.push_gap(rice_gap(q, k, low)?)?;
-                continue;
+        let n = left.min(RICE_BLOCK as u64) as usize;
+        let block = &mut gaps[..n];
+        let mut got = 0;
+        while got < n {
+            // Almost every gap comes from the run; an escape, or a gap in the input's last
+            // bytes, is read here.
+            got += r.read_rice_run(k, RICE_ESCAPE as u32, &mut block[got..]);
+            if got == n {
+                break;
             }
             let q = r.read_unary(RICE_ESCAPE)?;
-            let x = if q < RICE_ESCAPE {
+            block[got] = if q < RICE_ESCAPE {
                 rice_gap(q, k, r.read_wide(k)?)?
             } else {
                 let width = r.read(7)? as u32;
@@ -378,9 +438,10 @@ fn decode_rice_gaps<P: Position>(
                 }
                 r.read_wide(width)?
             };
-            b.push_gap(x)?;
+            got += 1;
         }
-        left -= n;
+        b.push_gaps(block)?;
+        left -= n as u64;
     }
     if r.trailing_bytes() != 0 {
         return Err(DecodeError::TrailingBytes {
