@@ -502,16 +502,7 @@ impl EncodedPart {
                         .iter()
                         .map(|&p| base[Into::<u64>::into(p) as usize]),
                 );
-                let decoded = codec::value::decode(*value, value_bytes, old.len(), Some(old))?;
-                if new.capacity() == 0 {
-                    // Nothing to reuse: keep the decoder's vector rather than copy it.
-                    *new = decoded;
-                } else {
-                    // A recycled vector: copying into it costs less than the fresh pages a
-                    // long-lived new vector takes (the decoder's is freed at once and reused).
-                    new.extend_from_slice(&decoded);
-                }
-                Ok(())
+                codec::value::decode_into(*value, value_bytes, old.len(), Some(old), new)
             }
             PartPayload::Dense { codec, bytes } => {
                 let values = codec::dense::decode(*codec, bytes, self.len as usize, Some(base))?;

@@ -136,21 +136,21 @@ pub fn encode(codec: ValueCodec, new: &[u16], old: &[u16], zstd_level: i32) -> V
         ValueCodec::Raw => new.iter().flat_map(|v| v.to_le_bytes()).collect(),
         ValueCodec::RawZstd => zstd_compress(&planes(new), zstd_level),
         ValueCodec::UlpResidualZstd => {
-            let mut tokens = Vec::with_capacity(new.len());
-            let mut escapes = Vec::new();
-            for (&n, &o) in new.iter().zip(old) {
-                let z = ulp_step_zigzag(o, n);
-                if z < u16::from(ESCAPE_TOKEN) {
-                    tokens.push(z as u8);
-                } else {
-                    tokens.push(ESCAPE_TOKEN);
-                    escapes.extend_from_slice(&z.to_le_bytes());
-                }
-            }
-            let mut raw = Vec::with_capacity(tokens.len() + escapes.len() + 10);
-            put_varint(&mut raw, (escapes.len() / 2) as u64);
+            // The tokens in one branch-free pass the compiler vectorizes (a step of 255 or
+            // more becomes the escape token), then the escapes at the escape tokens only (a
+            // per-change branch and push cost 10% of the fast set's encode).
+            let tokens: Vec<u8> = new
+                .iter()
+                .zip(old)
+                .map(|(&n, &o)| ulp_step_zigzag(o, n).min(u16::from(ESCAPE_TOKEN)) as u8)
+                .collect();
+            let escapes = tokens.iter().filter(|&&t| t == ESCAPE_TOKEN).count();
+            let mut raw = Vec::with_capacity(tokens.len() + 2 * escapes + 10);
+            put_varint(&mut raw, escapes as u64);
             raw.extend_from_slice(&tokens);
-            raw.extend_from_slice(&escapes);
+            for i in escape_indices(&tokens, escapes) {
+                raw.extend_from_slice(&ulp_step_zigzag(old[i], new[i]).to_le_bytes());
+            }
             zstd_compress(&raw, zstd_level)
         }
         ValueCodec::UlpStepRc => {
@@ -198,46 +198,8 @@ pub fn decode(
             unplanes(&raw, count, "raw values")
         }
         ValueCodec::UlpResidualZstd => {
-            let Some(old) = old else {
-                return Err(DecodeError::malformed(
-                    "ulp residual values",
-                    "decoding needs the base values",
-                ));
-            };
-            if old.len() != count {
-                return Err(DecodeError::malformed(
-                    "ulp residual values",
-                    format!("{} base values for {count} changes", old.len()),
-                ));
-            }
-            let raw = zstd_decompress(bytes, 10 + count * 3, "ulp residual values")?;
-            let mut r = Reader::new(&raw);
-            let n_escapes = r.varint_at_most("escape count", count as u64)? as usize;
-            let tokens = r.take(count, "residual tokens")?;
-            let escapes = r.take(n_escapes * 2, "residual escapes")?;
-            r.finish("ulp residual values")?;
-            let mut esc = escapes.chunks_exact(2);
-            let mut out = Vec::with_capacity(count);
-            for (&t, &o) in tokens.iter().zip(old) {
-                let z = if t == ESCAPE_TOKEN {
-                    let c = esc.next().ok_or_else(|| {
-                        DecodeError::malformed(
-                            "ulp residual values",
-                            "more escape tokens than escapes",
-                        )
-                    })?;
-                    u16::from_le_bytes([c[0], c[1]])
-                } else {
-                    u16::from(t)
-                };
-                out.push(apply_ulp_step_zigzag(o, z));
-            }
-            if esc.next().is_some() {
-                return Err(DecodeError::malformed(
-                    "ulp residual values",
-                    "fewer escape tokens than escapes",
-                ));
-            }
+            let mut out = Vec::new();
+            decode_residuals_into(bytes, count, old, &mut out)?;
             Ok(out)
         }
         ValueCodec::UlpStepRc => {
@@ -271,6 +233,100 @@ pub fn decode(
             super::step_rans::decode(bytes, old, apply_ulp_step_zigzag)
         }
     }
+}
+
+/// [`decode`] into `out` (cleared first, its capacity reused): a receiver decodes straight
+/// into the vector its undo log keeps, with no copy.
+pub fn decode_into(
+    codec: ValueCodec,
+    bytes: &[u8],
+    count: usize,
+    old: Option<&[u16]>,
+    out: &mut Vec<u16>,
+) -> Result<(), DecodeError> {
+    if codec == ValueCodec::UlpResidualZstd {
+        return decode_residuals_into(bytes, count, old, out);
+    }
+    let decoded = decode(codec, bytes, count, old)?;
+    if out.capacity() == 0 {
+        // Nothing to reuse: keep the decoder's vector rather than copy it.
+        *out = decoded;
+    } else {
+        // A recycled vector: copying into it costs less than the fresh pages a long-lived
+        // new vector takes (the decoder's is freed at once and reused).
+        out.clear();
+        out.extend_from_slice(&decoded);
+    }
+    Ok(())
+}
+
+/// [`ValueCodec::UlpResidualZstd`]'s decoder, into `out` (cleared first).
+fn decode_residuals_into(
+    bytes: &[u8],
+    count: usize,
+    old: Option<&[u16]>,
+    out: &mut Vec<u16>,
+) -> Result<(), DecodeError> {
+    let Some(old) = old else {
+        return Err(DecodeError::malformed(
+            "ulp residual values",
+            "decoding needs the base values",
+        ));
+    };
+    if old.len() != count {
+        return Err(DecodeError::malformed(
+            "ulp residual values",
+            format!("{} base values for {count} changes", old.len()),
+        ));
+    }
+    let raw = zstd_decompress(bytes, 10 + count * 3, "ulp residual values")?;
+    let mut r = Reader::new(&raw);
+    let n_escapes = r.varint_at_most("escape count", count as u64)? as usize;
+    let tokens = r.take(count, "residual tokens")?;
+    let escapes = r.take(n_escapes * 2, "residual escapes")?;
+    r.finish("ulp residual values")?;
+    let escape_tokens = tokens.iter().filter(|&&t| t == ESCAPE_TOKEN).count();
+    if escape_tokens != n_escapes {
+        return Err(DecodeError::malformed(
+            "ulp residual values",
+            if escape_tokens > n_escapes {
+                "more escape tokens than escapes"
+            } else {
+                "fewer escape tokens than escapes"
+            },
+        ));
+    }
+    // Every value in one pass the compiler vectorizes (an escape token as a step of 255),
+    // then the escapes put right.
+    out.clear();
+    out.extend(
+        tokens
+            .iter()
+            .zip(old)
+            .map(|(&t, &o)| apply_ulp_step_zigzag(o, u16::from(t))),
+    );
+    for (i, z) in escape_indices(tokens, n_escapes).zip(escapes.chunks_exact(2)) {
+        out[i] = apply_ulp_step_zigzag(old[i], u16::from_le_bytes([z[0], z[1]]));
+    }
+    Ok(())
+}
+
+/// The indices of the escape tokens among `tokens`, of which there are `count`: 64 tokens at
+/// a time are skipped with one vectorized search where they hold none.
+fn escape_indices(tokens: &[u8], count: usize) -> impl Iterator<Item = usize> + '_ {
+    const STRIDE: usize = 64;
+    tokens
+        .chunks(STRIDE)
+        .enumerate()
+        .take_while(move |_| count > 0)
+        .filter(|(_, chunk)| chunk.contains(&ESCAPE_TOKEN))
+        .flat_map(|(c, chunk)| {
+            chunk
+                .iter()
+                .enumerate()
+                .filter(|&(_, &t)| t == ESCAPE_TOKEN)
+                .map(move |(j, _)| c * STRIDE + j)
+        })
 }
 
 /// Splits 16-bit words into a high-byte plane followed by a low-byte plane: exponents
