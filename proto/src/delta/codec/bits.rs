@@ -175,36 +175,42 @@ impl<'a> BitReader<'a> {
     }
 
     /// Reads Rice codes into `gaps` (each `q << k | low`: fewer than `limit` ≤ 40 one-bits, a
-    /// zero-bit, then `k ≤ 58` low bits) for as long as each is whole after refilling from a
-    /// whole 8-byte word; returns how many it read. It stops, with nothing of that code
-    /// consumed, at the first code that is not: an escape (`limit` ones or more), or one near
-    /// the end of the input. The caller reads that one with [`read_unary`](Self::read_unary)
-    /// and [`read_wide`](Self::read_wide), which consume exactly the same bits.
+    /// zero-bit, then `k ≤ 58` low bits) for as long as each is whole in the bits buffered;
+    /// returns how many it read. It stops, with nothing of that code consumed, at the first
+    /// code that is not: an escape (`limit` ones or more), one longer than the buffer, or one
+    /// past the input's last bytes. The caller reads that one with
+    /// [`read_unary`](Self::read_unary) and [`read_wide`](Self::read_wide), which consume
+    /// exactly the same bits.
     ///
-    /// The hot loop of the Rice decoder: its state lives in locals (the struct's fields, kept
-    /// in memory, put a store and a load into every code's dependency chain), and a refill
-    /// ORs a whole word in unmasked. The bits it brings above the count are the stream's next
-    /// bits, so a later refill ORs the same bits into the same places; they are cleared
+    /// The hot loop of the Rice decoder. Its state lives in locals (the struct's fields, kept
+    /// in memory, put a store and a load into every code's dependency chain). After each code
+    /// the buffer is refilled without a branch on the count: a whole word is ORed in
+    /// unmasked above the `n ≤ 63` bits held, the bytes that fit are counted as read, and
+    /// the count becomes `n | 56`. The bits the word brings above the count are the stream's
+    /// next bits, so a later refill ORs the same bits into the same places; they are cleared
     /// before the state is stored back, where every other read expects zeros above the count.
     #[inline]
     pub fn read_rice_run(&mut self, k: u32, limit: u32, gaps: &mut [u64]) -> usize {
         debug_assert!(k <= 58 && limit <= 40);
         let (buf, mut pos, mut acc, mut n) = (self.buf, self.pos, self.acc, self.n);
+        #[inline(always)]
+        fn refill(buf: &[u8], pos: &mut usize, acc: &mut u64, n: &mut u32) {
+            // Near the end of the input there is no whole word: the codes left are read
+            // from what is buffered, until one is not whole.
+            if let Some(word) = buf.get(*pos..*pos + 8) {
+                let mut w = [0u8; 8];
+                w.copy_from_slice(word);
+                *acc |= u64::from_le_bytes(w) << *n;
+                *pos += ((63 - *n) / 8) as usize;
+                *n |= 56;
+            }
+        }
+        if n < 64 {
+            refill(buf, &mut pos, &mut acc, &mut n);
+        }
         let low_mask = (1u64 << k) - 1;
         let mut got = 0;
         for gap in gaps.iter_mut() {
-            if n < 57 {
-                let Some(word) = buf.get(pos..pos + 8) else {
-                    break;
-                };
-                let mut w = [0u8; 8];
-                w.copy_from_slice(word);
-                acc |= u64::from_le_bytes(w) << n;
-                // Whole bytes that fit above the `n ≤ 56` bits held: at least one.
-                let take = (64 - n) / 8;
-                pos += take as usize;
-                n += 8 * take;
-            }
             let ones = (!acc).trailing_zeros();
             let used = ones + 1 + k;
             if ones >= limit || used > n {
@@ -217,6 +223,8 @@ impl<'a> BitReader<'a> {
             acc = rest >> k;
             n -= used;
             got += 1;
+            // `used ≥ 1`, so `n ≤ 63` here.
+            refill(buf, &mut pos, &mut acc, &mut n);
         }
         self.pos = pos;
         self.acc = acc & u64::MAX.checked_shr(64 - n).unwrap_or(0);
