@@ -988,6 +988,19 @@ mod tests {
         }
     }
 
+    #[test]
+    fn rice_gaps_refuse_truncated_and_flipped_payloads() {
+        // Two blocks (a parameter each), short gaps, and one escape (a gap of about 200 under a
+        // parameter chosen for gaps of about 2): every cut is refused,
+        // and a flipped bit either is refused or yields increasing positions in range.
+        let mut positions: Vec<u64> = (0..2800u64)
+            .filter(|i| (i.wrapping_mul(2_654_435_761) >> 7) % 5 < 2)
+            .collect();
+        assert!(positions.len() > RICE_BLOCK);
+        positions.push(2999);
+        refuse_damage(IndexCodec::RiceGaps, &positions, &[]);
+    }
+
     fn refuse_truncated_and_flipped_payloads_with(c: IndexCodec) {
         let base = weight_like_base(3, 3000);
         let positions: Vec<u64> = (0..3000u64)
