@@ -389,6 +389,17 @@ mod tests {
             let expected = t.delta_scalar(start, &positions, &old, &new);
             prop_assert_eq!(t.delta(start, &positions, &old, &new), expected);
             prop_assert_eq!(t.delta(start, &wide, &old, &new), expected);
+            // The vector form itself, on whole steps of lanes (where the CPU has AVX-512; the
+            // calls above then go through it too, and elsewhere compare scalar with scalar).
+            #[cfg(target_arch = "x86_64")]
+            if let Some(simd) = pulp::x86::V4::try_new() {
+                let whole = positions.len() / v4::LANES * v4::LANES;
+                let (p, o, n) = (&positions[..whole], &old[..whole], &new[..whole]);
+                prop_assert_eq!(
+                    v4::delta(simd, &t, start, p, o, n),
+                    t.delta_scalar(start, p, o, n)
+                );
+            }
         }
     }
 

@@ -41,22 +41,27 @@ impl BitWriter {
         self.n -= 8 * whole;
     }
 
-    /// Writes Rice codes of `xs` under parameter `k` (for each gap `x`: `x >> k` one-bits, a
-    /// zero-bit, the low `k` bits of `x`) for as long as a code's quotient is below `limit`
-    /// and the whole code fits in one [`write`](Self::write) (57 bits); returns how many it
-    /// wrote. The same bits as `write_unary` and `write_wide` would write, with the
-    /// writer's state in locals through the loop.
+    /// Writes Rice codes of `xs` under parameter `k ≤ 58` (for each gap `x`: `x >> k`
+    /// one-bits, a zero-bit, the low `k` bits of `x`) for as long as a code's quotient is
+    /// below `limit` and the whole code fits in one [`write`](Self::write) (57 bits); returns
+    /// how many it wrote. The same bits as `write_unary` and `write_wide` would write, with
+    /// the writer's state in locals through the loop.
+    ///
+    /// # Panics
+    /// If `k > 58`.
     #[inline]
-    pub fn write_rice_run(&mut self, k: u32, limit: u64, xs: &[u64]) -> usize {
+    pub fn write_rice_run(&mut self, k: u32, limit: u32, xs: &[u64]) -> usize {
+        assert!(k <= 58, "a Rice parameter is at most 58");
         let mut out = std::mem::take(&mut self.out);
         let (mut acc, mut n) = (self.acc, self.n);
         let low_mask = u64::MAX.checked_shr(64 - k).unwrap_or(0);
-        out.reserve(xs.len() * 8 + 8);
+        // A code written here takes at most 57 bits.
+        out.reserve(xs.len() * 57 / 8 + 8);
         let mut done = 0;
         for &x in xs {
             let q = x >> k;
-            // `q < limit ≤ 57` keeps `q + 1 + k` from overflowing and the shifts below 64.
-            if q >= limit.min(57) || q as u32 + 1 + k > 57 {
+            // `q < 57` keeps `q + 1 + k` from overflowing and the shifts below 64.
+            if q >= u64::from(limit.min(57)) || q as u32 + 1 + k > 57 {
                 break;
             }
             let bits = q as u32 + 1 + k;
@@ -185,13 +190,20 @@ impl<'a> BitReader<'a> {
     /// The hot loop of the Rice decoder. Its state lives in locals (the struct's fields, kept
     /// in memory, put a store and a load into every code's dependency chain). After each code
     /// the buffer is refilled without a branch on the count: a whole word is ORed in
-    /// unmasked above the `n ≤ 63` bits held, the bytes that fit are counted as read, and
-    /// the count becomes `n | 56`. The bits the word brings above the count are the stream's
-    /// next bits, so a later refill ORs the same bits into the same places; they are cleared
-    /// before the state is stored back, where every other read expects zeros above the count.
+    /// unmasked above the `n ≤ 63` bits held, `(63 − n) / 8` whole bytes are counted as read,
+    /// and the count becomes `n | 56` (the same number). The bits the word brings above the
+    /// count are the stream's next bits, so a later refill ORs the same bits into the same
+    /// places. They are cleared before the state is stored back, keeping the reader's
+    /// invariant that nothing but zeros lies above the count.
+    ///
+    /// # Panics
+    /// If `k > 58` or `limit > 40`.
     #[inline]
     pub fn read_rice_run(&mut self, k: u32, limit: u32, gaps: &mut [u64]) -> usize {
-        debug_assert!(k <= 58 && limit <= 40);
+        assert!(
+            k <= 58 && limit <= 40,
+            "a Rice parameter is at most 58 and a run's quotient limit at most 40"
+        );
         let (buf, mut pos, mut acc, mut n) = (self.buf, self.pos, self.acc, self.n);
         #[inline(always)]
         fn refill(buf: &[u8], pos: &mut usize, acc: &mut u64, n: &mut u32) {

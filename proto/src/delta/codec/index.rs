@@ -257,6 +257,8 @@ impl<P: Position> PositionBuilder<P> {
             beyond |= g >= len.wrapping_sub(next);
             let p = next.wrapping_add(g);
             next = p.wrapping_add(1);
+            // Past a failed position `p` may exceed what `P` holds; the block is then cut
+            // off below and never read.
             *slot = P::at(p);
         }
         if beyond {
@@ -361,7 +363,7 @@ fn rice_gaps(positions: &[u64]) -> Vec<u8> {
         w.write(u64::from(k), 6);
         let mut done = 0;
         while done < xs.len() {
-            done += w.write_rice_run(k, RICE_ESCAPE, &xs[done..]);
+            done += w.write_rice_run(k, RICE_ESCAPE as u32, &xs[done..]);
             let Some(&x) = xs.get(done) else {
                 break;
             };
@@ -397,6 +399,10 @@ fn rice_gap(q: u64, k: u32, low: u64) -> Result<u64, DecodeError> {
         .ok_or_else(|| DecodeError::malformed("rice index payload", "gap overflows"))
 }
 
+/// Rice-coded gaps, a block at a time: the block's gaps are read (through
+/// [`BitReader::read_rice_run`], an escape or the input's last bytes one by one), then turned
+/// into positions and checked against the range together. So where a block holds both a gap
+/// beyond the range and a cut, the cut is what is reported; either way the payload is refused.
 fn decode_rice_gaps<P: Position>(
     bytes: &[u8],
     count: u64,

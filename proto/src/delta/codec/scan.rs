@@ -106,7 +106,8 @@ pub(crate) struct RankOut<'a> {
 /// (nothing appended) where AVX2 is missing, for the caller's portable loop.
 ///
 /// # Panics
-/// If the ranges differ in length (a caller's bug).
+/// If the ranges differ in length, or `out`'s positions, old and new bits do (callers'
+/// bugs).
 pub(crate) fn diff_plain(old: &[u16], new: &[u16], out: &mut RankOut<'_>) -> bool {
     assert_eq!(old.len(), new.len(), "diff needs equal lengths");
     #[cfg(target_arch = "x86_64")]
@@ -881,7 +882,7 @@ mod v3 {
     /// change cost more than the compare at RL densities, and so did gathering a block into
     /// small arrays and appending each with a copy (three `memmove` calls per dirty block:
     /// 8% of the fast set's encode at 5%). Instead the vectors are kept at least a block
-    /// longer than what is written (grown in steps of [`GROW`] zeroed entries, which are
+    /// longer than what is written (grown in steps of `GROW` zeroed entries, which are
     /// in cache when written), written by index, and cut back to what was written at the
     /// end.
     #[inline(always)]

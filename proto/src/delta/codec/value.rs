@@ -315,10 +315,11 @@ fn decode_residuals_into(
 /// a time are skipped with one vectorized search where they hold none.
 fn escape_indices(tokens: &[u8], count: usize) -> impl Iterator<Item = usize> + '_ {
     const STRIDE: usize = 64;
-    tokens
+    // With none to find, nothing is searched.
+    let searched = if count == 0 { &[][..] } else { tokens };
+    searched
         .chunks(STRIDE)
         .enumerate()
-        .take_while(move |_| count > 0)
         .filter(|(_, chunk)| chunk.contains(&ESCAPE_TOKEN))
         .flat_map(|(c, chunk)| {
             chunk
