@@ -2,7 +2,7 @@
 //! (a first step, a LoRA merge, a re-quantized block).
 
 use super::value::{planes, unplanes};
-use super::{DenseCodec, zstd_compress, zstd_decompress};
+use super::{DenseCodec, ZstdPayload, zstd_compress, zstd_decompress};
 use crate::error::DecodeError;
 
 /// Encodes the new bits of a whole range (`old` is the base range, same length).
@@ -11,9 +11,9 @@ pub fn encode(codec: DenseCodec, new: &[u16], old: &[u16], zstd_level: i32) -> V
     match codec {
         DenseCodec::XorPlanesZstd => {
             let xor: Vec<u16> = new.iter().zip(old).map(|(n, o)| n ^ o).collect();
-            zstd_compress(&planes(&xor), zstd_level)
+            zstd_compress(&planes(&xor), zstd_level, ZstdPayload::General)
         }
-        DenseCodec::PlanesZstd => zstd_compress(&planes(new), zstd_level),
+        DenseCodec::PlanesZstd => zstd_compress(&planes(new), zstd_level, ZstdPayload::General),
     }
 }
 

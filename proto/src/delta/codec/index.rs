@@ -14,7 +14,7 @@ use super::bits::{BitReader, BitWriter};
 use super::gaps_rans;
 use super::rc::{Bit, EXP_CLASSES, IntModel, RangeDecoder, RangeEncoder, exp_class};
 use super::scan;
-use super::{IndexCodec, zstd_compress, zstd_decompress};
+use super::{IndexCodec, ZstdPayload, zstd_compress, zstd_decompress};
 use crate::error::DecodeError;
 use crate::wire::{Reader, put_varint, varint_len};
 
@@ -50,9 +50,15 @@ pub fn encode(
             }
         }
         IndexCodec::Leb128Gaps => leb128_gaps(positions),
-        IndexCodec::Leb128GapsZstd => zstd_compress(&leb128_gaps(positions), zstd_level),
+        IndexCodec::Leb128GapsZstd => {
+            zstd_compress(&leb128_gaps(positions), zstd_level, ZstdPayload::General)
+        }
         IndexCodec::RiceGaps => rice_gaps(positions),
-        IndexCodec::BitmapZstd => zstd_compress(&bitmap(positions, range_len), zstd_level),
+        IndexCodec::BitmapZstd => zstd_compress(
+            &bitmap(positions, range_len),
+            zstd_level,
+            ZstdPayload::General,
+        ),
     }
 }
 

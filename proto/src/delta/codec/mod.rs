@@ -221,28 +221,73 @@ impl DenseCodec {
     }
 }
 
+/// What a zstd payload holds, which decides how hard zstd looks for repeats in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ZstdPayload {
+    /// Bytes with real repeats (bit planes, LEB128 gaps, bitmaps): the level's parameters.
+    General,
+    /// Tokens of a small alphabet whose repeats are short and accidental (the ULP residuals
+    /// of [`ValueCodec::UlpResidualZstd`]). zstd is told to code them as Huffman literals
+    /// and hardly look for matches: the level's parameters with the smallest hash table (2⁶
+    /// entries), the longest minimum match (7 bytes), the fast strategy's largest skip ahead
+    /// where it finds none, and literal compression kept on (zstd turns it off with a skip
+    /// unless told). With level 1's own parameters zstd spent a fifth of the fast set's
+    /// encode finding short matches that cost more bits than the literals they replaced.
+    /// Any zstd decoder reads the result.
+    Tokens,
+}
+
+impl ZstdPayload {
+    fn tune(self, z: &mut zstd::bulk::Compressor<'static>) -> std::io::Result<()> {
+        use zstd::zstd_safe::{CParameter, ParamSwitch};
+        match self {
+            Self::General => Ok(()),
+            Self::Tokens => {
+                z.set_parameter(CParameter::HashLog(6))?;
+                z.set_parameter(CParameter::MinMatch(7))?;
+                z.set_parameter(CParameter::TargetLength(TOKENS_SKIP))?;
+                z.set_parameter(CParameter::LiteralCompressionMode(ParamSwitch::Enable))
+            }
+        }
+    }
+}
+
+/// The fast strategy's skip ahead for [`ZstdPayload::Tokens`] (zstd's `targetLength`, the
+/// acceleration of its negative levels).
+const TOKENS_SKIP: u32 = 64;
+
+/// A thread's compression contexts, one per level and payload kind in use.
+type Compressors = Vec<((i32, ZstdPayload), zstd::bulk::Compressor<'static>)>;
+
 thread_local! {
-    /// One compression context per thread and level: creating a context costs tens of
-    /// microseconds, more than coding a typical part.
-    static COMPRESSOR: std::cell::RefCell<Option<(i32, zstd::bulk::Compressor<'static>)>> =
-        const { std::cell::RefCell::new(None) };
+    /// Each thread's compression contexts: creating one costs tens of microseconds, more than
+    /// coding a typical part, and the encoder alternates payload kinds within a part.
+    static COMPRESSORS: std::cell::RefCell<Compressors> =
+        const { std::cell::RefCell::new(Vec::new()) };
     static DECOMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
         const { std::cell::RefCell::new(None) };
 }
 
-/// zstd-compresses `data` at `level` (level 1 is the measured sweet spot for these payloads).
-pub(crate) fn zstd_compress(data: &[u8], level: i32) -> Vec<u8> {
+/// zstd-compresses `data` at `level` (level 1 is the measured sweet spot for these payloads),
+/// with the parameters [`ZstdPayload`] gives what it holds.
+pub(crate) fn zstd_compress(data: &[u8], level: i32, payload: ZstdPayload) -> Vec<u8> {
     let fresh =
         || zstd::bulk::compress(data, level).unwrap_or_else(|_| vec![0xff; data.len() + 64]);
-    COMPRESSOR.with(|c| {
+    let key = (level, payload);
+    COMPRESSORS.with(|c| {
         let mut c = c.borrow_mut();
-        if c.as_ref().is_none_or(|(l, _)| *l != level) {
-            *c = zstd::bulk::Compressor::new(level).ok().map(|z| (level, z));
+        if !c.iter().any(|(k, _)| *k == key) {
+            let made = zstd::bulk::Compressor::new(level)
+                .and_then(|mut z| payload.tune(&mut z).map(|()| z));
+            match made {
+                Ok(z) => c.push((key, z)),
+                Err(_) => return fresh(),
+            }
         }
-        match c.as_mut() {
+        match c.iter_mut().find(|(k, _)| *k == key) {
             // Compressing memory into memory cannot fail for a valid level; if the library
-            // ever reports an error, fall back to a one-shot call (and to an oversized
-            // marker that simply loses the size comparison).
+            // ever reports an error, fall back to a one-shot call at the level's own
+            // parameters (and to an oversized marker that simply loses the size comparison).
             Some((_, z)) => z.compress(data).unwrap_or_else(|_| fresh()),
             None => fresh(),
         }
@@ -304,13 +349,67 @@ mod tests {
     #[test]
     fn a_frame_decompresses_into_exactly_its_stated_size_within_the_bound() {
         let data = vec![7u8; 1000];
-        let z = zstd_compress(&data, 1);
+        let z = zstd_compress(&data, 1, ZstdPayload::General);
         assert_eq!(zstd_decompress(&z, 1000, "t").expect("fits"), data);
         assert_eq!(zstd_decompress(&z, 1 << 30, "t").expect("fits").len(), 1000);
         assert!(matches!(
             zstd_decompress(&z, 999, "t"),
             Err(DecodeError::TooLarge { value: 1000, .. })
         ));
+    }
+
+    /// ULP-residual-like tokens: mostly 1–4 (one or two ULP either way), a tail up to 40.
+    fn residual_tokens(n: usize) -> Vec<u8> {
+        let mut rng = synthetic::XorShift::default();
+        (0..n)
+            .map(|_| {
+                let r = rng.next_u64();
+                let small = 1 + (r & 3) as u8;
+                if r >> 60 == 0 {
+                    (r >> 32) as u8 % 40
+                } else {
+                    small
+                }
+            })
+            .collect()
+    }
+
+    #[test]
+    fn token_payloads_are_coded_as_literals_smaller_than_at_the_levels_parameters() {
+        let tokens = residual_tokens(200_000);
+        let general = zstd_compress(&tokens, 1, ZstdPayload::General);
+        let literal = zstd_compress(&tokens, 1, ZstdPayload::Tokens);
+        // Level 1's own parameters spend bits on short accidental matches.
+        assert!(
+            literal.len() * 100 < general.len() * 97,
+            "tokens {} bytes, general {} bytes",
+            literal.len(),
+            general.len()
+        );
+        assert_eq!(
+            zstd_decompress(&literal, tokens.len(), "t").expect("decodes"),
+            tokens
+        );
+        // Any zstd decoder reads it: it is an ordinary frame.
+        assert_eq!(
+            zstd::bulk::decompress(&literal, tokens.len()).expect("plain"),
+            tokens
+        );
+    }
+
+    #[test]
+    fn each_payload_kind_gives_the_same_bytes_whatever_was_compressed_before() {
+        // The delta id hashes the encoder's bytes: a context reused across kinds and calls
+        // must code a payload as a fresh one does.
+        let (a, b) = (residual_tokens(50_000), vec![9u8; 30_000]);
+        let first = zstd_compress(&a, 1, ZstdPayload::Tokens);
+        let other = zstd_compress(&b, 1, ZstdPayload::General);
+        assert_eq!(zstd_compress(&a, 1, ZstdPayload::Tokens), first);
+        assert_eq!(zstd_compress(&b, 1, ZstdPayload::General), other);
+        let fresh = std::thread::spawn(move || zstd_compress(&a, 1, ZstdPayload::Tokens))
+            .join()
+            .expect("thread");
+        assert_eq!(fresh, first);
     }
 
     #[test]

@@ -13,7 +13,7 @@
 //! adaptive Exp-Golomb escape shared by all contexts.
 
 use super::rc::{Bit, EXP_CLASSES, IntModel, RangeDecoder, RangeEncoder, exp_class};
-use super::{ValueCodec, zstd_compress, zstd_decompress};
+use super::{ValueCodec, ZstdPayload, zstd_compress, zstd_decompress};
 use crate::error::DecodeError;
 use crate::wire::{Reader, put_varint};
 
@@ -134,7 +134,7 @@ pub fn encode(codec: ValueCodec, new: &[u16], old: &[u16], zstd_level: i32) -> V
     debug_assert_eq!(new.len(), old.len());
     match codec {
         ValueCodec::Raw => new.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        ValueCodec::RawZstd => zstd_compress(&planes(new), zstd_level),
+        ValueCodec::RawZstd => zstd_compress(&planes(new), zstd_level, ZstdPayload::General),
         ValueCodec::UlpResidualZstd => {
             // The tokens in one branch-free pass the compiler vectorizes (a step of 255 or
             // more becomes the escape token), then the escapes at the escape tokens only (a
@@ -151,7 +151,7 @@ pub fn encode(codec: ValueCodec, new: &[u16], old: &[u16], zstd_level: i32) -> V
             for i in escape_indices(&tokens, escapes) {
                 raw.extend_from_slice(&ulp_step_zigzag(old[i], new[i]).to_le_bytes());
             }
-            zstd_compress(&raw, zstd_level)
+            zstd_compress(&raw, zstd_level, ZstdPayload::Tokens)
         }
         ValueCodec::UlpStepRc => {
             let mut m = StepModel::new();
