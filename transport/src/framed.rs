@@ -313,6 +313,29 @@ impl DataStreamReader {
         }
     }
 
+    /// Reads the rest of a frame of `total` bytes whose start is buffered, straight into a
+    /// buffer of the frame's size and no further: each byte is copied once, from the
+    /// stream's packets, where reading through [`DataStreamReader::fill`] copied it into a
+    /// chunk, then into a buffer that grew by doubling (more copies and fresh pages), then
+    /// split the next frame's start off. The frame's size is reserved, not touched: its
+    /// pages are written only as its bytes arrive, after the header passed its bound and the
+    /// budget ([`DataStreamReader::within`]) was taken. On a truncated stream the buffer holds
+    /// what came.
+    async fn read_rest(&mut self, total: usize) -> Result<(), FramedError> {
+        if self.buf.capacity() < total {
+            let mut frame = Vec::with_capacity(total);
+            frame.append(&mut self.buf);
+            self.buf = frame;
+        }
+        while self.buf.len() < total {
+            match self.recv.read_chunk(total - self.buf.len(), true).await? {
+                Some(chunk) => self.buf.extend_from_slice(&chunk.bytes),
+                None => return Ok(()),
+            }
+        }
+        Ok(())
+    }
+
     /// The next raw bytes after what was parsed (for a stream that carries a file after
     /// its leading message); `None` at the end of the stream.
     pub async fn chunk(&mut self) -> Result<Option<Vec<u8>>, FramedError> {
@@ -364,6 +387,9 @@ impl DataStreamReader {
                     // Before the body is read: a frame that does not fit leaves its stream
                     // unread until earlier frames are handed on.
                     self.held = Some(budget.take(total).await);
+                }
+                if self.buf.len() < total {
+                    self.read_rest(total).await?;
                 }
                 if self.buf.len() >= total {
                     let rest = self.buf.split_off(total);
