@@ -510,9 +510,20 @@ impl Sender {
     }
 }
 
+/// A frame's bytes, lent to QUIC for as long as it holds them (until acknowledged): the
+/// stream queues the frame itself, where writing a slice copied it twice (into a buffer of
+/// QUIC's, then into the stream's pending data) for every subscriber.
+struct LentFrame(Arc<WireFrame>);
+
+impl AsRef<[u8]> for LentFrame {
+    fn as_ref(&self) -> &[u8] {
+        &self.0.bytes
+    }
+}
+
 async fn write_frame(
     data: &mut SendStream,
-    frame: &WireFrame,
+    frame: &Arc<WireFrame>,
     corrupt: bool,
 ) -> Result<(), FanoutError> {
     if corrupt && frame.bytes.len() > 64 {
@@ -521,7 +532,8 @@ async fn write_frame(
         tracing::warn!("fault injection: corrupted a segment in the first transmission");
         data.write_all(&bad).await?;
     } else {
-        data.write_all(&frame.bytes).await?;
+        data.write_chunk(bytes::Bytes::from_owner(LentFrame(frame.clone())))
+            .await?;
     }
     Ok(())
 }
