@@ -3,16 +3,15 @@
 //! nothing read, and it goes on once the earlier frame is handed on.
 
 mod common;
+#[path = "common/streams.rs"]
+mod streams;
 
 use std::time::Duration;
 
 use starling_proto::delta::container::{FrameKind, encode_frame};
-use starling_transport::endpoint::{client_endpoint, connect, server_endpoint};
+use starling_transport::endpoint::connect;
 use starling_transport::framed::{DataStreamReader, ReadBudget};
 use starling_transport::identity::Role;
-use starling_transport::link::LinkProfile;
-
-const LOOPBACK: &str = "127.0.0.1:0";
 
 fn body(fill: u8, len: usize) -> Vec<u8> {
     vec![fill; len]
@@ -21,35 +20,14 @@ fn body(fill: u8, len: usize) -> Vec<u8> {
 #[tokio::test]
 async fn a_frame_that_does_not_fit_the_budget_waits_unread() {
     let d = tempfile::tempdir().expect("tempdir");
-    let (hub, a1) = common::hub_and_actor(d.path());
-
     // Three streams: two frames of 600 KiB, then one larger than the whole budget.
     let sizes = [600 << 10, 600 << 10, 1536 << 10];
-    let server =
-        server_endpoint(&hub, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN).expect("server");
-    let addr = server.local_addr().expect("addr");
-    let accepting = server.clone();
-    tokio::spawn(async move {
-        let Some(incoming) = accepting.accept().await else {
-            return;
-        };
-        let Ok(conn) = incoming.await else { return };
-        for (i, len) in sizes.into_iter().enumerate() {
-            let Ok(mut tx) = conn.open_uni().await else {
-                return;
-            };
-            let frame = encode_frame(FrameKind::Segment, &body(i as u8, len));
-            tokio::spawn(async move {
-                let _ = tx.write_all(&frame).await;
-                let _ = tx.finish();
-                let _ = tx.stopped().await;
-            });
-        }
-        conn.closed().await;
-    });
-
-    let client =
-        client_endpoint(&a1, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN).expect("client");
+    let frames = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| encode_frame(FrameKind::Segment, &body(i as u8, len)))
+        .collect();
+    let (client, addr) = streams::serve_streams(d.path(), frames);
     let conn = connect(&client, addr, Role::Hub, "hub")
         .await
         .expect("connect");

@@ -3,53 +3,21 @@
 //! stream cut inside a frame or carrying a flipped byte refused.
 
 mod common;
+#[path = "common/streams.rs"]
+mod streams;
 
 use std::time::Duration;
 
 use starling_proto::delta::container::{FrameKind, encode_frame};
-use starling_transport::endpoint::{client_endpoint, connect, server_endpoint};
+use starling_transport::endpoint::connect;
 use starling_transport::framed::{DataStreamReader, FramedError, ReadBudget};
 use starling_transport::identity::Role;
-use starling_transport::link::LinkProfile;
-
-const LOOPBACK: &str = "127.0.0.1:0";
 
 /// A body whose every byte depends on its position, so a misplaced chunk shows.
 fn body(seed: u8, len: usize) -> Vec<u8> {
     (0..len)
         .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[3] ^ seed)
         .collect()
-}
-
-/// Serves one connection whose uni streams carry `streams` (each stream's bytes, finished).
-async fn serve(
-    streams: Vec<Vec<u8>>,
-) -> (quinn::Endpoint, std::net::SocketAddr, tempfile::TempDir) {
-    let d = tempfile::tempdir().expect("tempdir");
-    let (hub, a1) = common::hub_and_actor(d.path());
-    let server =
-        server_endpoint(&hub, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN).expect("server");
-    let addr = server.local_addr().expect("addr");
-    tokio::spawn(async move {
-        let Some(incoming) = server.accept().await else {
-            return;
-        };
-        let Ok(conn) = incoming.await else { return };
-        for bytes in streams {
-            let Ok(mut tx) = conn.open_uni().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let _ = tx.write_all(&bytes).await;
-                let _ = tx.finish();
-                let _ = tx.stopped().await;
-            });
-        }
-        conn.closed().await;
-    });
-    let client =
-        client_endpoint(&a1, LOOPBACK.parse().expect("addr"), &LinkProfile::LAN).expect("client");
-    (client, addr, d)
 }
 
 #[tokio::test]
@@ -64,7 +32,8 @@ async fn frames_of_every_size_come_back_whole_and_in_order() {
         .iter()
         .flat_map(|b| encode_frame(FrameKind::Segment, b))
         .collect();
-    let (client, addr, _d) = serve(vec![stream]).await;
+    let d = tempfile::tempdir().expect("tempdir");
+    let (client, addr) = streams::serve_streams(d.path(), vec![stream]);
     let conn = connect(&client, addr, Role::Hub, "hub")
         .await
         .expect("connect");
@@ -96,7 +65,8 @@ async fn a_stream_cut_inside_a_frame_or_with_a_flipped_byte_is_refused() {
     let cut = big[..big.len() - 1000].to_vec();
     let mut flipped = big.clone();
     flipped[1 << 20] ^= 0x10;
-    let (client, addr, _d) = serve(vec![cut, flipped]).await;
+    let d = tempfile::tempdir().expect("tempdir");
+    let (client, addr) = streams::serve_streams(d.path(), vec![cut, flipped]);
     let conn = connect(&client, addr, Role::Hub, "hub")
         .await
         .expect("connect");
