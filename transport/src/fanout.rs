@@ -511,8 +511,8 @@ impl Sender {
 }
 
 /// A frame's bytes, lent to QUIC for as long as it holds them (until acknowledged): the
-/// stream queues the frame itself, where writing a slice copied it twice (into a buffer of
-/// QUIC's, then into the stream's pending data) for every subscriber.
+/// stream queues the frame itself, where writing a slice made QUIC copy it into a buffer of
+/// its own for every subscriber first (the copy into each packet remains).
 struct LentFrame(Arc<WireFrame>);
 
 impl AsRef<[u8]> for LentFrame {

@@ -314,8 +314,9 @@ impl DataStreamReader {
     }
 
     /// Reads the rest of a frame of `total` bytes whose start is buffered, straight into a
-    /// buffer of the frame's size and no further: each byte is copied once, from the
-    /// stream's packets, where reading through [`DataStreamReader::fill`] copied it into a
+    /// buffer of the frame's size and no further: each byte of the rest is copied once,
+    /// from the stream's packets, where reading through [`DataStreamReader::fill`] (which
+    /// still reads the header and the frame's first bytes, at most 64 KiB) copied it into a
     /// chunk, then into a buffer that grew by doubling (more copies and fresh pages), then
     /// split the next frame's start off. The frame's size is reserved, not touched: its
     /// pages are written only as its bytes arrive, after the header passed its bound and the

@@ -229,11 +229,13 @@ pub(crate) enum ZstdPayload {
     /// Tokens of a small alphabet whose repeats are short and accidental (the ULP residuals
     /// of [`ValueCodec::UlpResidualZstd`]). zstd is told to code them as Huffman literals
     /// and hardly look for matches: the level's parameters with the smallest hash table (2⁶
-    /// entries), the longest minimum match (7 bytes), the fast strategy's largest skip ahead
-    /// where it finds none, and literal compression kept on (zstd turns it off with a skip
-    /// unless told). With level 1's own parameters zstd spent a fifth of the fast set's
+    /// entries), the longest minimum match (7 bytes), a skip ahead of 64 where it finds none
+    /// (as zstd's `--fast=64`), and literal compression kept on (zstd turns it off with a
+    /// skip unless told). With level 1's own parameters zstd spent a fifth of the fast set's
     /// encode finding short matches that cost more bits than the literals they replaced.
-    /// Any zstd decoder reads the result.
+    /// The skip applies to the fast strategy only; at levels that pick another strategy
+    /// (`CodecChoice::zstd_level` is 1 in every Starling encoder) the other settings still
+    /// hold. Any zstd decoder reads the result.
     Tokens,
 }
 
@@ -253,7 +255,8 @@ impl ZstdPayload {
 }
 
 /// The fast strategy's skip ahead for [`ZstdPayload::Tokens`] (zstd's `targetLength`, the
-/// acceleration of its negative levels).
+/// acceleration of its negative levels): of 2, 8 and 64, measured on the fast set's payloads
+/// with the zstd CLI, 64 gave the smallest (`docs/benchmarks.md`).
 const TOKENS_SKIP: u32 = 64;
 
 /// A thread's compression contexts, one per level and payload kind in use.
@@ -400,10 +403,12 @@ mod tests {
     #[test]
     fn each_payload_kind_gives_the_same_bytes_whatever_was_compressed_before() {
         // The delta id hashes the encoder's bytes: a context reused across kinds and calls
-        // must code a payload as a fresh one does.
-        let (a, b) = (residual_tokens(50_000), vec![9u8; 30_000]);
+        // must code a payload as a fresh one does, and general payloads exactly as level 1.
+        let (a, b) = (residual_tokens(50_000), residual_tokens(30_000));
         let first = zstd_compress(&a, 1, ZstdPayload::Tokens);
         let other = zstd_compress(&b, 1, ZstdPayload::General);
+        assert_eq!(other, zstd::bulk::compress(&b, 1).expect("level 1"));
+        assert_ne!(other, zstd_compress(&b, 1, ZstdPayload::Tokens));
         assert_eq!(zstd_compress(&a, 1, ZstdPayload::Tokens), first);
         assert_eq!(zstd_compress(&b, 1, ZstdPayload::General), other);
         let fresh = std::thread::spawn(move || zstd_compress(&a, 1, ZstdPayload::Tokens))
