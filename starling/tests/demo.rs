@@ -2,13 +2,23 @@
 //! links, the built-in trainer; then its summary and plot, and its refusals.
 
 use std::process::Command;
+use std::sync::{Mutex, MutexGuard};
 
 fn starling() -> Command {
     Command::new(env!("CARGO_BIN_EXE_starling"))
 }
 
+/// Held by each test that runs a whole demo. A demo picks free ports by binding port 0 and
+/// hands them to its children, so two demos starting at once can pick the same port and one
+/// of them stops; tests of one binary run in parallel, so they take turns here.
+fn one_demo_at_a_time() -> MutexGuard<'static, ()> {
+    static DEMOS: Mutex<()> = Mutex::new(());
+    DEMOS.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn a_short_run_trains_through_the_hub_and_leaves_a_summary_and_a_plot() {
+    let _turn = one_demo_at_a_time();
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("run");
     let o = starling()
@@ -149,12 +159,14 @@ fn running(pid: u32) -> bool {
 #[test]
 fn a_sigterm_stops_the_demo_and_every_process_it_started() {
     use std::io::BufRead;
+    let _turn = one_demo_at_a_time();
     let dir = tempfile::tempdir().expect("tempdir");
+    let stderr_path = dir.path().join("demo.stderr");
     let mut demo = starling()
         .args(["demo", "--steps", "50", "--warm-steps", "20", "--out"])
         .arg(dir.path().join("run"))
         .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&stderr_path).expect("stderr file"))
         .spawn()
         .expect("start the demo");
     let stdout = demo.stdout.take().expect("stdout");
@@ -164,7 +176,11 @@ fn a_sigterm_stops_the_demo_and_every_process_it_started() {
         .by_ref()
         .map_while(Result::ok)
         .any(|l| l.contains("registered for work"));
-    assert!(ready, "the demo never got its actors registered");
+    assert!(
+        ready,
+        "the demo never got its actors registered; its stderr:\n{}",
+        std::fs::read_to_string(&stderr_path).unwrap_or_default()
+    );
     let kids = children_of(demo.id());
     assert!(kids.len() >= 4, "hub, relays and actors: {kids:?}");
     let status = Command::new("kill")
@@ -215,6 +231,7 @@ fn a_port_in_use_is_refused_with_what_to_do() {
 
 #[test]
 fn compare_runs_every_mode_and_no_transfer_ships_no_weights() {
+    let _turn = one_demo_at_a_time();
     let dir = tempfile::tempdir().expect("tempdir");
     let out = dir.path().join("cmp");
     let o = starling()
